@@ -1,0 +1,76 @@
+"""Loading a Hugging Face ``tokenizers`` file and naming its special tokens.
+
+Shared by the Beam job (offline tokenization) and the loader (online tokenization) so that
+both produce the same ids and agree on the tokenizer fingerprint. Nothing here assumes a
+vocabulary: any ``tokenizer.json`` works, and special tokens are looked up by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+# Tried in order when the config does not name the token explicitly.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]", "<|eot_id|>")
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]", "<|startoftext|>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be loaded or lacks a needed special token."""
+
+
+def load_tokenizer(path: str):
+    """Load ``tokenizer.json`` from a local path or ``gs://``."""
+    from tokenizers import Tokenizer
+
+    from loader import storage
+
+    try:
+        raw = storage.read_bytes(path)
+    except FileNotFoundError as exc:
+        raise TokenizerError(f"tokenizer file {path} does not exist (config field 'tokenizer')") from exc
+    try:
+        return Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:  # tokenizers raises a plain Exception on bad JSON
+        raise TokenizerError(
+            f"{path} is not a Hugging Face tokenizers file ({exc}); pass the tokenizer.json "
+            "saved by `tokenizer.save(...)` / `AutoTokenizer.save_pretrained(...)`."
+        ) from exc
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 of the library's canonical serialisation (formatting of the file is ignored)."""
+    return hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
+
+
+def resolve_special_token(tokenizer, name: Optional[str], candidates: tuple[str, ...], option: str) -> int:
+    """Id of the named special token, or of the first known candidate present."""
+    if name is not None:
+        token_id = tokenizer.token_to_id(name)
+        if token_id is None:
+            raise TokenizerError(f"{option}={name!r} is not in the tokenizer's vocabulary")
+        return token_id
+    for candidate in candidates:
+        token_id = tokenizer.token_to_id(candidate)
+        if token_id is not None:
+            return token_id
+    raise TokenizerError(
+        f"the tokenizer has none of the usual tokens for {option} ({', '.join(candidates)}); "
+        f"set {option} in the loader config to the token's text."
+    )
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the manifest records about an offline tokenizer."""
+
+    fingerprint: str
+    vocab_size: int
+
+    def to_dict(self) -> dict:
+        return {"fingerprint": self.fingerprint, "vocab_size": self.vocab_size}
+
+
+def describe(tokenizer) -> TokenizerInfo:
+    return TokenizerInfo(fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=tokenizer.get_vocab_size())
