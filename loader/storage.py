@@ -46,3 +46,50 @@ def open_input(path: str) -> BinaryIO:
 
         return gcs.open_input(path)
     return open(path, "rb")
+
+
+# ---------------------------------------------------------------------------------------
+# Lane files: what the loader opens. One function, so local and gs:// behave the same.
+
+from dataclasses import dataclass as _dataclass
+from typing import Optional as _Optional
+
+
+class StorageError(IOError):
+    """A lane file that cannot be read correctly; the message names the object."""
+
+
+@_dataclass(frozen=True)
+class StorageOptions:
+    """How the loader reads lane files. Documented in README ("Storage options")."""
+
+    cache_dir: _Optional[str] = None  # local cache for remote lane files (None = no cache)
+    cache_max_bytes: int = 10 * 1024**3
+    verify_checksums: bool = True  # compare with the manifest's sha256 where the file is read whole
+    endpoint: _Optional[str] = None  # explicit GCS endpoint (else STORAGE_EMULATOR_HOST / Google)
+
+
+def open_lane_file(dataset_path: str, entry, options: StorageOptions = StorageOptions()) -> BinaryIO:
+    """Open a lane part file (``entry`` is a :class:`loader.manifest.FileEntry`) for pyarrow.
+
+    Local files are opened directly and their size is checked against the manifest (page
+    checksums inside the Parquet file catch corrupted bytes as they are read).
+    """
+    path = join(dataset_path, entry.path)
+    if is_gcs(path):
+        from loader import gcs
+
+        return gcs.open_lane_file(path, entry, options)
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError as exc:
+        raise StorageError(
+            f"{path} is listed in the manifest but does not exist; the dataset is incomplete "
+            "(re-run the Beam job, or restore the file)"
+        ) from exc
+    if size != entry.bytes:
+        raise StorageError(
+            f"{path} has {size} bytes but the manifest says {entry.bytes}: the file is truncated "
+            "or was replaced; re-run the Beam job or restore the file"
+        )
+    return open(path, "rb")
