@@ -59,21 +59,63 @@ class StorageError(IOError):
     """A lane file that cannot be read correctly; the message names the object."""
 
 
+class StorageNotFoundError(StorageError, FileNotFoundError):
+    """The object does not exist (``except FileNotFoundError`` catches it too)."""
+
+
+_MIB = 1024**2
+CHECKSUM_ATTEMPTS = 2  # a whole download whose sha256 mismatches the manifest is fetched once more, then fails
+
+
 @_dataclass(frozen=True)
 class StorageOptions:
-    """How the loader reads lane files. Documented in README ("Storage options")."""
+    """How the loader reads lane files. Documented in README ("Storage options").
+
+    The retry fields bound every remote request (``gs://``): a request that fails with a
+    transient error (HTTP 408/429/5xx, connection reset, timeout, truncated body) is retried
+    with exponential backoff and full jitter, at most ``retry_max_attempts`` times and no
+    longer than ``retry_deadline_s`` (plus the attempt in flight, itself bounded by
+    ``request_timeout_s``). Permanent errors (404, 403, checksum mismatch) are not retried.
+    """
 
     cache_dir: _Optional[str] = None  # local cache for remote lane files (None = no cache)
     cache_max_bytes: int = 10 * 1024**3
     verify_checksums: bool = True  # compare with the manifest's sha256 where the file is read whole
     endpoint: _Optional[str] = None  # explicit GCS endpoint (else STORAGE_EMULATOR_HOST / Google)
+    retry_max_attempts: int = 8  # attempts per request, the first one included
+    retry_initial_backoff_s: float = 0.5  # backoff cap before the 1st retry; doubles each retry
+    retry_max_backoff_s: float = 16.0  # ceiling of the backoff cap
+    retry_deadline_s: float = 120.0  # no new attempt starts after this many seconds
+    request_timeout_s: float = 60.0  # connect/read timeout of one HTTP request
+    readahead_bytes: int = 8 * _MIB  # ranged-read window (memory per open remote file)
+    whole_file_max_bytes: int = 4 * _MIB  # remote files up to this size are fetched whole + sha256-checked
+
+    def __post_init__(self) -> None:
+        problems = []
+        positive_ints = ("cache_max_bytes", "retry_max_attempts", "readahead_bytes")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name} must be a positive int (got {value!r})")
+        if not isinstance(self.whole_file_max_bytes, int) or self.whole_file_max_bytes < 0:
+            problems.append(f"whole_file_max_bytes must be an int >= 0 (got {self.whole_file_max_bytes!r})")
+        for name in ("retry_initial_backoff_s", "retry_max_backoff_s", "retry_deadline_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                problems.append(f"{name} must be a number >= 0 (got {value!r})")
+        if not problems and self.request_timeout_s == 0:
+            problems.append("request_timeout_s must be > 0 (got 0): a request without a timeout can hang forever")
+        if problems:
+            raise ValueError("StorageOptions: " + "; ".join(problems))
 
 
 def open_lane_file(dataset_path: str, entry, options: StorageOptions = StorageOptions()) -> BinaryIO:
     """Open a lane part file (``entry`` is a :class:`loader.manifest.FileEntry`) for pyarrow.
 
     Local files are opened directly and their size is checked against the manifest (page
-    checksums inside the Parquet file catch corrupted bytes as they are read).
+    checksums inside the Parquet file catch corrupted bytes as they are read). ``gs://``
+    files: see :func:`loader.gcs.open_lane_file` (size check, sha256 where read whole,
+    ranged reads otherwise, retries, and the optional local cache of :mod:`loader.cache`).
     """
     path = join(dataset_path, entry.path)
     if is_gcs(path):

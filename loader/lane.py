@@ -1,0 +1,128 @@
+"""A lane across all sources: the unit of state, ownership and work.
+
+``Lane.next_sequence(global_index)`` produces the lane's next output: it asks the mixing
+schedule which source the index takes (falling back deterministically when that source
+has stopped in this lane), pulls one packed sequence from that source's packer, and counts
+the output. The lane's state is the nested state of its packers plus the output count and
+which sources have stopped; it does not depend on which rank or worker holds it.
+
+State keys: ``outputs`` (sequences produced), ``sources`` (per source name: packer state,
+``stopped``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from loader.lane_reader import LaneTokenStream, TokenFormat
+from loader.mixing import MixingSchedule
+from loader.packing import BestFitPacker, ConcatPacker, PackedSequence
+from loader.storage import StorageOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What a process needs to open one source (picklable; sent to worker processes)."""
+
+    name: str
+    dataset_path: str
+    manifest_json: str
+    exhaustion: str
+    max_epochs: Optional[int]
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    """Everything needed to build any lane, identical in every process."""
+
+    sources: tuple[SourceSpec, ...]
+    seed: int
+    seq_len: int
+    packing: str
+    best_fit_open_bins: int
+    token_format: TokenFormat
+    pad_id: int
+    tokenizer_json: Optional[str]  # serialised tokenizer, for text sources
+    storage_options: StorageOptions
+    schedule: MixingSchedule
+    global_batch_size: int
+
+
+class LaneExhausted(Exception):
+    """Every source of the lane has stopped: the lane produces nothing more."""
+
+
+class Lane:
+    def __init__(self, spec: LaneSpec, lane_id: int, manifests: Sequence, tokenizer) -> None:
+        self.spec = spec
+        self.lane_id = lane_id
+        self.outputs = 0
+        self.packers = []
+        self.stopped = [False] * len(spec.sources)
+        self._warned: set[int] = set()
+        for source, manifest in zip(spec.sources, manifests):
+            max_epochs = 1 if source.exhaustion == "stop" else source.max_epochs
+            stream = LaneTokenStream(
+                dataset_path=source.dataset_path,
+                manifest=manifest,
+                source_name=source.name,
+                lane_id=lane_id,
+                seed=spec.seed,
+                token_format=spec.token_format,
+                tokenizer=None if manifest.pretokenized else tokenizer,
+                max_epochs=max_epochs,
+                storage_options=spec.storage_options,
+            )
+            if spec.packing == "concat":
+                packer = ConcatPacker(stream, spec.seq_len, spec.pad_id)
+            else:
+                packer = BestFitPacker(stream, spec.seq_len, spec.pad_id, spec.best_fit_open_bins)
+            self.packers.append(packer)
+
+    def next_sequence(self, global_index: int) -> tuple[int, PackedSequence]:
+        """``(source_id, sequence)`` for the lane's next output; raises :class:`LaneExhausted`."""
+        schedule = self.spec.schedule
+        source_id = schedule.source_of(global_index)
+        step = global_index // self.spec.global_batch_size
+        while True:
+            if not self.stopped[source_id]:
+                sequence = self.packers[source_id].next_sequence()
+                if sequence is not None:
+                    self.outputs += 1
+                    return source_id, sequence
+                self.stopped[source_id] = True
+                self._warn_stopped(source_id)
+            source_id = schedule.fallback_source(global_index, [not s for s in self.stopped], step)
+            if source_id < 0:
+                raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")
+
+    def _warn_stopped(self, source_id: int) -> None:
+        if source_id not in self._warned:
+            self._warned.add(source_id)
+            log.warning(
+                "source %r ran out of data in lane %d (exhaustion=%s); its share goes to the other "
+                "sources, renormalised by weight",
+                self.spec.sources[source_id].name, self.lane_id, self.spec.sources[source_id].exhaustion,
+            )
+
+    def get_state(self) -> dict:
+        return {
+            "outputs": self.outputs,
+            "sources": {
+                source.name: {"packer": packer.get_state(), "stopped": stopped}
+                for source, packer, stopped in zip(self.spec.sources, self.packers, self.stopped)
+            },
+        }
+
+    def set_state(self, state: dict) -> None:
+        self.outputs = int(state["outputs"])
+        for k, source in enumerate(self.spec.sources):
+            saved = state["sources"].get(source.name)
+            if saved is None:
+                raise ValueError(f"lane {self.lane_id} state has no entry for source {source.name!r}")
+            self.packers[k].set_state(saved["packer"])
+            self.stopped[k] = bool(saved["stopped"])

@@ -1,0 +1,272 @@
+"""One lane of one source as a positional token stream.
+
+A lane's files are cut into *blocks* (one Parquet row group each). Epoch 0 replays the
+blocks and rows in the order the Beam job wrote them (order-key order). Epoch ``e > 0``
+replays a permutation seeded by ``(seed, source, lane, e)``: the file order, the row-group
+order inside each file and the row order inside each row group are shuffled, so memory stays
+bounded by one row group (DESIGN.md allows one file; a row group is tighter and makes a
+restore cost one row-group read).
+
+Each block becomes one token array: for every document ``[bos] + ids + [eos]`` (as
+configured), concatenated, with the offsets where documents start. The stream's position
+is three integers::
+
+    cursor = (epoch, block, offset)      offset = tokens of the block already consumed
+
+so a checkpoint never holds tokens for this stage, and restoring reads exactly one block.
+
+State keys (``get_state``): ``epoch``, ``block``, ``offset``, ``exhausted``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from loader import storage
+from loader.hashing import stable_permutation
+from loader.manifest import FileEntry, Manifest
+
+log = logging.getLogger(__name__)
+
+
+class LaneDataError(RuntimeError):
+    """A lane file whose content cannot be used; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class TokenFormat:
+    """How documents become tokens: the ids wrapped around every document."""
+
+    bos_id: Optional[int]  # None: no BOS
+    eos_id: Optional[int]  # None: no EOS
+
+    @property
+    def extra(self) -> int:
+        return int(self.bos_id is not None) + int(self.eos_id is not None)
+
+
+@dataclass
+class Block:
+    """A row group's documents as one token array plus document start offsets."""
+
+    tokens: np.ndarray  # int32, all documents of the block back to back
+    doc_starts: np.ndarray  # int64, len = documents + 1; last entry = len(tokens)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens taken from a stream: ``doc_starts`` are offsets in ``tokens`` where a document begins."""
+
+    tokens: np.ndarray
+    doc_starts: np.ndarray
+
+
+def wrap_documents(flat_ids: np.ndarray, lengths: np.ndarray, fmt: TokenFormat) -> Block:
+    """Insert BOS/EOS around each document, vectorised over the whole block."""
+    lengths = lengths.astype(np.int64, copy=False)
+    num_docs = len(lengths)
+    extra = fmt.extra
+    out_lengths = lengths + extra
+    out_starts = np.zeros(num_docs + 1, dtype=np.int64)
+    np.cumsum(out_lengths, out=out_starts[1:])
+    out = np.empty(int(out_starts[-1]), dtype=np.int32)
+    in_starts = np.zeros(num_docs, dtype=np.int64)
+    if num_docs > 1:
+        np.cumsum(lengths[:-1], out=in_starts[1:])
+    lead = 1 if fmt.bos_id is not None else 0
+    shift = np.repeat(out_starts[:-1] + lead - in_starts, lengths)
+    out[np.arange(len(flat_ids), dtype=np.int64) + shift] = flat_ids
+    if fmt.bos_id is not None:
+        out[out_starts[:-1]] = fmt.bos_id
+    if fmt.eos_id is not None:
+        out[out_starts[1:] - 1] = fmt.eos_id
+    return Block(tokens=out, doc_starts=out_starts)
+
+
+class LaneTokenStream:
+    """Tokens of one (source, lane), epoch after epoch, addressed by a three-int cursor."""
+
+    def __init__(
+        self,
+        *,
+        dataset_path: str,
+        manifest: Manifest,
+        source_name: str,
+        lane_id: int,
+        seed: int,
+        token_format: TokenFormat,
+        tokenizer=None,  # a tokenizers.Tokenizer for text lanes; None for pre-tokenized
+        max_epochs: Optional[int] = None,
+        storage_options: storage.StorageOptions = storage.StorageOptions(),
+    ) -> None:
+        self.dataset_path = dataset_path
+        self.source_name = source_name
+        self.lane_id = lane_id
+        self.seed = seed
+        self.token_format = token_format
+        self.tokenizer = tokenizer
+        self.max_epochs = max_epochs
+        self.storage_options = storage_options
+        self.pretokenized = manifest.pretokenized
+        if not self.pretokenized and tokenizer is None:
+            raise ValueError("a tokenizer is needed for text lanes")
+        self.files: list[FileEntry] = [f for f in manifest.lane_files(lane_id) if f.rows > 0]
+        if not self.files:
+            raise LaneDataError(
+                f"lane {lane_id} of source {source_name!r} ({dataset_path}) has no documents. "
+                f"The dataset has {manifest.documents} documents in {manifest.num_lanes} lanes; "
+                "re-shard it with fewer lanes (--num-lanes) so that every lane holds data."
+            )
+        self._row_groups: dict[int, int] = {}
+        self._epoch_blocks: dict[int, list[tuple[int, int]]] = {}
+        self._open_file: tuple[int, pq.ParquetFile] | None = None
+        self._block_key: tuple[int, int] | None = None
+        self._block: Optional[Block] = None
+        self.epoch = 0
+        self.block_index = 0
+        self.offset = 0
+        self.exhausted = False
+
+    # -- state -------------------------------------------------------------------------
+    def get_state(self) -> dict:
+        return {"epoch": self.epoch, "block": self.block_index, "offset": self.offset, "exhausted": self.exhausted}
+
+    def set_state(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.block_index = int(state["block"])
+        self.offset = int(state["offset"])
+        self.exhausted = bool(state.get("exhausted", False))
+
+    # -- epoch layout ------------------------------------------------------------------
+    def _num_row_groups(self, file_ordinal: int) -> int:
+        if file_ordinal not in self._row_groups:
+            entry = self.files[file_ordinal]
+            if entry.row_groups > 0:
+                self._row_groups[file_ordinal] = entry.row_groups
+            else:
+                self._row_groups[file_ordinal] = self._parquet(file_ordinal).metadata.num_row_groups
+        return self._row_groups[file_ordinal]
+
+    def blocks_of_epoch(self, epoch: int) -> list[tuple[int, int]]:
+        """``(file_ordinal, row_group)`` pairs in the order epoch ``epoch`` replays them."""
+        if epoch not in self._epoch_blocks:
+            if len(self._epoch_blocks) > 2:
+                self._epoch_blocks.clear()
+            files = range(len(self.files))
+            if epoch > 0:
+                files = stable_permutation(len(self.files), self.seed, "files", self.source_name, self.lane_id, epoch)
+            blocks: list[tuple[int, int]] = []
+            for file_ordinal in files:
+                file_ordinal = int(file_ordinal)
+                count = self._num_row_groups(file_ordinal)
+                groups = range(count)
+                if epoch > 0:
+                    groups = stable_permutation(
+                        count, self.seed, "row_groups", self.source_name, self.lane_id, epoch, file_ordinal
+                    )
+                blocks.extend((file_ordinal, int(g)) for g in groups)
+            self._epoch_blocks[epoch] = blocks
+        return self._epoch_blocks[epoch]
+
+    # -- reading -----------------------------------------------------------------------
+    def _parquet(self, file_ordinal: int) -> pq.ParquetFile:
+        if self._open_file is None or self._open_file[0] != file_ordinal:
+            entry = self.files[file_ordinal]
+            handle = storage.open_lane_file(self.dataset_path, entry, self.storage_options)
+            try:
+                parquet = pq.ParquetFile(handle, page_checksum_verification=True)
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise LaneDataError(
+                    f"{storage.join(self.dataset_path, entry.path)} is not a readable Parquet file "
+                    f"({exc}); it is corrupt or truncated: re-run the Beam job or restore the file"
+                ) from exc
+            self._open_file = (file_ordinal, parquet)
+        return self._open_file[1]
+
+    def _load_block(self, epoch: int, block_index: int) -> Block:
+        file_ordinal, row_group = self.blocks_of_epoch(epoch)[block_index]
+        if self._block_key == (epoch, block_index) and self._block is not None:
+            return self._block
+        entry = self.files[file_ordinal]
+        column = "input_ids" if self.pretokenized else "text"
+        try:
+            table = self._parquet(file_ordinal).read_row_group(row_group, columns=[column])
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise LaneDataError(
+                f"{storage.join(self.dataset_path, entry.path)}: row group {row_group} cannot be read "
+                f"({exc}); the file is corrupt: re-run the Beam job or restore the file"
+            ) from exc
+        values = table.column(0).combine_chunks()
+        if epoch > 0:
+            order = stable_permutation(
+                len(values), self.seed, "rows", self.source_name, self.lane_id, epoch, file_ordinal, row_group
+            )
+            values = pc.take(values, pa.array(order))
+        if self.pretokenized:
+            flat = values.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+            lengths = np.diff(values.offsets.to_numpy()) if len(values) else np.zeros(0, np.int64)
+            if values.offset != 0 or values.null_count:
+                lengths = pc.list_value_length(values).fill_null(0).to_numpy().astype(np.int64)
+        else:
+            texts = values.to_pylist()
+            encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+            id_lists = [e.ids for e in encoded]
+            lengths = np.fromiter((len(ids) for ids in id_lists), dtype=np.int64, count=len(id_lists))
+            flat = np.fromiter(
+                itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lengths.sum())
+            )
+        block = wrap_documents(flat, lengths, self.token_format)
+        self._block_key, self._block = (epoch, block_index), block
+        return block
+
+    def _advance_block(self) -> None:
+        self.block_index += 1
+        self.offset = 0
+        if self.block_index >= len(self.blocks_of_epoch(self.epoch)):
+            self.epoch += 1
+            self.block_index = 0
+            if self.max_epochs is not None and self.epoch >= self.max_epochs:
+                self.exhausted = True
+
+    def take(self, n: int, *, within_document: bool = False) -> Optional[Chunk]:
+        """Up to ``n`` tokens from the cursor on (fewer only at exhaustion or a document end).
+
+        With ``within_document`` the chunk stops at the end of the current document. Returns
+        None when the stream is exhausted.
+        """
+        pieces: list[np.ndarray] = []
+        starts: list[np.ndarray] = []
+        taken = 0
+        while taken < n and not self.exhausted:
+            block = self._load_block(self.epoch, self.block_index)
+            available = len(block.tokens) - self.offset
+            if available <= 0:
+                self._advance_block()
+                continue
+            want = n - taken
+            if within_document:
+                next_doc = block.doc_starts[np.searchsorted(block.doc_starts, self.offset, side="right")]
+                want = min(want, int(next_doc) - self.offset)
+            count = min(want, available)
+            lo, hi = np.searchsorted(block.doc_starts, [self.offset, self.offset + count], side="left")
+            pieces.append(block.tokens[self.offset : self.offset + count])
+            starts.append(block.doc_starts[lo:hi] - self.offset + taken)
+            self.offset += count
+            taken += count
+            if self.offset >= len(block.tokens):
+                self._advance_block()
+            if within_document:
+                break
+        if taken == 0:
+            return None
+        tokens = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        doc_starts = starts[0] if len(starts) == 1 else np.concatenate(starts)
+        return Chunk(tokens=tokens, doc_starts=doc_starts)

@@ -1,0 +1,177 @@
+"""Packing: documents of a token stream into fixed-length sequences.
+
+Two modes, one output type (:class:`PackedSequence`):
+
+``concat``
+    Documents (already wrapped in BOS/EOS by the stream) are joined and cut every
+    ``seq_len`` tokens; the remainder carries into the next sequence. The packer holds no
+    tokens: its whole state is the stream's cursor.
+
+``best_fit``
+    Documents are never split unless longer than ``seq_len`` (then they are cut into
+    ``seq_len`` pieces, the last piece placed like a document). Up to ``open_bins`` bins
+    stay open; a piece goes to the open bin with the least room that still fits it; when
+    none fits and all bins are open, the fullest bin (oldest on ties) is emitted padded
+    and a new bin opened. The state holds the open bins' tokens: bounded by
+    ``open_bins x seq_len`` ids per lane and source.
+
+Labels follow the Hugging Face convention (the model shifts them): ``labels == input_ids``
+except ``-100`` on padding and on the first token of every document, which no token of the
+same document predicts. ``segment_starts`` mark where position ids restart (every document
+or document piece, and the padding tail), from which the batch builds ``position_ids`` and
+``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from loader.lane_reader import Chunk, LaneTokenStream
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PackedSequence:
+    input_ids: np.ndarray  # int32 [seq_len]
+    labels: np.ndarray  # int32 [seq_len]
+    segment_starts: np.ndarray  # int32, sorted, starts with 0
+    token_sources: Optional[np.ndarray] = None  # int8 [seq_len], token-unit mixing only
+
+
+def _sequence_from_pieces(
+    pieces: list[Chunk], seq_len: int, pad_id: int, piece_segment_starts: bool
+) -> PackedSequence:
+    """Lay pieces out back to back, pad the tail, derive labels and segments."""
+    used = sum(len(p.tokens) for p in pieces)
+    input_ids = np.full(seq_len, pad_id, dtype=np.int32)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int32)
+    segments: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
+    at = 0
+    for piece in pieces:
+        n = len(piece.tokens)
+        input_ids[at : at + n] = piece.tokens
+        labels[at : at + n] = piece.tokens
+        doc_starts = piece.doc_starts + at
+        labels[doc_starts] = IGNORE_INDEX
+        segments.append(doc_starts)
+        if piece_segment_starts:
+            segments.append(np.array([at], dtype=np.int64))
+        at += n
+    if used < seq_len:
+        segments.append(np.array([used], dtype=np.int64))
+    segment_starts = np.unique(np.concatenate(segments)).astype(np.int32)
+    return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=segment_starts)
+
+
+class ConcatPacker:
+    """State keys: ``stream`` (the stream cursor). Holds no tokens."""
+
+    def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int) -> None:
+        self.stream = stream
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+
+    def next_sequence(self) -> Optional[PackedSequence]:
+        """The next ``seq_len`` tokens; a short final sequence is padded; None when exhausted."""
+        chunk = self.stream.take(self.seq_len)
+        if chunk is None:
+            return None
+        return _sequence_from_pieces([chunk], self.seq_len, self.pad_id, piece_segment_starts=False)
+
+    def get_state(self) -> dict:
+        return {"stream": self.stream.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        self.stream.set_state(state["stream"])
+
+
+@dataclass
+class _Bin:
+    pieces: list[Chunk]
+    used: int
+    serial: int  # creation order: the tie-break that keeps eviction deterministic
+
+
+class BestFitPacker:
+    """State keys: ``stream``, ``bins`` (open bins: ``tokens``, ``doc_starts``, ``piece_starts``), ``serial``."""
+
+    def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int, open_bins: int) -> None:
+        self.stream = stream
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+        self.max_open_bins = open_bins
+        self.bins: list[_Bin] = []
+        self.serial = 0
+
+    def _emit(self, bin_: _Bin) -> PackedSequence:
+        self.bins.remove(bin_)
+        return _sequence_from_pieces(bin_.pieces, self.seq_len, self.pad_id, piece_segment_starts=True)
+
+    def next_sequence(self) -> Optional[PackedSequence]:
+        while True:
+            piece = self.stream.take(self.seq_len, within_document=True)
+            if piece is None:  # exhausted: flush the fullest open bin, then end
+                if not self.bins:
+                    return None
+                return self._emit(min(self.bins, key=lambda b: (self.seq_len - b.used, b.serial)))
+            size = len(piece.tokens)
+            if size == self.seq_len:  # a full piece of a long document is a sequence on its own
+                return _sequence_from_pieces([piece], self.seq_len, self.pad_id, piece_segment_starts=True)
+            # Copy: a view would keep the whole source block alive while the bin is open.
+            piece = Chunk(tokens=piece.tokens.copy(), doc_starts=piece.doc_starts.copy())
+            fitting = [b for b in self.bins if self.seq_len - b.used >= size]
+            if fitting:
+                target = min(fitting, key=lambda b: (self.seq_len - b.used, b.serial))
+                target.pieces.append(piece)
+                target.used += size
+                if target.used == self.seq_len:
+                    return self._emit(target)
+                continue
+            evicted = None
+            if len(self.bins) >= self.max_open_bins:
+                evicted = min(self.bins, key=lambda b: (self.seq_len - b.used, b.serial))
+            new_bin = _Bin(pieces=[piece], used=size, serial=self.serial)
+            self.serial += 1
+            if evicted is not None:
+                sequence = self._emit(evicted)
+                self.bins.append(new_bin)
+                return sequence
+            self.bins.append(new_bin)
+
+    def get_state(self) -> dict:
+        bins = []
+        for bin_ in self.bins:
+            tokens = np.concatenate([p.tokens for p in bin_.pieces])
+            piece_starts = np.cumsum([0] + [len(p.tokens) for p in bin_.pieces[:-1]])
+            doc_starts = np.concatenate(
+                [p.doc_starts + s for p, s in zip(bin_.pieces, piece_starts)]
+            ) if bin_.pieces else np.zeros(0, np.int64)
+            # numpy arrays here; loader.state turns them into JSON lists only when saving,
+            # so snapshotting after every sequence (worker prefetch) stays cheap.
+            bins.append(
+                {
+                    "serial": bin_.serial,
+                    "tokens": tokens,
+                    "piece_starts": piece_starts.astype(np.int64),
+                    "doc_starts": doc_starts.astype(np.int64),
+                }
+            )
+        return {"stream": self.stream.get_state(), "bins": bins, "serial": self.serial}
+
+    def set_state(self, state: dict) -> None:
+        self.stream.set_state(state["stream"])
+        self.serial = int(state["serial"])
+        self.bins = []
+        for saved in state["bins"]:
+            tokens = np.asarray(saved["tokens"], dtype=np.int32)
+            piece_starts = [int(x) for x in saved["piece_starts"]] + [len(tokens)]
+            doc_starts = np.asarray(saved["doc_starts"], dtype=np.int64)
+            pieces = []
+            for lo, hi in zip(piece_starts[:-1], piece_starts[1:]):
+                inside = doc_starts[(doc_starts >= lo) & (doc_starts < hi)] - lo
+                pieces.append(Chunk(tokens=tokens[lo:hi], doc_starts=inside))
+            self.bins.append(_Bin(pieces=pieces, used=len(tokens), serial=int(saved["serial"])))

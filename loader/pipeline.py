@@ -1,0 +1,418 @@
+"""``ZephonLoader``: one rank's micro-batches of the deterministic global stream.
+
+Guarantee: for a given config and datasets, the global batch at step ``t`` (the union over
+ranks of their micro-batches of step ``t``, ordered by global index) is bit-identical for
+every world size, worker count, micro-batch size, prefetch depth and resume point.
+
+Lifecycle::
+
+    loader = ZephonLoader(config, rank=r, world_size=W)   # or RANK / WORLD_SIZE from torchrun
+    loader.load_state_dict(state)                          # optional, before iterating
+    for batch in loader: ...                               # micro-batches, forever (repeat)
+    state = loader.state_dict()                            # exactly what was consumed
+    loader.close()                                         # also on GC, exit and Ctrl-C
+
+Worker processes (``num_workers > 0``) each own ``rank_lanes[w::K]`` and run ahead by up to
+``prefetch`` messages; the main process merges their items by global index and records each
+lane's state as the item is *handed to the trainer*, so a checkpoint never includes
+prefetched work.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing as mp
+import os
+import queue
+import time
+import weakref
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from loader import state as state_mod
+from loader.config import LoaderConfig
+from loader.lane import LaneSpec, SourceSpec
+from loader.lane_reader import TokenFormat
+from loader.manifest import Manifest, ManifestError, read_manifest
+from loader.mixing import MixingSchedule, MixturePhase, exact_weights
+from loader.ordering import Topology, lanes_of_rank, lanes_of_worker, lane_outputs_before
+from loader.producer import End, Item, build_lanes, produce, worker_main
+from loader.storage import StorageOptions
+from loader.tokenizer import (
+    BOS_CANDIDATES,
+    EOS_CANDIDATES,
+    load_tokenizer,
+    resolve_special_token,
+    tokenizer_fingerprint,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A loader worker process failed; the message carries its traceback."""
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+class ZephonLoader:
+    """An iterator of micro-batches (dicts of torch tensors) for one rank."""
+
+    def __init__(
+        self, config: LoaderConfig, *, rank: Optional[int] = None, world_size: Optional[int] = None
+    ) -> None:
+        self.config = config
+        rank = _env_int("RANK", 0) if rank is None else rank
+        world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        self.manifests: list[Manifest] = [read_manifest(d.path) for d in config.datasets]
+        self.source_names = [d.name or m.source_name for d, m in zip(config.datasets, self.manifests)]
+        if len(set(self.source_names)) != len(self.source_names):
+            raise ManifestError(
+                f"datasets have duplicate source names {self.source_names}; give each a distinct 'name'"
+            )
+        lane_counts = {n: m.num_lanes for n, m in zip(self.source_names, self.manifests)}
+        if len(set(lane_counts.values())) != 1:
+            raise ManifestError(
+                f"all datasets of a mix must have the same lane count L (got {lane_counts}); re-shard "
+                "the odd ones with `zephon shard ... --num-lanes N` using one N for every source"
+            )
+        self.num_lanes = next(iter(lane_counts.values()))
+        self.topology = Topology(
+            num_lanes=self.num_lanes, global_batch_size=config.global_batch_size,
+            micro_batch_size=config.micro_batch_size, world_size=world_size, rank=rank,
+        )
+        tokenizer = load_tokenizer(config.tokenizer)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+        for name, manifest in zip(self.source_names, self.manifests):
+            if manifest.pretokenized and manifest.tokenizer.get("fingerprint") != self.tokenizer_fingerprint:
+                raise ManifestError(
+                    f"dataset {name!r} was pre-tokenized with a different tokenizer (fingerprint "
+                    f"{manifest.tokenizer.get('fingerprint', '?')[:12]}...) than config 'tokenizer' "
+                    f"{config.tokenizer} ({self.tokenizer_fingerprint[:12]}...); use the same tokenizer "
+                    "or re-shard without --tokenizer"
+                )
+        eos_id = resolve_special_token(tokenizer, config.eos_token, EOS_CANDIDATES, "eos_token")
+        bos_id = (
+            resolve_special_token(tokenizer, config.bos_token, BOS_CANDIDATES, "bos_token") if config.add_bos else None
+        )
+        pad_id = eos_id if config.pad_token is None else resolve_special_token(tokenizer, config.pad_token, (), "pad_token")
+        self.phases = self._initial_phases()
+        needs_text = any(not m.pretokenized for m in self.manifests)
+        self.spec = LaneSpec(
+            sources=tuple(
+                SourceSpec(name, d.path, m.to_json(), d.exhaustion, d.max_epochs)
+                for name, d, m in zip(self.source_names, config.datasets, self.manifests)
+            ),
+            seed=config.seed,
+            seq_len=config.seq_len,
+            packing=config.packing,
+            best_fit_open_bins=config.best_fit_open_bins,
+            token_format=TokenFormat(bos_id=bos_id, eos_id=eos_id if config.add_eos else None),
+            pad_id=pad_id,
+            tokenizer_json=tokenizer.to_str() if needs_text else None,
+            storage_options=StorageOptions(
+                cache_dir=config.cache_dir, cache_max_bytes=config.cache_max_bytes,
+                verify_checksums=config.verify_checksums, endpoint=config.storage_endpoint,
+            ),
+            schedule=MixingSchedule(self.phases, config.global_batch_size, config.seed),
+            global_batch_size=config.global_batch_size,
+        )
+        self.rank_lanes = self.topology.rank_lanes()
+        self.rank_position = 0  # sequences of this rank handed to the trainer so far
+        self.lane_states: dict[int, dict] = {}
+        self._run: Optional[_Run] = None
+        self._finalizer = None
+
+    # -- schedule ------------------------------------------------------------------------
+    def _initial_phases(self) -> list[MixturePhase]:
+        base = MixturePhase(0, exact_weights([d.weight for d in self.config.datasets]))
+        phases = [base]
+        for entry in self.config.schedule:
+            unknown = sorted(set(entry.weights) - set(self.source_names))
+            missing = [n for n in self.source_names if n not in entry.weights]
+            if unknown or missing:
+                raise ManifestError(
+                    f"schedule entry at step {entry.step}: weights must name every source exactly "
+                    f"(sources: {self.source_names}; unknown {unknown}, missing {missing})"
+                )
+            weights = exact_weights([entry.weights[n] for n in self.source_names])
+            if entry.step == 0:
+                phases[0] = MixturePhase(0, weights)
+            else:
+                phases.append(MixturePhase(entry.step, weights))
+        return phases
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The global step of the next micro-batch."""
+        return self.rank_position // self.topology.per_rank_batch
+
+    @property
+    def next_global_index(self) -> int:
+        return self.topology.rank + self.rank_position * self.topology.world_size
+
+    def _expected_header(self) -> dict[str, Any]:
+        return {
+            "format": state_mod.STATE_FORMAT,
+            "version": state_mod.STATE_VERSION,
+            "num_lanes": self.num_lanes,
+            "config": self.config.stream_fields(),
+            "config_fingerprint": self.config.fingerprint(),
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
+            "sources": [
+                {"name": n, "dataset_fingerprint": m.dataset_fingerprint or m.compute_fingerprint(),
+                 "exhaustion": d.exhaustion, "max_epochs": d.max_epochs}
+                for n, m, d in zip(self.source_names, self.manifests, self.config.datasets)
+            ],
+            "schedule": [p.to_dict(self.source_names) for p in self.phases],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rank-local state (this rank's lanes), exactly as consumed. JSON-serialisable."""
+        if self._run is not None and self._run.in_process_lanes is not None:
+            for lane_id, lane in self._run.in_process_lanes.items():
+                self.lane_states[lane_id] = lane.get_state()
+        state = self._expected_header()
+        state.update(
+            rank=self.topology.rank,
+            world_size=self.topology.world_size,
+            rank_position=self.rank_position,
+            next_global_index=self.next_global_index,
+            lanes={state_mod.lane_key(l): self.lane_states[l] for l in self.rank_lanes if l in self.lane_states},
+        )
+        return state_mod.to_jsonable(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a rank-local state of this very rank, or a global (merged) state of any topology."""
+        state_mod.check_header(state)
+        expected = self._expected_header()
+        state_mod.compare_with(state, expected)
+        if "rank" in state:
+            if (state["rank"], state["world_size"]) != (self.topology.rank, self.topology.world_size):
+                raise state_mod.StateError(
+                    f"this is rank {state['rank']} of {state['world_size']}'s own state; to resume on rank "
+                    f"{self.topology.rank} of {self.topology.world_size}, merge all ranks' states with "
+                    "loader.state.merge_rank_states() (or use torch.distributed.checkpoint) and load that"
+                )
+            position = int(state["rank_position"])
+            next_index = self.topology.rank + position * self.topology.world_size
+        else:
+            next_index = int(state["next_global_index"])
+            if next_index % self.config.global_batch_size:
+                raise state_mod.StateError(
+                    f"global state at index {next_index} is not at a step boundary "
+                    f"(global_batch_size={self.config.global_batch_size})"
+                )
+            position = next_index // self.topology.world_size
+        lanes: dict[int, dict] = {}
+        for lane_id in self.rank_lanes:
+            saved = state["lanes"].get(state_mod.lane_key(lane_id))
+            if saved is None:
+                raise state_mod.StateError(f"the state has no entry for lane {lane_id}, which this rank owns")
+            expected_outputs = lane_outputs_before(next_index, lane_id, self.num_lanes)
+            if saved["outputs"] != expected_outputs:
+                raise state_mod.StateError(
+                    f"lane {lane_id} state has produced {saved['outputs']} sequences but the stream "
+                    f"position (next global index {next_index}) implies {expected_outputs}: the state is inconsistent"
+                )
+            lanes[lane_id] = saved
+        self._adopt_schedule(state["schedule"], next_index // self.config.global_batch_size)
+        self.close()
+        self.lane_states = lanes
+        self.rank_position = position
+
+    def _adopt_schedule(self, saved: list[dict], resume_step: int) -> None:
+        """Keep the recorded history before the resume step; the config's schedule applies after."""
+        history = [MixturePhase.from_dict(p, self.source_names) for p in saved]
+        kept = [p for p in history if p.start_step < resume_step]
+        ours = self.phases
+        active_now = ours[0]
+        for phase in ours:
+            if phase.start_step <= resume_step:
+                active_now = phase
+        later = [p for p in ours if p.start_step > resume_step]
+        phases = kept
+        if not phases or phases[-1].weights != active_now.weights:
+            phases = phases + [MixturePhase(resume_step, active_now.weights)]
+        phases = phases + later
+        if phases != self.phases:
+            if [p for p in history if p.start_step >= resume_step] != [p for p in ours if p.start_step >= resume_step]:
+                log.info("mixture schedule changes at resume step %d: %s", resume_step,
+                         [p.to_dict(self.source_names) for p in phases])
+            self.phases = phases
+            from dataclasses import replace
+
+            self.spec = replace(self.spec, schedule=MixingSchedule(phases, self.config.global_batch_size, self.config.seed))
+
+    # -- iteration -----------------------------------------------------------------------
+    def __iter__(self) -> "ZephonLoader":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._run is None:
+            self._run = _Run(self)
+            self._finalizer = weakref.finalize(self, _Run.shutdown_all, self._run.processes, self._run.stop_event)
+        items = []
+        for _ in range(self.config.micro_batch_size):
+            item = self._run.next_item(self.next_global_index)
+            items.append(item)
+            self.rank_position += 1
+        for item in items:
+            if item.lane_state is not None:
+                self.lane_states[item.global_index % self.num_lanes] = item.lane_state
+        return self._collate(items)
+
+    def _collate(self, items: list[Item]) -> dict[str, Any]:
+        seq_len = self.config.seq_len
+        input_ids = np.stack([it.sequence.input_ids for it in items])
+        labels = np.stack([it.sequence.labels for it in items])
+        position_ids = np.empty_like(input_ids)
+        cu: list[np.ndarray] = []
+        for row, it in enumerate(items):
+            starts = it.sequence.segment_starts.astype(np.int64)
+            lengths = np.diff(np.append(starts, seq_len))
+            position_ids[row] = np.arange(seq_len) - np.repeat(starts, lengths)
+            cu.append(starts + row * seq_len)
+        cu.append(np.array([len(items) * seq_len]))
+        first_index = items[0].global_index
+        step = first_index // self.config.global_batch_size
+        micro_step = ((self.rank_position - len(items)) % self.topology.per_rank_batch) // self.config.micro_batch_size
+        batch = {
+            "input_ids": torch.from_numpy(input_ids.astype(np.int64)),
+            "labels": torch.from_numpy(labels.astype(np.int64)),
+            "position_ids": torch.from_numpy(position_ids.astype(np.int64)),
+            "cu_seqlens": torch.from_numpy(np.concatenate(cu).astype(np.int32)),
+            "source_ids": torch.tensor([it.source_id for it in items], dtype=torch.int64),
+            "global_indices": torch.tensor([it.global_index for it in items], dtype=torch.int64),
+            "step": step,
+            "micro_step": micro_step,
+        }
+        if any(it.sequence.token_sources is not None for it in items):
+            batch["token_source_ids"] = torch.from_numpy(
+                np.stack([it.sequence.token_sources for it in items]).astype(np.int64)
+            )
+        return batch
+
+    def close(self) -> None:
+        if self._run is not None:
+            if self._run.in_process_lanes is not None:
+                for lane_id, lane in self._run.in_process_lanes.items():
+                    self.lane_states[lane_id] = lane.get_state()
+            self._run.close()
+            self._run = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+
+    def __enter__(self) -> "ZephonLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Run:
+    """One pass of iteration from a fixed start: in-process lanes or worker processes."""
+
+    def __init__(self, loader: ZephonLoader) -> None:
+        cfg = loader.config
+        topo = loader.topology
+        self.num_lanes = loader.num_lanes
+        self.timeout_s = cfg.worker_timeout_s
+        self.processes: list = []
+        self.stop_event = None
+        self.in_process_lanes = None
+        self.pending: dict[int, collections.deque] = {}
+        self.ended_at: Optional[int] = None
+        start = loader.rank_position
+        if cfg.num_workers == 0:
+            self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states)
+            self._iter = produce(
+                self.in_process_lanes, num_lanes=self.num_lanes, rank=topo.rank,
+                world_size=topo.world_size, start_position=start, snapshot_state=False,
+            )
+            return
+        ctx = mp.get_context("spawn")  # fork is unsafe after torch/arrow/tokenizers started threads
+        self.stop_event = ctx.Event()
+        self.queues = []
+        self.worker_of_lane: dict[int, int] = {}
+        num_workers = min(cfg.num_workers, len(loader.rank_lanes))
+        for worker_id in range(num_workers):
+            lane_ids = lanes_of_worker(loader.rank_lanes, worker_id, num_workers)
+            for lane_id in lane_ids:
+                self.worker_of_lane[lane_id] = worker_id
+            out_queue = ctx.Queue(maxsize=cfg.prefetch)
+            process = ctx.Process(
+                target=worker_main,
+                name=f"zephon-worker-{topo.rank}-{worker_id}",
+                args=(loader.spec, lane_ids, {l: loader.lane_states[l] for l in lane_ids if l in loader.lane_states}),
+                kwargs=dict(
+                    num_lanes=self.num_lanes, rank=topo.rank, world_size=topo.world_size,
+                    start_position=start, out_queue=out_queue, stop_event=self.stop_event,
+                    parent_pid=os.getpid(),
+                ),
+                daemon=True,
+            )
+            process.start()
+            self.queues.append(out_queue)
+            self.processes.append(process)
+            self.pending[worker_id] = collections.deque()
+
+    def next_item(self, global_index: int) -> Item:
+        if self.ended_at is not None and global_index >= self.ended_at:
+            raise StopIteration
+        if self.in_process_lanes is not None:
+            item = next(self._iter)
+        else:
+            item = self._next_from_worker(self.worker_of_lane[global_index % self.num_lanes])
+        if isinstance(item, End):
+            self.ended_at = item.global_index
+            raise StopIteration
+        if item.global_index != global_index:
+            raise RuntimeError(f"internal ordering error: expected index {global_index}, got {item.global_index}")
+        return item
+
+    def _next_from_worker(self, worker_id: int):
+        pending = self.pending[worker_id]
+        deadline = time.monotonic() + self.timeout_s
+        while not pending:
+            try:
+                kind, payload = self.queues[worker_id].get(timeout=0.2)
+            except queue.Empty:
+                process = self.processes[worker_id]
+                if not process.is_alive():
+                    raise WorkerError(
+                        f"loader worker {worker_id} (pid {process.pid}) died with exit code {process.exitcode} "
+                        "without reporting an error (killed, or out of memory?)"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise WorkerError(
+                        f"loader worker {worker_id} produced nothing for {self.timeout_s:.0f} s "
+                        "(worker_timeout_s); storage stalled?"
+                    ) from None
+                continue
+            if kind == "error":
+                raise WorkerError(f"loader worker {worker_id} failed:\n{payload}")
+            pending.extend(payload)
+        return pending.popleft()
+
+    def close(self) -> None:
+        _Run.shutdown_all(self.processes, self.stop_event)
+        self.processes = []
+
+    @staticmethod
+    def shutdown_all(processes, stop_event) -> None:
+        if stop_event is not None:
+            stop_event.set()
+        for process in processes:
+            process.join(timeout=2.0)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=2.0)
