@@ -16,10 +16,13 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
+
 from loader.lane_reader import LaneTokenStream, TokenFormat
 from loader.mixing import MixingSchedule
 from loader.packing import BestFitPacker, ConcatPacker, PackedSequence
 from loader.storage import StorageOptions
+from loader.token_mixing import MixedTokenStream
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class LaneSpec:
     storage_options: StorageOptions
     schedule: MixingSchedule
     global_batch_size: int
+    mixing_unit: str = "sequence"
 
 
 class LaneExhausted(Exception):
@@ -64,6 +68,7 @@ class Lane:
         self.packers = []
         self.stopped = [False] * len(spec.sources)
         self._warned: set[int] = set()
+        streams = []
         for source, manifest in zip(spec.sources, manifests):
             max_epochs = 1 if source.exhaustion == "stop" else source.max_epochs
             stream = LaneTokenStream(
@@ -77,17 +82,33 @@ class Lane:
                 max_epochs=max_epochs,
                 storage_options=spec.storage_options,
             )
-            if spec.packing == "concat":
-                packer = ConcatPacker(stream, spec.seq_len, spec.pad_id)
-            else:
-                packer = BestFitPacker(stream, spec.seq_len, spec.pad_id, spec.best_fit_open_bins)
-            self.packers.append(packer)
+            streams.append(stream)
+        self.token_mixing = spec.mixing_unit == "token" and len(streams) > 1
+        if self.token_mixing:
+            self.mixed_stream = MixedTokenStream(streams)
+            self.packers = [self._packer(self.mixed_stream)]
+        else:
+            self.packers = [self._packer(stream) for stream in streams]
+
+    def _packer(self, stream):
+        if self.spec.packing == "concat":
+            return ConcatPacker(stream, self.spec.seq_len, self.spec.pad_id)
+        return BestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.best_fit_open_bins)
 
     def next_sequence(self, global_index: int) -> tuple[int, PackedSequence]:
         """``(source_id, sequence)`` for the lane's next output; raises :class:`LaneExhausted`."""
         schedule = self.spec.schedule
-        source_id = schedule.source_of(global_index)
         step = global_index // self.spec.global_batch_size
+        if self.token_mixing:
+            phase = schedule.phase_at(step)
+            self.mixed_stream.set_phase(phase.start_step, phase.weights)
+            sequence = self.packers[0].next_sequence()
+            if sequence is None:
+                raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")
+            self.outputs += 1
+            counts = np.bincount(sequence.token_sources[sequence.token_sources >= 0], minlength=len(self.stopped))
+            return int(np.argmax(counts)), sequence
+        source_id = schedule.source_of(global_index)
         while True:
             if not self.stopped[source_id]:
                 sequence = self.packers[source_id].next_sequence()
@@ -110,6 +131,8 @@ class Lane:
             )
 
     def get_state(self) -> dict:
+        if self.token_mixing:
+            return {"outputs": self.outputs, "mixed": self.packers[0].get_state()}
         return {
             "outputs": self.outputs,
             "sources": {
@@ -120,6 +143,11 @@ class Lane:
 
     def set_state(self, state: dict) -> None:
         self.outputs = int(state["outputs"])
+        if self.token_mixing:
+            if "mixed" not in state:
+                raise ValueError(f"lane {self.lane_id} state is not a token-mixing state")
+            self.packers[0].set_state(state["mixed"])
+            return
         for k, source in enumerate(self.spec.sources):
             saved = state["sources"].get(source.name)
             if saved is None:

@@ -63,10 +63,15 @@ class Block:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens taken from a stream: ``doc_starts`` are offsets in ``tokens`` where a document begins."""
+    """Tokens taken from a stream: ``doc_starts`` are offsets in ``tokens`` where a document begins.
+
+    ``token_sources`` (int8 per token) is set only by token-unit mixing, where one chunk can
+    hold documents of several sources.
+    """
 
     tokens: np.ndarray
     doc_starts: np.ndarray
+    token_sources: Optional[np.ndarray] = None
 
 
 def wrap_documents(flat_ids: np.ndarray, lengths: np.ndarray, fmt: TokenFormat) -> Block:
@@ -235,6 +240,14 @@ class LaneTokenStream:
             self.block_index = 0
             if self.max_epochs is not None and self.epoch >= self.max_epochs:
                 self.exhausted = True
+
+    def at_document_start(self) -> bool:
+        """True when the next token is a document's first (or nothing is left)."""
+        if self.exhausted or self.offset == 0:
+            return True
+        block = self._load_block(self.epoch, self.block_index)
+        k = np.searchsorted(block.doc_starts, self.offset)
+        return k < len(block.doc_starts) and block.doc_starts[k] == self.offset
 
     def take(self, n: int, *, within_document: bool = False) -> Optional[Chunk]:
         """Up to ``n`` tokens from the cursor on (fewer only at exhaustion or a document end).

@@ -98,14 +98,17 @@ class MixingSchedule:
         self.seed = seed
         self.num_sources = len(phases[0].weights)
 
-    def weights_at(self, step: int) -> tuple[Fraction, ...]:
-        current = self.phases[0].weights
+    def phase_at(self, step: int) -> MixturePhase:
+        current = self.phases[0]
         for phase in self.phases:
             if phase.start_step <= step:
-                current = phase.weights
+                current = phase
             else:
                 break
         return current
+
+    def weights_at(self, step: int) -> tuple[Fraction, ...]:
+        return self.phase_at(step).weights
 
     def source_of(self, global_index: int) -> int:
         if self.num_sources == 1:

@@ -50,9 +50,14 @@ def _sequence_from_pieces(
     input_ids = np.full(seq_len, pad_id, dtype=np.int32)
     labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int32)
     segments: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
+    token_sources = None
+    if any(p.token_sources is not None for p in pieces):
+        token_sources = np.full(seq_len, -1, dtype=np.int8)  # -1 on padding
     at = 0
     for piece in pieces:
         n = len(piece.tokens)
+        if token_sources is not None:
+            token_sources[at : at + n] = piece.token_sources
         input_ids[at : at + n] = piece.tokens
         labels[at : at + n] = piece.tokens
         doc_starts = piece.doc_starts + at
@@ -64,7 +69,9 @@ def _sequence_from_pieces(
     if used < seq_len:
         segments.append(np.array([used], dtype=np.int64))
     segment_starts = np.unique(np.concatenate(segments)).astype(np.int32)
-    return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=segment_starts)
+    return PackedSequence(
+        input_ids=input_ids, labels=labels, segment_starts=segment_starts, token_sources=token_sources
+    )
 
 
 class ConcatPacker:
@@ -122,7 +129,10 @@ class BestFitPacker:
             if size == self.seq_len:  # a full piece of a long document is a sequence on its own
                 return _sequence_from_pieces([piece], self.seq_len, self.pad_id, piece_segment_starts=True)
             # Copy: a view would keep the whole source block alive while the bin is open.
-            piece = Chunk(tokens=piece.tokens.copy(), doc_starts=piece.doc_starts.copy())
+            piece = Chunk(
+                tokens=piece.tokens.copy(), doc_starts=piece.doc_starts.copy(),
+                token_sources=None if piece.token_sources is None else piece.token_sources.copy(),
+            )
             fitting = [b for b in self.bins if self.seq_len - b.used >= size]
             if fitting:
                 target = min(fitting, key=lambda b: (self.seq_len - b.used, b.serial))
@@ -152,14 +162,15 @@ class BestFitPacker:
             ) if bin_.pieces else np.zeros(0, np.int64)
             # numpy arrays here; loader.state turns them into JSON lists only when saving,
             # so snapshotting after every sequence (worker prefetch) stays cheap.
-            bins.append(
-                {
-                    "serial": bin_.serial,
-                    "tokens": tokens,
-                    "piece_starts": piece_starts.astype(np.int64),
-                    "doc_starts": doc_starts.astype(np.int64),
-                }
-            )
+            saved = {
+                "serial": bin_.serial,
+                "tokens": tokens,
+                "piece_starts": piece_starts.astype(np.int64),
+                "doc_starts": doc_starts.astype(np.int64),
+            }
+            if bin_.pieces[0].token_sources is not None:
+                saved["token_sources"] = np.concatenate([p.token_sources for p in bin_.pieces])
+            bins.append(saved)
         return {"stream": self.stream.get_state(), "bins": bins, "serial": self.serial}
 
     def set_state(self, state: dict) -> None:
@@ -170,8 +181,13 @@ class BestFitPacker:
             tokens = np.asarray(saved["tokens"], dtype=np.int32)
             piece_starts = [int(x) for x in saved["piece_starts"]] + [len(tokens)]
             doc_starts = np.asarray(saved["doc_starts"], dtype=np.int64)
+            sources = saved.get("token_sources")
+            sources = None if sources is None else np.asarray(sources, dtype=np.int8)
             pieces = []
             for lo, hi in zip(piece_starts[:-1], piece_starts[1:]):
                 inside = doc_starts[(doc_starts >= lo) & (doc_starts < hi)] - lo
-                pieces.append(Chunk(tokens=tokens[lo:hi], doc_starts=inside))
+                pieces.append(Chunk(
+                    tokens=tokens[lo:hi], doc_starts=inside,
+                    token_sources=None if sources is None else sources[lo:hi],
+                ))
             self.bins.append(_Bin(pieces=pieces, used=len(tokens), serial=int(saved["serial"])))

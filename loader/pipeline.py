@@ -122,6 +122,7 @@ class ZephonLoader:
             ),
             schedule=MixingSchedule(self.phases, config.global_batch_size, config.seed),
             global_batch_size=config.global_batch_size,
+            mixing_unit=config.mixing_unit,
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far
@@ -179,13 +180,17 @@ class ZephonLoader:
         if self._run is not None and self._run.in_process_lanes is not None:
             for lane_id, lane in self._run.in_process_lanes.items():
                 self.lane_states[lane_id] = lane.get_state()
+        fresh = [l for l in self.rank_lanes if l not in self.lane_states]
+        if fresh:  # lanes not reached yet: their state is the fresh lane's
+            for lane_id, lane in build_lanes(self.spec, fresh, {}).items():
+                self.lane_states[lane_id] = lane.get_state()
         state = self._expected_header()
         state.update(
             rank=self.topology.rank,
             world_size=self.topology.world_size,
             rank_position=self.rank_position,
             next_global_index=self.next_global_index,
-            lanes={state_mod.lane_key(l): self.lane_states[l] for l in self.rank_lanes if l in self.lane_states},
+            lanes={state_mod.lane_key(l): self.lane_states[l] for l in self.rank_lanes},
         )
         return state_mod.to_jsonable(state)
 

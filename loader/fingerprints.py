@@ -1,0 +1,167 @@
+"""The audit command: one SHA-256 per global batch, whatever the topology.
+
+``zephon fingerprints CONFIG --world-size W --num-workers K --micro-batch M --steps A:B``
+builds all ``W`` rank loaders, reassembles every global batch in global-index order and
+prints ``STEP SHA256`` per step (plus ``name=count`` per source when the config mixes
+several sources).
+
+Byte layout of the hash (documented in README "Batch fingerprints"): for each sequence of
+the global batch in increasing global index, its ``input_ids`` then its ``labels``, each as
+``seq_len`` little-endian int32 values. Two runs print the same line for a step exactly
+when the trainer saw the same global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from loader.config import LoaderConfig
+from loader.pipeline import ZephonLoader
+from loader.state import dumps, loads, merge_rank_states
+
+
+def sequence_bytes(input_ids, labels) -> bytes:
+    """The fingerprint byte layout of one sequence."""
+    ids = np.asarray(input_ids).astype("<i4", copy=False)
+    lab = np.asarray(labels).astype("<i4", copy=False)
+    return ids.tobytes() + lab.tobytes()
+
+
+@dataclass
+class StepFingerprint:
+    step: int
+    sha256: str
+    source_counts: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        counts = " ".join(f"{name}={count}" for name, count in self.source_counts.items())
+        return f"{self.step} {self.sha256}" + (f" {counts}" if counts else "")
+
+
+def collect_fingerprints(
+    config: LoaderConfig,
+    *,
+    world_size: int = 1,
+    start_step: int = 0,
+    end_step: int,
+    load_state: Optional[dict] = None,
+    save_state_step: Optional[int] = None,
+) -> tuple[list[StepFingerprint], Optional[dict]]:
+    """Fingerprints of steps ``[start_step, end_step)`` and the merged state at ``save_state_step``.
+
+    Without ``load_state`` the loaders start at step 0 and steps before ``start_step`` are
+    consumed but not printed.
+    """
+    loaders = [ZephonLoader(config, rank=r, world_size=world_size) for r in range(world_size)]
+    saved: Optional[dict] = None
+    results: list[StepFingerprint] = []
+    try:
+        if load_state is not None:
+            for loader in loaders:
+                loader.load_state_dict(load_state)
+        first = loaders[0].step
+        if load_state is not None and first != start_step:
+            raise ValueError(f"the loaded state resumes at step {first}, but --steps starts at {start_step}")
+        names = loaders[0].source_names
+        micro_per_step = loaders[0].topology.micro_steps_per_step
+        for step in range(first, end_step):
+            if save_state_step is not None and step == save_state_step:
+                saved = merge_rank_states([loader.state_dict() for loader in loaders])
+            rows: dict[int, tuple[bytes, int]] = {}
+            for loader in loaders:
+                for _ in range(micro_per_step):
+                    batch = next(loader)
+                    if batch["step"] != step:
+                        raise RuntimeError(f"rank produced step {batch['step']} while step {step} was expected")
+                    for index, ids, labels, source in zip(
+                        batch["global_indices"].tolist(), batch["input_ids"].numpy(),
+                        batch["labels"].numpy(), batch["source_ids"].tolist(),
+                    ):
+                        rows[index] = (sequence_bytes(ids, labels), source)
+            expected = range(step * config.global_batch_size, (step + 1) * config.global_batch_size)
+            if sorted(rows) != list(expected):
+                raise RuntimeError(f"step {step}: ranks did not cover the global batch exactly")
+            digest = hashlib.sha256()
+            counts: Counter = Counter()
+            for index in expected:
+                digest.update(rows[index][0])
+                counts[rows[index][1]] += 1
+            if step >= start_step:
+                source_counts = {name: counts.get(k, 0) for k, name in enumerate(names)} if len(names) > 1 else {}
+                results.append(StepFingerprint(step, digest.hexdigest(), source_counts))
+        if save_state_step is not None and save_state_step == end_step:
+            saved = merge_rank_states([loader.state_dict() for loader in loaders])
+    finally:
+        for loader in loaders:
+            loader.close()
+    return results, saved
+
+
+def _parse_steps(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--steps takes START:END, e.g. 0:100 (got {text!r})") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"--steps needs 0 <= START < END (got {text!r})")
+    return start, end
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zephon fingerprints",
+        description="Print `STEP SHA256` per global batch, reassembled from all ranks in global-index order.",
+    )
+    parser.add_argument("config", help="loader config file (.toml or .json)")
+    parser.add_argument("--world-size", type=int, default=1, help="number of data-parallel ranks to simulate (default 1)")
+    parser.add_argument("--num-workers", type=int, default=None, help="worker processes per rank (default: the config's)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default: the config's)")
+    parser.add_argument("--prefetch", type=int, default=None, help="prefetch depth (default: the config's)")
+    parser.add_argument("--steps", type=_parse_steps, required=True, help="START:END, steps START..END-1")
+    parser.add_argument("--load-state", metavar="FILE", help="resume from a merged state written by --save-state")
+    parser.add_argument("--save-state", nargs=2, metavar=("STEP", "FILE"),
+                        help="write the merged global state as it stands before step STEP is produced")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    overrides = {}
+    if args.num_workers is not None:
+        overrides["num_workers"] = args.num_workers
+    if args.micro_batch is not None:
+        overrides["micro_batch_size"] = args.micro_batch
+    if args.prefetch is not None:
+        overrides["prefetch"] = args.prefetch
+    config = LoaderConfig.from_file(args.config, **overrides)
+    start, end = args.steps
+    save_step, save_file = (int(args.save_state[0]), args.save_state[1]) if args.save_state else (None, None)
+    if save_step is not None and not start <= save_step <= end:
+        print(f"zephon fingerprints: --save-state STEP must lie in {start}..{end} (got {save_step})", file=sys.stderr)
+        return 2
+    load_state = None
+    if args.load_state:
+        with open(args.load_state) as fh:
+            load_state = loads(fh.read())
+    results, saved = collect_fingerprints(
+        config, world_size=args.world_size, start_step=start, end_step=end,
+        load_state=load_state, save_state_step=save_step,
+    )
+    for result in results:
+        print(result.line())
+    if save_file is not None and saved is not None:
+        with open(save_file, "w") as fh:
+            fh.write(dumps(saved))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
