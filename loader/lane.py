@@ -121,6 +121,12 @@ class Lane:
             if source_id < 0:
                 raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")
 
+    def close(self) -> None:
+        for packer in self.packers:
+            stream = packer.stream
+            for source_stream in getattr(stream, "streams", [stream]):
+                source_stream.close()
+
     def _warn_stopped(self, source_id: int) -> None:
         if source_id not in self._warned:
             self._warned.add(source_id)

@@ -132,7 +132,7 @@ class LaneTokenStream:
             )
         self._row_groups: dict[int, int] = {}
         self._epoch_blocks: dict[int, list[tuple[int, int]]] = {}
-        self._open_file: tuple[int, pq.ParquetFile] | None = None
+        self._open_file: tuple[int, pq.ParquetFile, object] | None = None
         self._block_key: tuple[int, int] | None = None
         self._block: Optional[Block] = None
         self.epoch = 0
@@ -184,17 +184,28 @@ class LaneTokenStream:
     # -- reading -----------------------------------------------------------------------
     def _parquet(self, file_ordinal: int) -> pq.ParquetFile:
         if self._open_file is None or self._open_file[0] != file_ordinal:
+            self.close()
             entry = self.files[file_ordinal]
             handle = storage.open_lane_file(self.dataset_path, entry, self.storage_options)
             try:
                 parquet = pq.ParquetFile(handle, page_checksum_verification=True)
+            except storage.StorageError:
+                raise  # already names the object and the fix (a 403 is not corruption)
             except (pa.ArrowInvalid, OSError) as exc:
                 raise LaneDataError(
                     f"{storage.join(self.dataset_path, entry.path)} is not a readable Parquet file "
                     f"({exc}); it is corrupt or truncated: re-run the Beam job or restore the file"
                 ) from exc
-            self._open_file = (file_ordinal, parquet)
+            self._open_file = (file_ordinal, parquet, handle)
         return self._open_file[1]
+
+    def close(self) -> None:
+        """Release the open lane file (file descriptors are not left to the GC)."""
+        if self._open_file is not None:
+            _, parquet, handle = self._open_file
+            parquet.close()
+            handle.close()  # pyarrow closes only sources it opened itself
+            self._open_file = None
 
     def _load_block(self, epoch: int, block_index: int) -> Block:
         file_ordinal, row_group = self.blocks_of_epoch(epoch)[block_index]
@@ -204,6 +215,8 @@ class LaneTokenStream:
         column = "input_ids" if self.pretokenized else "text"
         try:
             table = self._parquet(file_ordinal).read_row_group(row_group, columns=[column])
+        except storage.StorageError:
+            raise
         except (pa.ArrowInvalid, OSError) as exc:
             raise LaneDataError(
                 f"{storage.join(self.dataset_path, entry.path)}: row group {row_group} cannot be read "
