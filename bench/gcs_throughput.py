@@ -1,0 +1,218 @@
+"""Reading lane files from gs:// (local GCS emulator) against local disk, in one run.
+
+    python bench/gcs_throughput.py [--files 6] [--file-mb 8] [--repeats 3]
+
+Generates a lane-file set (zstd Parquet, page checksums, ~1 MiB row groups, poorly
+compressible text), writes it to a local directory and uploads it to an in-memory
+``gcp-storage-emulator`` on 127.0.0.1, then reads every row group of every file the way the
+loader does (``storage.open_lane_file`` -> ``pq.ParquetFile(page_checksum_verification=True)``
+-> ``read_row_group(i, columns=["text"])``) in four setups:
+
+* ``local``        local disk (the files were just written: in the OS page cache)
+* ``gcs_nocache``  ranged GETs through ``RangedReader`` (8 MiB read-ahead)
+* ``gcs_cold``     ``cache_dir`` set, empty: download + sha256, then read the copy
+* ``gcs_warm``     ``cache_dir`` set, filled: sha256 check of the copy, then read it
+* ``gcs_warm_nosha`` the same with ``verify_checksums=False`` (size check only): the cost
+  of re-hashing a cached copy on every open
+
+It prints the median of ``--repeats`` as file MB/s and rows/s, and each setup's ratio to
+``local``. The emulator is a single-threaded Python HTTP server: the gs:// numbers measure
+this client plus that server on loopback, a floor rather than a forecast for real GCS
+(higher latency per request, more bandwidth per stream).
+
+:func:`time_callable` is the generic part: give it any callable returning counts
+(``{"tokens": n}`` for a loader run) to get medians and rates in the same format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from loader import gcs, storage  # noqa: E402
+from loader.hashing import sha256_hex  # noqa: E402
+from loader.manifest import FileEntry, lane_file_path  # noqa: E402
+from loader.storage import StorageOptions  # noqa: E402
+
+log = logging.getLogger("bench.gcs_throughput")
+BUCKET = "zephon-bench"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median wall time of a callable over repeats, and its counts per second."""
+
+    label: str
+    seconds: list[float]
+    counts: dict[str, float]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+    def rate(self, unit: str) -> float:
+        return self.counts[unit] / self.median_s
+
+    def line(self, baseline: "Timing | None" = None) -> str:
+        parts = [f"{self.label:<15} {self.median_s:7.3f} s"]
+        for unit, value in self.counts.items():
+            scale, shown = (1e6, "MB/s") if unit == "bytes" else (1.0, f"{unit}/s")
+            parts.append(f"{self.rate(unit) / scale:12,.1f} {shown}")
+        if baseline is not None:
+            parts.append(f"x{self.median_s and baseline.median_s / self.median_s:.2f} of {baseline.label}")
+        return "  ".join(parts)
+
+
+def time_callable(label: str, fn: Callable[[], dict[str, float]], repeats: int,
+                  setup: Callable[[], None] = lambda: None) -> Timing:
+    """Run ``setup(); fn()`` ``repeats`` times, timing only ``fn``. ``fn`` returns its counts
+    (e.g. ``{"bytes": b, "rows": r}`` or ``{"tokens": t}``), which must not vary between runs."""
+    seconds, counts = [], None
+    for _ in range(repeats):
+        setup()
+        start = time.perf_counter()
+        result = fn()
+        seconds.append(time.perf_counter() - start)
+        if counts is not None and result != counts:
+            raise RuntimeError(f"{label}: counts changed between repeats ({counts} then {result})")
+        counts = result
+    return Timing(label, seconds, dict(counts or {}))
+
+
+# -- data -------------------------------------------------------------------------------
+def make_lane_file(target_bytes: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    rows = max(1000, target_bytes // 230)  # ~230 compressed bytes per row of hex noise
+    noise = rng.integers(0, 2**63, size=(rows, 24), dtype=np.int64)
+    table = pa.table({
+        "key": pa.array([f"doc-{seed}-{k:08d}" for k in range(rows)]),
+        "order_key": pa.array(np.sort(rng.integers(0, 2**63, size=rows)).astype(np.uint64)),
+        "text": pa.array([" ".join(format(int(v), "x") for v in row) for row in noise]),
+    })
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd", row_group_size=max(1, rows // max(1, target_bytes >> 20)),
+                   write_page_checksum=True)
+    return sink.getvalue()
+
+
+def build_dataset(local_dir: str, remote_dir: str, files: int, file_mb: float) -> list[FileEntry]:
+    entries = []
+    for k in range(files):
+        data = make_lane_file(int(file_mb * (1 << 20)), seed=k)
+        rel = lane_file_path(k, 0)
+        os.makedirs(os.path.join(local_dir, os.path.dirname(rel)), exist_ok=True)
+        with open(os.path.join(local_dir, rel), "wb") as fh:
+            fh.write(data)
+        gcs.write_bytes(storage.join(remote_dir, rel), data)
+        metadata = pq.ParquetFile(io.BytesIO(data)).metadata
+        entries.append(FileEntry(path=rel, lane=k, part=0, rows=metadata.num_rows, bytes=len(data),
+                                 sha256=sha256_hex(data), row_groups=metadata.num_row_groups))
+    return entries
+
+
+def read_all(dataset: str, entries: list[FileEntry], options: StorageOptions) -> dict[str, float]:
+    """Every row group of every file, as the loader reads them; returns bytes and rows."""
+    rows = 0
+    for entry in entries:
+        with storage.open_lane_file(dataset, entry, options) as handle:
+            parquet = pq.ParquetFile(handle, page_checksum_verification=True)
+            for group in range(parquet.num_row_groups):
+                rows += parquet.read_row_group(group, columns=["text"]).num_rows
+    return {"bytes": float(sum(e.bytes for e in entries)), "rows": float(rows)}
+
+
+# -- emulator ---------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    try:  # Linux: the emulator gets SIGTERM if this process dies without cleaning up
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+    except (OSError, AttributeError):
+        pass
+
+
+def start_emulator() -> tuple[subprocess.Popen, str]:
+    import requests
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={port}", "--in-memory", "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(endpoint + "/", timeout=1).ok:
+                return proc, endpoint
+        except requests.RequestException:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("gcp-storage-emulator did not start")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", type=int, default=6)
+    parser.add_argument("--file-mb", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    proc, endpoint = start_emulator()
+    os.environ["STORAGE_EMULATOR_HOST"] = endpoint
+    work = tempfile.mkdtemp(prefix="zephon-gcs-bench-")
+    try:
+        gcs.client().create_bucket(BUCKET, project="bench")
+        local_dir, remote_dir = os.path.join(work, "local"), f"gs://{BUCKET}/ds"
+        entries = build_dataset(local_dir, remote_dir, args.files, args.file_mb)
+        total_mb = sum(e.bytes for e in entries) / 1e6
+        print(f"{len(entries)} lane files, {total_mb:.1f} MB, "
+              f"{sum(e.row_groups for e in entries)} row groups, {sum(e.rows for e in entries):,} rows; "
+              f"median of {args.repeats}")
+        cache_dir = os.path.join(work, "cache")
+        cached = StorageOptions(cache_dir=cache_dir)
+        unverified = StorageOptions(cache_dir=cache_dir, verify_checksums=False)
+
+        def empty_cache() -> None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+        read_all(local_dir, entries, StorageOptions())  # warm-up: imports, pyarrow pools, page cache
+        local = time_callable("local", lambda: read_all(local_dir, entries, StorageOptions()), args.repeats)
+        results = [
+            time_callable("gcs_nocache", lambda: read_all(remote_dir, entries, StorageOptions()), args.repeats),
+            time_callable("gcs_cold", lambda: read_all(remote_dir, entries, cached), args.repeats, setup=empty_cache),
+            time_callable("gcs_warm", lambda: read_all(remote_dir, entries, cached), args.repeats),
+            time_callable("gcs_warm_nosha", lambda: read_all(remote_dir, entries, unverified), args.repeats),
+        ]
+        print(local.line())
+        for timing in results:
+            print(timing.line(local))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
