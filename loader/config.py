@@ -79,6 +79,7 @@ class LoaderConfig:
     cache_max_bytes: int = 10 * 1024**3
     verify_checksums: bool = True
     storage_endpoint: Optional[str] = None
+    storage: dict[str, Any] = field(default_factory=dict)  # advanced StorageOptions: retries, timeouts, read-ahead
     worker_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -93,6 +94,26 @@ class LoaderConfig:
         )
         object.__setattr__(self, "schedule", schedule)
         self._validate()
+
+    def storage_options(self):
+        """The :class:`loader.storage.StorageOptions` for every read (manifest, tokenizer, lanes)."""
+        from loader.storage import StorageOptions
+
+        top_level = {"cache_dir", "cache_max_bytes", "verify_checksums", "endpoint"}
+        allowed = sorted({f.name for f in fields(StorageOptions)} - top_level)
+        unknown = sorted(set(self.storage) - set(allowed))
+        if unknown:
+            raise ConfigError(
+                f"storage: unknown field(s) {unknown}; valid: {allowed} (cache_dir, cache_max_bytes, "
+                "verify_checksums and storage_endpoint are top-level fields)"
+            )
+        try:
+            return StorageOptions(
+                cache_dir=self.cache_dir, cache_max_bytes=self.cache_max_bytes,
+                verify_checksums=self.verify_checksums, endpoint=self.storage_endpoint, **self.storage,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def _validate(self) -> None:
         if not self.datasets:
@@ -122,6 +143,7 @@ class LoaderConfig:
             raise ConfigError(f"datasets: source names must be unique (got {names})")
         if sum(d.weight for d in self.datasets) <= 0:
             raise ConfigError("datasets: at least one weight must be > 0")
+        self.storage_options()
         last = -1
         for entry in self.schedule:
             if entry.step <= last:

@@ -230,15 +230,15 @@ class Manifest:
         return cls.from_dict(data, where)
 
 
-def read_manifest(dataset_path: str) -> Manifest:
-    """Load ``<dataset_path>/manifest.json`` (local path or ``gs://``)."""
+def read_manifest(dataset_path: str, storage_options=None) -> Manifest:
+    """Load ``<dataset_path>/manifest.json`` (local path or ``gs://``, read with ``storage_options``)."""
     from loader import storage
 
     location = storage.join(dataset_path, MANIFEST_NAME)
-    if not storage.exists(location):
+    if not storage.exists(location, storage_options):
         raise ManifestError(
             f"{location} does not exist: {dataset_path} is not a Zephon dataset "
             "(the Beam job writes the manifest last; an interrupted job leaves none). "
             "Run `zephon shard ... --output DATASET` to create one."
         )
-    return Manifest.from_json(storage.read_bytes(location).decode("utf-8"), location)
+    return Manifest.from_json(storage.read_bytes(location, storage_options).decode("utf-8"), location)

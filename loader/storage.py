@@ -22,19 +22,19 @@ def join(base: str, *parts: str) -> str:
     return os.path.join(base, *parts)
 
 
-def exists(path: str) -> bool:
+def exists(path: str, options: "StorageOptions | None" = None) -> bool:
     if is_gcs(path):
         from loader import gcs
 
-        return gcs.exists(path)
+        return gcs.exists(path, options)
     return os.path.exists(path)
 
 
-def read_bytes(path: str) -> bytes:
+def read_bytes(path: str, options: "StorageOptions | None" = None) -> bytes:
     if is_gcs(path):
         from loader import gcs
 
-        return gcs.read_bytes(path)
+        return gcs.read_bytes(path, options)
     with open(path, "rb") as fh:
         return fh.read()
 

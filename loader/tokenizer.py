@@ -20,14 +20,14 @@ class TokenizerError(ValueError):
     """A tokenizer file that cannot be loaded or lacks a needed special token."""
 
 
-def load_tokenizer(path: str):
-    """Load ``tokenizer.json`` from a local path or ``gs://``."""
+def load_tokenizer(path: str, storage_options=None):
+    """Load ``tokenizer.json`` from a local path or ``gs://`` (read with ``storage_options``)."""
     from tokenizers import Tokenizer
 
     from loader import storage
 
     try:
-        raw = storage.read_bytes(path)
+        raw = storage.read_bytes(path, storage_options)
     except FileNotFoundError as exc:
         raise TokenizerError(f"tokenizer file {path} does not exist (config field 'tokenizer')") from exc
     try:

@@ -57,7 +57,7 @@ def to_job_argv(argv: Sequence[str]) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options, pipeline_args = shard.parse_args(to_job_argv(sys.argv[1:] if argv is None else argv))
-    shard.run_shard(options, pipeline_args, wait=False)  # never wait_until_finish in a template
+    shard.run_shard(options, pipeline_args, wait=False)  # a template launcher must not block on the job
     return 0
 
 
