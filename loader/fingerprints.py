@@ -75,6 +75,9 @@ def collect_fingerprints(
         for step in range(first, end_step):
             if save_state_step is not None and step == save_state_step:
                 saved = merge_rank_states([loader.state_dict() for loader in loaders])
+            # Simulated ranks agree on the end of finite data as real ranks do (all-reduce).
+            if not all([loader.step_available() for loader in loaders]):
+                break
             rows: dict[int, tuple[bytes, int]] = {}
             for loader in loaders:
                 for _ in range(micro_per_step):

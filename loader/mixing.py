@@ -88,7 +88,12 @@ def batch_assignment(weights: tuple[Fraction, ...], batch_size: int, step: int, 
 
 
 class MixingSchedule:
-    """Phases of a mixture; answers ``source_of(global_index)``. Pure and picklable."""
+    """Phases of a mixture; answers ``source_of(global_index)``. Pure and picklable.
+
+    ``source_of`` keeps the assignment of the last step it was asked about (callers walk the
+    indices step by step), so a lookup is a list index rather than a cache lookup keyed by
+    fractions.
+    """
 
     def __init__(self, phases: Sequence[MixturePhase], global_batch_size: int, seed: int) -> None:
         if not phases or phases[0].start_step != 0:
@@ -97,6 +102,8 @@ class MixingSchedule:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.num_sources = len(phases[0].weights)
+        self._step = -1  # the step whose assignment is in self._assignment
+        self._assignment: list[int] = []
 
     def phase_at(self, step: int) -> MixturePhase:
         current = self.phases[0]
@@ -114,7 +121,11 @@ class MixingSchedule:
         if self.num_sources == 1:
             return 0
         step, position = divmod(global_index, self.global_batch_size)
-        return int(batch_assignment(self.weights_at(step), self.global_batch_size, step, self.seed)[position])
+        if step != self._step:
+            weights = self.weights_at(step)
+            self._assignment = batch_assignment(weights, self.global_batch_size, step, self.seed).tolist()
+            self._step = step
+        return self._assignment[position]
 
     def fallback_source(self, global_index: int, alive: Sequence[bool], step: int) -> int:
         """When the decided source has stopped in this lane: a renormalised draw among the rest."""

@@ -42,10 +42,47 @@ class PackedSequence:
     token_sources: Optional[np.ndarray] = None  # int8 [seq_len], token-unit mixing only
 
 
+_ZERO = np.zeros(1, dtype=np.int64)
+
+
+def _sequence_from_chunk(chunk: Chunk, seq_len: int, pad_id: int) -> Optional[PackedSequence]:
+    """The one-piece case of :func:`_sequence_from_pieces` (every concat sequence) without
+    the per-piece loop and ``np.unique``: a chunk's ``doc_starts`` are already sorted, so the
+    segment starts are ``0``, the document starts and the padding start, in that order.
+    Returns None when the starts repeat (empty documents with no BOS/EOS); the general path
+    removes the duplicates.
+    """
+    tokens, doc_starts = chunk.tokens, chunk.doc_starts
+    n = len(tokens)
+    if len(doc_starts) > 1 and not (doc_starts[1:] > doc_starts[:-1]).all():
+        return None
+    if n == seq_len:
+        input_ids = tokens.astype(np.int32, copy=True)
+    else:
+        input_ids = np.full(seq_len, pad_id, dtype=np.int32)
+        input_ids[:n] = tokens
+    labels = input_ids.copy()
+    labels[doc_starts] = IGNORE_INDEX
+    labels[n:] = IGNORE_INDEX
+    parts = [doc_starts]
+    if not len(doc_starts) or doc_starts[0] != 0:
+        parts.insert(0, _ZERO)
+    if n < seq_len:
+        parts.append(np.array([n], dtype=np.int64))
+    segment_starts = np.concatenate(parts, dtype=np.int32)
+    return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=segment_starts)
+
+
 def _sequence_from_pieces(
     pieces: list[Chunk], seq_len: int, pad_id: int, piece_segment_starts: bool
 ) -> PackedSequence:
     """Lay pieces out back to back, pad the tail, derive labels and segments."""
+    if len(pieces) == 1 and pieces[0].token_sources is None:
+        # A single piece's own start is 0, a segment start anyway: piece_segment_starts
+        # adds nothing.
+        sequence = _sequence_from_chunk(pieces[0], seq_len, pad_id)
+        if sequence is not None:
+            return sequence
     used = sum(len(p.tokens) for p in pieces)
     input_ids = np.full(seq_len, pad_id, dtype=np.int32)
     labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int32)
@@ -96,7 +133,7 @@ class ConcatPacker:
         self.stream.set_state(state["stream"])
 
 
-@dataclass
+@dataclass(eq=False)  # identity: ``bins.remove`` must not compare the numpy pieces
 class _Bin:
     pieces: list[Chunk]
     used: int

@@ -125,6 +125,12 @@ class ZephonLoader:
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far
+        # With finite data a rank must not start a step that another rank cannot finish, so
+        # each step is produced whole before its first micro-batch is handed out.
+        self.finite = any(d.exhaustion == "stop" or d.max_epochs is not None for d in config.datasets)
+        self._step_items: Optional[collections.deque] = None
+        self._step_complete = True
+        self._end_group = None
         self.lane_states: dict[int, dict] = {}
         self._run: Optional[_Run] = None
         self._finalizer = None
@@ -176,7 +182,7 @@ class ZephonLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Rank-local state (this rank's lanes), exactly as consumed. JSON-serialisable."""
-        if self._run is not None and self._run.in_process_lanes is not None:
+        if self._run is not None and self._run.reads_lanes_directly:
             for lane_id, lane in self._run.in_process_lanes.items():
                 self.lane_states[lane_id] = lane.get_state()
         fresh = [l for l in self.rank_lanes if l not in self.lane_states]
@@ -260,20 +266,69 @@ class ZephonLoader:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        self._start_run()
+        if self.finite:
+            at_boundary = self.rank_position % self.topology.per_rank_batch == 0
+            if at_boundary and not self._all_ranks_have_step():
+                raise StopIteration
+            if not self.step_available():  # resumed mid-step past the end of the data
+                raise StopIteration
+            items = [self._step_items.popleft() for _ in range(self.config.micro_batch_size)]
+            self.rank_position += len(items)
+            if not self._step_items:
+                self._step_items = None
+        else:
+            items = []
+            for _ in range(self.config.micro_batch_size):
+                items.append(self._run.next_item(self.next_global_index))
+                self.rank_position += 1
+        for item in items:
+            if item.lane_state is not None:
+                self.lane_states[item.global_index % self.num_lanes] = item.lane_state
+        return self._collate(items)
+
+    def step_available(self) -> bool:
+        """Whether this rank can deliver the whole next step (call at a step boundary).
+
+        Always true for endless data (every source ``repeat`` without ``max_epochs``). With
+        finite data the step is produced ahead; ranks simulated in one process (as
+        ``zephon fingerprints`` does) must all answer true before any of them is stepped.
+        """
+        if not self.finite:
+            return True
+        if self._step_items is None:  # produce the rest of the current step
+            self._start_run()
+            items: collections.deque = collections.deque()
+            position = self.rank_position
+            self._step_complete = True
+            try:
+                for _ in range(self.topology.per_rank_batch - position % self.topology.per_rank_batch):
+                    items.append(self._run.next_item(self.topology.rank + position * self.topology.world_size))
+                    position += 1
+            except StopIteration:
+                self._step_complete = False
+            self._step_items = items
+        return self._step_complete
+
+    def _all_ranks_have_step(self) -> bool:
+        """This rank's answer, agreed with every rank through torch.distributed when it runs."""
+        available = self.step_available()
+        import torch.distributed as dist
+
+        if self.topology.world_size > 1 and dist.is_available() and dist.is_initialized():
+            if self._end_group is None:  # gloo: a CPU flag works whatever the training backend
+                self._end_group = dist.new_group(backend="gloo")
+            flag = torch.tensor([1 if available else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._end_group)
+            available = bool(flag.item())
+        return available
+
+    def _start_run(self) -> None:
         if self._run is None:
             self._run = _Run(self)
             self._finalizer = weakref.finalize(
                 self, _Run.shutdown_all, self._run.processes, self._run.stop_event, self._run.input_dir
             )
-        items = []
-        for _ in range(self.config.micro_batch_size):
-            item = self._run.next_item(self.next_global_index)
-            items.append(item)
-            self.rank_position += 1
-        for item in items:
-            if item.lane_state is not None:
-                self.lane_states[item.global_index % self.num_lanes] = item.lane_state
-        return self._collate(items)
 
     def _collate(self, items: list[Item]) -> dict[str, Any]:
         seq_len = self.config.seq_len
@@ -314,11 +369,12 @@ class ZephonLoader:
 
     def close(self) -> None:
         if self._run is not None:
-            if self._run.in_process_lanes is not None:
+            if self._run.reads_lanes_directly:
                 for lane_id, lane in self._run.in_process_lanes.items():
                     self.lane_states[lane_id] = lane.get_state()
             self._run.close()
             self._run = None
+        self._step_items = None  # looked-ahead items are re-produced from the lane states
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
@@ -342,6 +398,9 @@ class _Run:
         self.input_dir: Optional[str] = None
         self.stop_event = None
         self.in_process_lanes = None
+        # In-process lanes are read directly by state_dict() unless steps are looked ahead
+        # (finite data); then, as with workers, every item carries its lane state.
+        self.reads_lanes_directly = cfg.num_workers == 0 and not loader.finite
         self.pending: dict[int, collections.deque] = {}
         self.ended_at: Optional[int] = None
         start = loader.rank_position
@@ -349,7 +408,8 @@ class _Run:
             self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states)
             self._iter = produce(
                 self.in_process_lanes, num_lanes=self.num_lanes, rank=topo.rank,
-                world_size=topo.world_size, start_position=start, snapshot_state=False,
+                world_size=topo.world_size, start_position=start,
+                snapshot_state=not self.reads_lanes_directly,
             )
             return
         ctx = mp.get_context("spawn")  # fork is unsafe after torch/arrow/tokenizers started threads

@@ -18,6 +18,7 @@ State keys: ``sources`` (each source's stream state), ``tokens`` (``t_s`` per so
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import Optional, Sequence
 
@@ -33,32 +34,59 @@ class MixedTokenStream:
         self.current = -1
         self.phase_start = 0
         self.weights: tuple[Fraction, ...] = ()
+        # Derived from ``self.weights`` (reset when it changes): which weights are > 0, and
+        # (sources in the mix) -> their weights renormalised over them, as integer numerators
+        # over one common denominator.
+        self._positive: tuple[bool, ...] = ()
+        self._scaled: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
 
     def set_phase(self, phase_start: int, weights: tuple[Fraction, ...]) -> None:
         """Called by the lane before each sequence with the phase of its global index."""
         if phase_start != self.phase_start:
             self.phase_start = phase_start
             self.tokens = [0] * len(self.streams)
+        if weights is not self.weights and weights != self.weights:
+            self._positive = tuple(w > 0 for w in weights)
+            self._scaled = {}
         self.weights = weights
 
     @property
     def exhausted(self) -> bool:
         return all(s.exhausted for s in self.streams)
 
+    def _scaled_weights(self, alive: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        scaled = self._scaled.get(alive)
+        if scaled is None:
+            norm = sum(self.weights[s] for s in alive)
+            shares = [self.weights[s] / norm for s in alive]
+            denominator = math.lcm(*(f.denominator for f in shares))
+            scaled = tuple(f.numerator * (denominator // f.denominator) for f in shares), denominator
+            self._scaled[alive] = scaled
+        return scaled
+
     def _choose_source(self) -> int:
-        total = sum(self.tokens)
-        alive = [s for s, stream in enumerate(self.streams) if not stream.exhausted and self.weights[s] > 0]
+        alive = tuple(s for s, stream in enumerate(self.streams) if self._positive[s] and not stream.exhausted)
         if not alive:
-            alive = [s for s, stream in enumerate(self.streams) if not stream.exhausted]
-            if not alive:
-                return -1
-            return alive[0]
-        norm = sum(self.weights[s] for s in alive)
-        # Deficit in exact arithmetic so that every process picks the same source.
-        return max(alive, key=lambda s: (self.weights[s] / norm * (total + 1) - self.tokens[s], -s))
+            alive = tuple(s for s, stream in enumerate(self.streams) if not stream.exhausted)
+            return alive[0] if alive else -1
+        # argmax_s w_s * (T + 1) - t_s over the sources in the mix, ties to the lowest id, with
+        # w_s = numerator_s / denominator: exact integer arithmetic, so every process agrees.
+        # T counts the sources still in the mix only: a stopped source's tokens are not a
+        # debt of the others (else their split stays off by ~t_stopped * (w_s - 1/n) tokens).
+        numerators, denominator = self._scaled_weights(alive)
+        tokens = self.tokens
+        total = sum(tokens[s] for s in alive) + 1
+        best, best_key = -1, None
+        for s, numerator in zip(alive, numerators):
+            key = numerator * total - tokens[s] * denominator
+            if best_key is None or key > best_key:
+                best, best_key = s, key
+        return best
 
     def take(self, n: int, *, within_document: bool = False) -> Optional[Chunk]:
-        pieces: list[Chunk] = []
+        tokens: list[np.ndarray] = []
+        doc_starts: list[np.ndarray] = []
+        sources: list[int] = []
         taken = 0
         while taken < n:
             if self.current < 0:
@@ -66,33 +94,33 @@ class MixedTokenStream:
                 if self.current < 0:
                     break
             source = self.current
-            chunk = self.streams[source].take(n - taken, within_document=True)
+            want = n - taken
+            chunk = self.streams[source].take(want, within_document=True)
             if chunk is None:  # this source stopped mid-choice: choose again
                 self.current = -1
                 continue
-            self.tokens[source] += len(chunk.tokens)
-            if self._document_finished(source, chunk):
+            count = len(chunk.tokens)
+            self.tokens[source] += count
+            # A stream returns fewer tokens than asked only at a document end (or when it is
+            # exhausted); a full chunk may or may not end one.
+            if count < want or self.streams[source].at_document_start():
                 self.current = -1
-            pieces.append(Chunk(
-                tokens=chunk.tokens, doc_starts=chunk.doc_starts + taken,
-                token_sources=np.full(len(chunk.tokens), source, dtype=np.int8),
-            ))
-            taken += len(chunk.tokens)
+            tokens.append(chunk.tokens)
+            doc_starts.append(chunk.doc_starts + taken if taken else chunk.doc_starts)
+            sources.append(source)
+            taken += count
             if within_document:
                 break
-        if not pieces:
+        if not tokens:
             return None
-        if len(pieces) == 1:
-            return pieces[0]
+        if len(tokens) == 1:
+            return Chunk(tokens=tokens[0], doc_starts=doc_starts[0],
+                         token_sources=np.full(taken, sources[0], dtype=np.int8))
         return Chunk(
-            tokens=np.concatenate([p.tokens for p in pieces]),
-            doc_starts=np.concatenate([p.doc_starts for p in pieces]),
-            token_sources=np.concatenate([p.token_sources for p in pieces]),
+            tokens=np.concatenate(tokens),
+            doc_starts=np.concatenate(doc_starts),
+            token_sources=np.repeat(np.array(sources, dtype=np.int8), [len(t) for t in tokens]),
         )
-
-    def _document_finished(self, source: int, chunk: Chunk) -> bool:
-        """True when the stream's cursor now sits at a document start (or the stream ended)."""
-        return self.streams[source].at_document_start()
 
     def get_state(self) -> dict:
         return {

@@ -1,0 +1,77 @@
+"""One rank of the multi-process torch.distributed test (launched by test_distributed.py).
+
+``python -m tests.loader.dist_worker CONFIG OUT STEPS CHECKPOINT {save,load}`` with the
+torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or :func:`run_rank` in a
+process that sets that environment first (the test forks ranks from a forkserver that has
+imported torch once, instead of importing it in every rank). The rank builds its
+``ZephonLoader`` from that environment, optionally ``dcp.load``s the loader state, consumes
+``STEPS`` optimizer steps, optionally ``dcp.save``s, and all ranks ``all_gather`` their
+sequences (hex bytes in the fingerprint layout, by global index) to rank 0, which writes
+them to ``OUT`` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    config_path, out_path, steps, checkpoint, mode = argv[0], argv[1], int(argv[2]), argv[3], argv[4]
+    started = time.monotonic()
+
+    def log(what: str) -> None:
+        print(f"{time.monotonic() - started:7.2f} s  {what}", flush=True)
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from loader.config import LoaderConfig
+    from loader.fingerprints import sequence_bytes
+    from loader.pipeline import ZephonLoader
+    from loader.torch_data import LoaderStateful
+
+    log("imported torch.distributed.checkpoint and the loader")
+    dist.init_process_group("gloo")
+    log("process group up")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    loader = ZephonLoader(LoaderConfig.from_file(config_path))  # rank and world size from the environment
+    assert (loader.topology.rank, loader.topology.world_size) == (rank, world_size)
+    if mode == "load":
+        dcp.load({"data": LoaderStateful(loader)}, checkpoint_id=checkpoint)
+    first_step = loader.step
+    log(f"loader ready at step {first_step}")
+    rows: dict[str, list] = {}
+    for _ in range(steps * loader.topology.micro_steps_per_step):
+        batch = next(loader)
+        for index, ids, labels in zip(batch["global_indices"].tolist(), batch["input_ids"].numpy(),
+                                      batch["labels"].numpy()):
+            rows[str(index)] = [rank, batch["step"], sequence_bytes(ids, labels).hex()]
+    if mode == "save":
+        dcp.save({"data": LoaderStateful(loader)}, checkpoint_id=checkpoint)
+    log(f"{steps} steps consumed" + (", checkpoint saved" if mode == "save" else ""))
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, {"first_step": first_step, "rows": rows})
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump({"world_size": world_size, "ranks": gathered}, fh)
+    loader.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    log("done")
+    return 0
+
+
+def run_rank(environment: dict[str, str], argv: list[str]) -> None:
+    """Process target: set the torchrun-style environment, then run :func:`main`."""
+    import os
+
+    os.environ.update(environment)
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
