@@ -5,7 +5,7 @@ torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or :func:`run
 process that sets that environment first (the test forks ranks from a forkserver that has
 imported torch once, instead of importing it in every rank). The rank builds its
 ``ZephonLoader`` from that environment, optionally ``dcp.load``s the loader state, consumes
-``STEPS`` optimizer steps, optionally ``dcp.save``s, and all ranks ``all_gather`` their
+``STEPS`` optimizer steps (mode ``drain``: until the data ends), optionally ``dcp.save``s, and all ranks ``all_gather`` their
 sequences (hex bytes in the fingerprint layout, by global index) to rank 0, which writes
 them to ``OUT`` as JSON.
 """
@@ -43,8 +43,9 @@ def main(argv: list[str]) -> int:
     first_step = loader.step
     log(f"loader ready at step {first_step}")
     rows: dict[str, list] = {}
-    for _ in range(steps * loader.topology.micro_steps_per_step):
-        batch = next(loader)
+    # "drain" (finite data): iterate until the loader stops; every rank must stop at the same step.
+    micro_batches = iter(loader) if mode == "drain" else (next(loader) for _ in range(steps * loader.topology.micro_steps_per_step))
+    for batch in micro_batches:
         for index, ids, labels in zip(batch["global_indices"].tolist(), batch["input_ids"].numpy(),
                                       batch["labels"].numpy()):
             rows[str(index)] = [rank, batch["step"], sequence_bytes(ids, labels).hex()]

@@ -100,3 +100,27 @@ def test_gloo_ranks_save_with_dcp_on_4_and_resume_on_2(tmp_path, make_config, ba
     got = global_fingerprints(json.loads(first_out.read_text())) + \
         global_fingerprints(json.loads(second_out.read_text()))
     assert got == baseline(packing, 2 * STEPS_PER_LAUNCH)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_gloo_ranks_agree_where_finite_data_ends(tmp_path, make_config):
+    """max_epochs=1: every real rank stops at the same step, the one a single rank stops at.
+
+    Each rank's own lanes run out at different steps; the loader all-reduces (MIN, gloo) a
+    "whole step available" flag at each step boundary, so no rank starts a step that another
+    cannot finish (which would hang the trainers' next collective).
+    """
+    from loader.config import LoaderConfig
+    from loader.fingerprints import collect_fingerprints
+
+    config = make_config("concat").to_dict()
+    config["datasets"] = [{"path": d["path"], "max_epochs": 1} for d in config["datasets"]]
+    config_path, out = tmp_path / "finite.json", tmp_path / "finite-out.json"
+    config_path.write_text(json.dumps(config))
+    single, _ = collect_fingerprints(LoaderConfig.from_file(str(config_path)), world_size=1, end_step=10_000)
+    assert 0 < len(single) < 10_000
+
+    launch(2, [str(config_path), str(out), "0", str(tmp_path / "unused"), "drain"])
+    result = json.loads(out.read_text())
+    assert global_fingerprints(result) == [line.line() for line in single]

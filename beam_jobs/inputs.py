@@ -1,0 +1,170 @@
+"""Expanding ``--input`` globs into the list of files the sharding job reads.
+
+The expansion runs once, in the launcher, before the pipeline is built: its result is a
+sorted, de-duplicated list of :class:`InputFile` that becomes a ``beam.Create``, so reading
+is parallel across files and the set of files is fixed for the whole job.
+
+Input root and relative paths
+-----------------------------
+Without ``--id-field`` a document's key is ``"<relative path>#<record index>"``. The
+relative path is taken from the *input root*: the longest common directory prefix of the
+non-glob parts of the ``--input`` patterns. For example::
+
+    --input data/web/*.jsonl data/books/part-*.parquet    root = <abs>/data/
+    key of line 7 of data/web/a.jsonl                      "web/a.jsonl#7"
+
+so the keys (and therefore lanes and order) do not depend on the machine's working
+directory or the bucket's mount point, only on the layout below the root. Local patterns
+are made absolute first; ``gs://`` patterns are used as given.
+
+Formats
+-------
+``--format`` applies to every file. When it is omitted the format of each file is inferred
+from its name (:data:`FORMAT_BY_SUFFIX`); a ``.gz`` / ``.zst`` / ``.zstd`` suffix selects
+the compression for ``jsonl`` and ``text``, whatever the format.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+FORMATS = ("jsonl", "parquet", "text")
+COMPRESSIONS = ("none", "gzip", "zstd")
+
+# Longest suffix first, so that ".jsonl.gz" wins over ".gz".
+FORMAT_BY_SUFFIX = (
+    (".jsonl.gz", "jsonl"),
+    (".jsonl.zst", "jsonl"),
+    (".jsonl.zstd", "jsonl"),
+    (".json.gz", "jsonl"),
+    (".json.zst", "jsonl"),
+    (".txt.gz", "text"),
+    (".txt.zst", "text"),
+    (".jsonl", "jsonl"),
+    (".json", "jsonl"),
+    (".parquet", "parquet"),
+    (".txt", "text"),
+)
+COMPRESSION_BY_SUFFIX = ((".gz", "gzip"), (".zst", "zstd"), (".zstd", "zstd"))
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+class InputError(ValueError):
+    """An ``--input`` pattern or file that the sharding job cannot use."""
+
+
+@dataclass(frozen=True, order=True)
+class InputFile:
+    """One input file. Ordered by ``path`` so that the file list is sorted deterministically."""
+
+    path: str  # as FileSystems knows it (absolute local path or gs://...)
+    relative_path: str  # relative to the input root, "/"-separated: part of document keys
+    file_index: int  # position in the sorted file list; names the _rejected file
+    format: str  # one of FORMATS
+    compression: str  # one of COMPRESSIONS
+
+    def to_tuple(self) -> tuple[str, str, int, str, str]:
+        """Plain tuple for Beam transport (fast coder; no pickling of a class)."""
+        return (self.path, self.relative_path, self.file_index, self.format, self.compression)
+
+    @classmethod
+    def from_tuple(cls, values: Sequence) -> "InputFile":
+        return cls(*values)
+
+
+def is_remote(path: str) -> bool:
+    """True for any ``scheme://`` path (gs://, s3://, ...), handled by Beam's FileSystems."""
+    return "://" in path
+
+
+def normalize_pattern(pattern: str) -> str:
+    return pattern if is_remote(pattern) else os.path.abspath(os.path.expanduser(pattern))
+
+
+def _static_dir(pattern: str) -> str:
+    """The directory part of the pattern before its first glob character, ending in '/'."""
+    match = _GLOB_CHARS.search(pattern)
+    static = pattern if match is None else pattern[: match.start()]
+    return static[: static.rfind("/") + 1]
+
+
+def input_root(patterns: Sequence[str]) -> str:
+    """Longest common directory prefix (ending in '/') of the non-glob part of the patterns."""
+    dirs = [_static_dir(normalize_pattern(p)) for p in patterns]
+    common = os.path.commonprefix(dirs)
+    # commonprefix is character-wise: cut back to a whole directory component.
+    return common[: common.rfind("/") + 1]
+
+
+def infer_format(path: str, explicit_format: Optional[str]) -> str:
+    if explicit_format is not None:
+        return explicit_format
+    lowered = path.lower()
+    for suffix, fmt in FORMAT_BY_SUFFIX:
+        if lowered.endswith(suffix):
+            return fmt
+    known = ", ".join(suffix for suffix, _ in FORMAT_BY_SUFFIX)
+    raise InputError(
+        f"cannot infer the format of input file {path} from its name (known suffixes: {known}); "
+        f"pass --format with one of {', '.join(FORMATS)}."
+    )
+
+
+def infer_compression(path: str) -> str:
+    lowered = path.lower()
+    for suffix, compression in COMPRESSION_BY_SUFFIX:
+        if lowered.endswith(suffix):
+            return compression
+    return "none"
+
+
+def _match_pattern(pattern: str) -> list[str]:
+    from apache_beam.io.filesystems import FileSystems
+
+    if not is_remote(pattern) and os.path.isdir(pattern):
+        raise InputError(
+            f"--input {pattern} is a directory; pass a glob such as {pattern.rstrip('/')}/*.jsonl "
+            f"(or {pattern.rstrip('/')}/** for every file below it)."
+        )
+    try:
+        (result,) = FileSystems.match([pattern])
+    except Exception as exc:  # BeamIOError wraps the per-pattern cause
+        raise InputError(f"--input {pattern}: listing failed ({exc})") from exc
+    paths = [m.path for m in result.metadata_list]
+    if not is_remote(pattern):
+        paths = [p for p in paths if os.path.isfile(p)]
+    if not paths:
+        raise InputError(f"--input {pattern} matches no files; check the path and the glob.")
+    return paths
+
+
+def expand_inputs(patterns: Sequence[str], explicit_format: Optional[str] = None) -> list[InputFile]:
+    """Every file matched by the patterns, sorted by path, each at most once.
+
+    Raises :class:`InputError` naming the pattern when one matches nothing, and naming the
+    file when its format cannot be inferred.
+    """
+    if not patterns:
+        raise InputError("--input needs at least one path or glob")
+    if explicit_format is not None and explicit_format not in FORMATS:
+        raise InputError(f"--format must be one of {', '.join(FORMATS)} (got {explicit_format!r})")
+    normalized = [normalize_pattern(p) for p in patterns]
+    root = input_root(normalized)
+    paths = sorted({path for pattern in normalized for path in _match_pattern(pattern)})
+    files = []
+    for file_index, path in enumerate(paths):
+        relative = path[len(root):] if path.startswith(root) else path
+        files.append(
+            InputFile(
+                path=path,
+                relative_path=relative.replace(os.sep, "/"),
+                file_index=file_index,
+                format=infer_format(path, explicit_format),
+                compression=infer_compression(path),
+            )
+        )
+    return files

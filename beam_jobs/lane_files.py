@@ -1,0 +1,238 @@
+"""Lane layout: keying documents by (lane, file bucket) and writing one lane part file.
+
+::
+
+    document (key, text, ...)
+      lane      = lane_of_key(seed, key, L)           # loader.hashing, shared with the loader
+      order_key = order_key_of(seed, key)             # uint64, rows are sorted by it
+      part      = file_bucket(order_key, files_per_lane)  # contiguous ranges of order_key
+      -> ((lane, part), row) -> GroupByKey -> sort -> lane=LLLLL/part-PPPPP.parquet
+
+Everything that ends up in a file's bytes is a function of the group's rows: they are
+sorted by ``(order_key, key, text, kept fields)`` before writing, row groups are cut by
+content (:func:`row_group_bounds`), and the Parquet writer settings are fixed
+(:data:`PARQUET_WRITE_OPTIONS`; pyarrow writes its version into ``created_by``, so byte
+equality holds for one pyarrow version). Files are serialised into memory, so their size
+and SHA-256 are known before they are written under a temporary name and renamed.
+
+A bucket that receives no documents writes no file, so part numbers of a lane can have gaps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from apache_beam.metrics import Metrics
+
+from loader.hashing import file_bucket, lane_of_key, order_key_of
+from loader.manifest import FileEntry, lane_file_path
+
+logger = logging.getLogger(__name__)
+
+# A row group ends once it holds this many rows or at least this much text, so the loader
+# can seek to a row group on resume without decoding much before it.
+ROW_GROUP_MAX_ROWS = 1024
+ROW_GROUP_TEXT_BYTES = 1 << 20
+
+# Fixed, explicit writer settings: a pyarrow default that changes cannot change the bytes.
+PARQUET_WRITE_OPTIONS: dict[str, Any] = {
+    "version": "2.6",
+    "compression": "zstd",
+    "compression_level": 3,
+    "write_page_checksum": True,  # the loader verifies page CRCs on ranged reads
+    "use_dictionary": False,
+    "data_page_version": "1.0",
+    "data_page_size": 1 << 20,
+    "store_schema": True,
+    "write_batch_size": 1024,
+}
+INPUT_IDS_TYPE = pa.list_(pa.int32())
+STATISTICS_COLUMNS = ("key", "order_key", "num_tokens")
+RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens")
+
+# Row tuple between AssignLane and WriteLaneFiles. The order key travels as 8 big-endian
+# bytes: Beam's fast coder pickles ints >= 2**63, and bytes compare in unsigned order.
+LaneRow = tuple  # (order_key_be8: bytes, key: str, text: str, kept_values: tuple[str | None, ...])
+
+
+def files_per_lane_for(total_text_bytes: int, num_lanes: int, target_file_bytes: int) -> int:
+    """``max(1, ceil(total / L / target))``: decided by content, never by input file sizes."""
+    per_lane = -(-int(total_text_bytes) // num_lanes)
+    return max(1, -(-per_lane // target_file_bytes))
+
+
+class AssignLaneFn(beam.DoFn):
+    """Document -> ``((lane_id, part), LaneRow)``; ``files_per_lane`` is a side input."""
+
+    def __init__(self, seed: int, num_lanes: int):
+        self.seed = seed
+        self.num_lanes = num_lanes
+
+    def process(self, document: tuple, files_per_lane: int) -> Iterator[tuple]:
+        key, text, _text_nbytes, kept_values = document
+        lane_id = lane_of_key(self.seed, key, self.num_lanes)
+        order_key = order_key_of(self.seed, key)
+        part = file_bucket(order_key, files_per_lane)
+        yield (lane_id, part), (order_key.to_bytes(8, "big"), key, text, kept_values)
+
+
+def lane_schema(pretokenized: bool, keep_fields: Sequence[str]):
+    """The Arrow schema of a lane file (documented in :mod:`loader.manifest`)."""
+    fields = [pa.field("key", pa.string()), pa.field("order_key", pa.uint64()), pa.field("text", pa.string())]
+    if pretokenized:
+        fields += [pa.field("input_ids", INPUT_IDS_TYPE), pa.field("num_tokens", pa.int32())]
+    fields += [pa.field(name, pa.string()) for name in keep_fields]
+    return pa.schema(fields)
+
+
+def _type_name(arrow_type) -> str:
+    # "list<int32>" whatever pyarrow calls the list's child field ("item" / "element").
+    if pa.types.is_list(arrow_type):
+        return f"list<{_type_name(arrow_type.value_type)}>"
+    return str(arrow_type)
+
+
+def manifest_schema(pretokenized: bool, keep_fields: Sequence[str]) -> list[dict[str, str]]:
+    """The schema as the manifest records it: ``[{"name": ..., "type": ...}]``."""
+    return [{"name": f.name, "type": _type_name(f.type)} for f in lane_schema(pretokenized, keep_fields)]
+
+
+def row_group_bounds(text_nbytes: np.ndarray) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: at most 1024 rows, closed once it holds >= 1 MiB of text."""
+    bounds, start, rows, text_bytes = [], 0, 0, 0
+    for index, nbytes in enumerate(text_nbytes.tolist()):
+        rows += 1
+        text_bytes += nbytes
+        if rows == ROW_GROUP_MAX_ROWS or text_bytes >= ROW_GROUP_TEXT_BYTES:
+            bounds.append((start, index + 1))
+            start, rows, text_bytes = index + 1, 0, 0
+    if rows:
+        bounds.append((start, len(text_nbytes)))
+    return bounds
+
+
+def tokenize_texts(tokenizer, texts: list[str]):
+    """``(input_ids ListArray<int32>, num_tokens int32 ndarray)`` of one batch of texts.
+
+    ``encode_batch_fast`` gives the same ids as ``encode`` (it only skips character
+    offsets) and tokenizes the batch on all cores; special tokens are not added because
+    the loader adds BOS/EOS itself, the same way for offline and online tokenization.
+    """
+    id_lists = [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    num_tokens = np.fromiter(map(len, id_lists), dtype=np.int32, count=len(id_lists))
+    offsets = np.zeros(len(id_lists) + 1, dtype=np.int32)
+    np.cumsum(num_tokens, out=offsets[1:])
+    flat_ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(offsets[-1]))
+    input_ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids), type=INPUT_IDS_TYPE)
+    return input_ids, num_tokens
+
+
+@dataclass(frozen=True)
+class SerializedLaneFile:
+    data: bytes
+    rows: int
+    tokens: Optional[int]
+    row_groups: int
+    duplicate_keys: int
+
+
+def sort_rows(rows: Iterable[LaneRow], has_kept_fields: bool) -> list[LaneRow]:
+    """Rows in lane order; ties (duplicate keys) are broken by content, never by arrival."""
+    if not has_kept_fields:
+        return sorted(rows)  # kept_values is () in every row, so plain tuple order is enough
+    return sorted(rows, key=lambda row: (row[0], row[1], row[2], tuple((v is not None, v or "") for v in row[3])))
+
+
+def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[str], tokenizer=None) -> SerializedLaneFile:
+    """The exact bytes of one lane part file holding ``sorted_rows`` in that order."""
+    schema = lane_schema(tokenizer is not None, keep_fields)
+    keys = pa.array([row[1] for row in sorted_rows], pa.string())
+    order_keys = pa.array(np.frombuffer(b"".join(row[0] for row in sorted_rows), dtype=">u8").astype(np.uint64))
+    texts = pa.array([row[2] for row in sorted_rows], pa.string())
+    kept_columns = [pa.array([row[3][k] for row in sorted_rows], pa.string()) for k in range(len(keep_fields))]
+    bounds = row_group_bounds(pc.binary_length(texts).to_numpy(zero_copy_only=False))
+
+    sink = pa.BufferOutputStream()
+    total_tokens = 0
+    options = dict(PARQUET_WRITE_OPTIONS)
+    options["write_statistics"] = [c for c in STATISTICS_COLUMNS if c in schema.names]
+    options["sorting_columns"] = [pq.SortingColumn(schema.get_field_index("order_key"))]
+    with pq.ParquetWriter(sink, schema, **options) as writer:
+        for start, stop in bounds:
+            length = stop - start
+            columns = [keys.slice(start, length), order_keys.slice(start, length), texts.slice(start, length)]
+            if tokenizer is not None:
+                input_ids, num_tokens = tokenize_texts(tokenizer, [row[2] for row in sorted_rows[start:stop]])
+                total_tokens += int(num_tokens.sum())
+                columns += [input_ids, pa.array(num_tokens)]
+            columns += [column.slice(start, length) for column in kept_columns]
+            # One write_table call with row_group_size >= its rows is exactly one row group.
+            writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=length)
+    duplicate_keys = sum(1 for a, b in zip(sorted_rows, sorted_rows[1:]) if a[1] == b[1])
+    return SerializedLaneFile(
+        data=sink.getvalue().to_pybytes(),
+        rows=len(sorted_rows),
+        tokens=total_tokens if tokenizer is not None else None,
+        row_groups=len(bounds),
+        duplicate_keys=duplicate_keys,
+    )
+
+
+class WriteLaneFileFn(beam.DoFn):
+    """``((lane_id, part), rows)`` -> writes ``lane=LLLLL/part-PPPPP.parquet``, yields its FileEntry dict."""
+
+    def __init__(self, output: str, keep_fields: Sequence[str], tokenizer_path: Optional[str],
+                 tokenizer_fingerprint: Optional[str]):
+        self.output = output
+        self.keep_fields = tuple(keep_fields)
+        self.tokenizer_path = tokenizer_path
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.tokenizer = None
+        self.duplicates_counter = Metrics.counter("zephon.shard", "duplicate_keys")
+
+    def setup(self) -> None:
+        if self.tokenizer_path is None:
+            return
+        from loader.tokenizer import describe, load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
+        actual = describe(self.tokenizer).fingerprint
+        if actual != self.tokenizer_fingerprint:
+            raise RuntimeError(
+                f"zephon shard: --tokenizer {self.tokenizer_path} changed while the job ran "
+                f"(fingerprint {actual[:12]} on a worker, {str(self.tokenizer_fingerprint)[:12]} at launch); "
+                "re-run with a tokenizer file that is not being rewritten."
+            )
+
+    def process(self, element: tuple) -> Iterator[dict]:
+        from beam_jobs.outputs import join_output, write_atomically
+
+        (lane_id, part), rows = element
+        sorted_rows = sort_rows(rows, bool(self.keep_fields))
+        serialized = serialize_lane_file(sorted_rows, self.keep_fields, self.tokenizer)
+        relative_path = lane_file_path(lane_id, part)
+        write_atomically(join_output(self.output, relative_path), serialized.data)
+        if serialized.duplicate_keys:
+            self.duplicates_counter.inc(serialized.duplicate_keys)
+            logger.warning("%s holds %d rows whose key repeats the previous row's key "
+                           "(duplicate --id-field values); all are kept, ordered by text",
+                           relative_path, serialized.duplicate_keys)
+        yield FileEntry(
+            path=relative_path,
+            lane=lane_id,
+            part=part,
+            rows=serialized.rows,
+            bytes=len(serialized.data),
+            sha256=hashlib.sha256(serialized.data).hexdigest(),
+            tokens=serialized.tokens,
+            row_groups=serialized.row_groups,
+        ).to_dict()

@@ -1,0 +1,222 @@
+"""The output directory of the sharding job: overwrite rules, rejected records, the manifest.
+
+Order of writes (``manifest.json`` is the commit marker, so it is always last)::
+
+    prepare_output   refuse an existing dataset, or with --overwrite delete in this order:
+                     manifest.json, manifest.json.inprogress, lane=*/, _rejected/
+    WriteLaneFiles   lane=LLLLL/part-PPPPP.parquet      (each: .inprogress, then rename)
+    WriteRejected    _rejected/rejected-FFFFF.jsonl     (FFFFF = input file index)
+    CommitManifest   checks the reject fraction, then manifest.json (.inprogress, rename)
+
+When the reject fraction exceeds ``--max-reject-fraction`` the job fails in
+``CommitManifest``: lane files and ``_rejected/`` stay for inspection, but without a
+manifest the directory is not a dataset, and a re-run needs ``--overwrite``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Iterable, Iterator, Optional
+
+import apache_beam as beam
+
+from loader.manifest import MANIFEST_NAME, REJECT_REASONS, REJECTED_DIR, FileEntry, Manifest
+
+logger = logging.getLogger(__name__)
+
+# Job-side failures carry this prefix so the launcher can find the message inside whatever
+# exception the runner wraps it in (the in-process runner re-raises it, the multi-process
+# runner embeds the remote traceback as text).
+JOB_ERROR_PREFIX = "zephon shard: "
+REJECTED_FILE_FORMAT = "rejected-{file_index:05d}.jsonl"
+INPROGRESS_SUFFIX = ".inprogress"
+
+
+class ShardJobError(RuntimeError):
+    """A failure the job raises on purpose (reject fraction, empty input), with a clear message."""
+
+    def __init__(self, message: str):
+        super().__init__(JOB_ERROR_PREFIX + message)
+
+
+def is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def join_output(output: str, relative_path: str) -> str:
+    if is_local(output):
+        return os.path.join(output, *relative_path.split("/"))
+    return output.rstrip("/") + "/" + relative_path
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write ``path + '.inprogress'`` and rename it to ``path``.
+
+    A retried bundle rewrites the same names, so retries overwrite instead of duplicating,
+    and a reader never sees a half-written file under the final name.
+    """
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    temporary = path + INPROGRESS_SUFFIX
+    handle = FileSystems.create(temporary, compression_type=CompressionTypes.UNCOMPRESSED)
+    try:
+        handle.write(data)
+    finally:
+        handle.close()
+    FileSystems.rename([temporary], [path])
+
+
+# ---------------------------------------------------------------------------------------
+# Existing output.
+
+
+def existing_dataset_parts(output: str) -> list[str]:
+    """What of a (possibly partial) dataset exists at ``output``, as relative names."""
+    from apache_beam.io.filesystems import FileSystems
+
+    if is_local(output):
+        if not os.path.isdir(output):
+            return []
+        names = sorted(os.listdir(output))
+        return [n for n in names if n in (MANIFEST_NAME, MANIFEST_NAME + INPROGRESS_SUFFIX, REJECTED_DIR)
+                or n.startswith("lane=")]
+    found = []
+    for pattern in (MANIFEST_NAME, MANIFEST_NAME + INPROGRESS_SUFFIX, "lane=*/*", REJECTED_DIR + "/*"):
+        (result,) = FileSystems.match([join_output(output, pattern)])
+        found += [m.path[len(output.rstrip("/")) + 1:] for m in result.metadata_list]
+    return sorted(found)
+
+
+def prepare_output(output: str, overwrite: bool) -> None:
+    """Refuse to write into an existing dataset unless ``overwrite``; then clear it.
+
+    The old manifest goes first, so an interrupted clean-up never leaves a manifest that
+    points at deleted files.
+    """
+    from apache_beam.io.filesystems import FileSystems
+
+    existing = existing_dataset_parts(output)
+    if not existing:
+        return
+    if not overwrite:
+        shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
+        raise FileExistsError(
+            f"--output {output} already holds a dataset or part of one ({shown}); "
+            "pass --overwrite to replace it, or choose another --output."
+        )
+    logger.info("--overwrite: removing the old dataset at %s", output)
+    ordered = sorted(existing, key=lambda name: (not name.startswith(MANIFEST_NAME), name))
+    for name in ordered:
+        path = join_output(output, name)
+        if is_local(output):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        else:
+            FileSystems.delete([path])
+
+
+# ---------------------------------------------------------------------------------------
+# Rejected records.
+
+
+def rejection_to_json(rejection: tuple) -> str:
+    _file_index, input_path, record_index, reason, detail, excerpt = rejection
+    return json.dumps(
+        {"input_file": input_path, "record_index": record_index, "reason": reason,
+         "detail": detail, "excerpt": excerpt},
+        ensure_ascii=False,
+    )
+
+
+class WriteRejectedFn(beam.DoFn):
+    """``(file_index, rejections)`` -> ``_rejected/rejected-FFFFF.jsonl`` sorted by record index."""
+
+    def __init__(self, output: str):
+        self.output = output
+
+    def process(self, element: tuple) -> Iterator[str]:
+        file_index, rejections = element
+        ordered = sorted(rejections, key=lambda r: (r[2], r[3], r[4]))
+        body = "".join(rejection_to_json(r) + "\n" for r in ordered)
+        # Lone surrogates can only come from the excerpt of a bad record; keep them visible.
+        relative_path = f"{REJECTED_DIR}/{REJECTED_FILE_FORMAT.format(file_index=file_index)}"
+        write_atomically(join_output(self.output, relative_path), body.encode("utf-8", "backslashreplace"))
+        yield relative_path
+
+
+# ---------------------------------------------------------------------------------------
+# The manifest.
+
+
+def _by_reason(rejected: dict[str, int]) -> str:
+    return ", ".join(f"{reason}={count}" for reason, count in sorted(rejected.items()) if count)
+
+
+def check_reject_fraction(documents: int, rejected: dict[str, int], max_reject_fraction: float) -> None:
+    total_rejected = sum(rejected.values())
+    records = documents + total_rejected
+    if records == 0:
+        raise ShardJobError("the input holds no records (every input file is empty); nothing to shard.")
+    if documents == 0:
+        raise ShardJobError(
+            f"none of the {records} input records is a valid document ({_by_reason(rejected)}); see "
+            "_rejected/*.jsonl in the output and check --text-field / --format. No manifest.json was written."
+        )
+    fraction = total_rejected / records
+    if fraction > max_reject_fraction:
+        raise ShardJobError(
+            f"{total_rejected} of {records} input records were rejected ({fraction:.2%}: {_by_reason(rejected)}), "
+            f"more than --max-reject-fraction={max_reject_fraction}. See _rejected/*.jsonl in the "
+            "output for each record's file, index and reason; fix the input or the field options "
+            "(--text-field, --id-field, --format), or raise --max-reject-fraction. No manifest.json was written."
+        )
+
+
+def commit_manifest(
+    file_entries: list[dict],
+    *,
+    output: str,
+    seed: int,
+    num_lanes: int,
+    source_name: str,
+    schema: list[dict[str, str]],
+    tokenizer: Optional[dict],
+    max_reject_fraction: float,
+    files_per_lane: int,
+    reject_counts: dict[str, int],
+    rejected_files: Iterable[str],
+) -> dict:
+    """Check the reject fraction, then write ``manifest.json`` atomically. Returns its dict.
+
+    ``rejected_files`` is unused except as a side input: it makes this step wait until
+    every rejected-records file is written.
+    """
+    del rejected_files
+    files = [FileEntry.from_dict(entry, f"file entry {entry.get('path')}") for entry in file_entries]
+    documents = sum(f.rows for f in files)
+    rejected = {reason: int(reject_counts.get(reason, 0)) for reason in REJECT_REASONS}
+    unknown = set(reject_counts) - set(REJECT_REASONS)
+    if unknown:
+        raise ShardJobError(f"internal error: unknown reject reasons {sorted(unknown)}")
+    check_reject_fraction(documents, rejected, max_reject_fraction)
+    manifest = Manifest(
+        seed=seed,
+        num_lanes=num_lanes,
+        source_name=source_name,
+        schema=schema,
+        files=sorted(files, key=lambda f: (f.lane, f.part)),
+        documents=documents,
+        rejected=rejected,
+        tokenizer=tokenizer,
+        files_per_lane=files_per_lane,
+    ).with_fingerprint()
+    write_atomically(join_output(output, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
+    logger.info("committed %s: %d documents in %d files, fingerprint %s",
+                join_output(output, MANIFEST_NAME), documents, len(files), manifest.dataset_fingerprint)
+    return manifest.to_dict()

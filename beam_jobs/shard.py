@@ -1,0 +1,377 @@
+"""The Beam sharding job: raw documents -> lane-indexed Parquet + ``manifest.json``.
+
+Run it as ``zephon shard ...``, ``python -m beam_jobs.shard ...`` or from code with
+:func:`run` / :func:`run_shard`. Job options are listed by ``--help``; every other flag is
+a standard Beam pipeline option (``--runner``, ``--direct_running_mode``, ``--project``...)
+and is passed through to Beam.
+
+Pipeline (step names as they appear in the Beam UI)::
+
+    ListInputs -> ReadFiles -+- documents -+- TextBytes -> TotalTextBytes -> FilesPerLane --+
+                             |             |                                (side input)   |
+                             |             +- AssignLane <----------------------------------+
+                             |                  -> GroupByLaneFile -> WriteLaneFiles -> CollectFileEntries
+                             |                                                               |
+                             +- rejected --+- KeyRejectsByFile -> GroupRejectsByFile -> WriteRejected
+                                           +- RejectReason -> CountRejects              |    |
+                                                     (side inputs: counts, files written, |    v
+                                                      files_per_lane) --------------> CommitManifest
+
+Determinism: a document's lane, part file and row position depend only on (seed, key) and
+the total text bytes of all valid documents, so the lane files and the dataset fingerprint
+are the same on every runner and runner mode, and for any split of the same records into
+input files (given ``--id-field``). See :mod:`beam_jobs.lane_files` and
+:mod:`beam_jobs.outputs` for the file-level guarantees.
+
+Default runner: when no ``--runner`` is given the job runs on Beam's ``FnApiRunner``
+in-memory (what ``DirectRunner`` falls back to when Prism is unavailable), so local runs
+never try to download Prism and behave the same on every machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Optional, Sequence, Union
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.pvalue import AsDict, AsList, AsSingleton
+
+from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs
+from beam_jobs.lane_files import (
+    RESERVED_COLUMNS,
+    AssignLaneFn,
+    WriteLaneFileFn,
+    files_per_lane_for,
+    manifest_schema,
+)
+from beam_jobs.outputs import JOB_ERROR_PREFIX, WriteRejectedFn, commit_manifest, prepare_output
+from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
+from loader.manifest import Manifest, read_manifest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_LANES = 64
+DEFAULT_SEED = 0
+DEFAULT_TARGET_FILE_MB = 64.0
+DEFAULT_MAX_REJECT_FRACTION = 0.01
+DEFAULT_RUNNER_ARGS = ("--runner=FnApiRunner",)
+MAX_TARGET_FILE_MB = 1024.0  # Arrow string arrays hold < 2 GiB; a file is built in memory
+
+
+class ShardConfigError(ValueError):
+    """Job options that cannot work together, named with the fix."""
+
+
+class ShardError(RuntimeError):
+    """The job ran and failed (too many rejects, no records, a worker error)."""
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """The sharding job's own options (``--help`` documents each). Validated on creation."""
+
+    inputs: tuple[str, ...]
+    output: str
+    format: Optional[str] = None
+    text_field: str = "text"
+    id_field: Optional[str] = None
+    keep_fields: tuple[str, ...] = ()
+    source_name: Optional[str] = None
+    num_lanes: int = DEFAULT_NUM_LANES
+    seed: int = DEFAULT_SEED
+    tokenizer: Optional[str] = None
+    target_file_mb: float = DEFAULT_TARGET_FILE_MB
+    overwrite: bool = False
+    max_reject_fraction: float = DEFAULT_MAX_REJECT_FRACTION
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.inputs:
+            problems.append("--input needs at least one path or glob")
+        if not self.output:
+            problems.append("--output is required")
+        if self.format is not None and self.format not in FORMATS:
+            problems.append(f"--format must be one of {', '.join(FORMATS)} (got {self.format!r})")
+        if self.num_lanes <= 0:
+            problems.append(f"--num-lanes must be positive (got {self.num_lanes})")
+        if self.seed < 0:
+            problems.append(f"--seed must be >= 0 (got {self.seed})")
+        if not 0 < self.target_file_mb <= MAX_TARGET_FILE_MB:
+            problems.append(f"--target-file-mb must be in (0, {MAX_TARGET_FILE_MB:g}] (got {self.target_file_mb})")
+        if not 0.0 <= self.max_reject_fraction <= 1.0:
+            problems.append(f"--max-reject-fraction must be in [0, 1] (got {self.max_reject_fraction})")
+        if not self.text_field:
+            problems.append("--text-field must not be empty")
+        reserved = sorted(set(self.keep_fields) & set(RESERVED_COLUMNS))
+        if reserved:
+            problems.append(f"--keep-fields {', '.join(reserved)}: these names are lane file columns "
+                            f"({', '.join(RESERVED_COLUMNS)}); the document key is already in 'key'")
+        if self.text_field in self.keep_fields:
+            problems.append(f"--keep-fields must not repeat --text-field {self.text_field!r} (it is the 'text' column)")
+        if len(set(self.keep_fields)) != len(self.keep_fields):
+            problems.append(f"--keep-fields lists a field twice ({', '.join(self.keep_fields)})")
+        if problems:
+            raise ShardConfigError("; ".join(problems))
+
+    @property
+    def target_file_bytes(self) -> int:
+        return max(1, int(self.target_file_mb * (1 << 20)))
+
+    @property
+    def resolved_source_name(self) -> str:
+        return self.source_name or os.path.basename(self.output.rstrip("/")) or "dataset"
+
+    def record_spec(self) -> RecordSpec:
+        return RecordSpec(text_field=self.text_field, id_field=self.id_field, keep_fields=self.keep_fields)
+
+
+def _split_fields(values: Optional[Sequence[str]]) -> tuple[str, ...]:
+    return tuple(name for value in values or () for name in value.split(",") if name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zephon shard",
+        allow_abbrev=False,  # unknown flags are Beam's: never let a prefix of ours swallow one
+        description="Shard raw documents into lane-indexed Parquet files plus manifest.json "
+                    "(Apache Beam). Flags not listed here are Beam pipeline options, e.g. "
+                    "--runner=DataflowRunner --project=P --region=R --temp_location=gs://... ; "
+                    "without --runner the job runs locally on Beam's FnApiRunner (in-memory; add "
+                    "--direct_running_mode=multi_processing --direct_num_workers=N for processes).",
+    )
+    parser.add_argument("--input", dest="inputs", nargs="+", required=True, metavar="GLOB",
+                        help="(required) input files: one or more paths or globs, local or gs:// (* within a "
+                             "directory, ** across directories). Keys without --id-field are relative "
+                             "to the longest common directory of the patterns' non-glob parts.")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="input format for every file (default: inferred per file from the name: "
+                             ".jsonl/.json[.gz|.zst] -> jsonl, .parquet -> parquet, .txt[.gz|.zst] -> text, "
+                             "one document per text file)")
+    parser.add_argument("--text-field", default="text",
+                        help="field/column holding the document text (default: %(default)s)")
+    parser.add_argument("--id-field", default=None,
+                        help="field holding a unique document id used as the key (default: none; the key "
+                             "is '<path relative to the input root>#<record index>', stable for the same "
+                             "input files but not for a re-split of them)")
+    parser.add_argument("--keep-fields", nargs="+", default=None, metavar="FIELD",
+                        help="extra fields to keep, each as a JSON-encoded string column named like the "
+                             "field; space or comma separated (default: none)")
+    parser.add_argument("--source-name", default=None,
+                        help="name of this source recorded in the manifest (default: the --output "
+                             "directory's name)")
+    parser.add_argument("--num-lanes", type=int, default=DEFAULT_NUM_LANES,
+                        help="number of lanes L; choose it divisible by every data-parallel world size "
+                             "you will train with (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help="seed of the lane and in-lane order hashes, recorded in the manifest "
+                             "(default: %(default)s)")
+    parser.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                        help="Hugging Face tokenizer.json (local or gs://) for offline tokenization into "
+                             "input_ids/num_tokens columns, without special tokens (default: none; the "
+                             "loader tokenizes online)")
+    parser.add_argument("--target-file-mb", type=float, default=DEFAULT_TARGET_FILE_MB,
+                        help="target text MiB per lane file: files_per_lane = max(1, ceil(total text bytes "
+                             "/ num_lanes / target)); also bounds a writer's memory (default: %(default)s)")
+    parser.add_argument("--output", required=True,
+                        help="(required) dataset directory to write (local or gs://)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing dataset at --output (manifest first, then lane files and "
+                             "_rejected/); without it an existing dataset is an error (default: off)")
+    parser.add_argument("--max-reject-fraction", type=float, default=DEFAULT_MAX_REJECT_FRACTION,
+                        help="fail without writing manifest.json when rejected / (documents + rejected) is "
+                             "above this (default: %(default)s)")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
+    """``(job options, Beam pipeline args)``; unknown flags are pipeline options."""
+    known, pipeline_args = build_parser().parse_known_args(list(argv))
+    options = ShardOptions(
+        inputs=tuple(known.inputs),
+        output=known.output,
+        format=known.format,
+        text_field=known.text_field,
+        id_field=known.id_field,
+        keep_fields=_split_fields(known.keep_fields),
+        source_name=known.source_name,
+        num_lanes=known.num_lanes,
+        seed=known.seed,
+        tokenizer=known.tokenizer,
+        target_file_mb=known.target_file_mb,
+        overwrite=known.overwrite,
+        max_reject_fraction=known.max_reject_fraction,
+    )
+    return options, pipeline_args
+
+
+def with_default_runner(pipeline_args: Sequence[str]) -> list[str]:
+    args = list(pipeline_args)
+    if not any(a == "--runner" or a.startswith("--runner=") for a in args):
+        args += DEFAULT_RUNNER_ARGS
+    return args
+
+
+class ShardDataset(beam.PTransform):
+    """``PBegin`` -> the committed manifest dict (one element). See the module docstring."""
+
+    def __init__(self, options: ShardOptions, input_files: Sequence[InputFile],
+                 tokenizer_info: Optional[dict] = None, label: Optional[str] = None):
+        super().__init__(label)
+        self.options = options
+        self.input_files = list(input_files)
+        self.tokenizer_info = tokenizer_info  # describe(tokenizer).to_dict() when pre-tokenizing
+
+    def expand(self, pbegin):
+        opts = self.options
+        pretokenized = self.tokenizer_info is not None
+        read = (
+            pbegin
+            | "ListInputs" >> beam.Create([f.to_tuple() for f in self.input_files])
+            | "ReadFiles" >> beam.ParDo(ReadDocumentsFn(opts.record_spec())).with_outputs(REJECTED_TAG, main="documents")
+        )
+        documents, rejections = read.documents, read[REJECTED_TAG]
+
+        # Files per lane come from the content (total text bytes), never from input sizes.
+        files_per_lane = (
+            documents
+            | "TextBytes" >> beam.Map(itemgetter(2))
+            | "TotalTextBytes" >> beam.CombineGlobally(sum)
+            | "FilesPerLane" >> beam.Map(files_per_lane_for, opts.num_lanes, opts.target_file_bytes)
+        )
+        file_entries = (
+            documents
+            | "AssignLane" >> beam.ParDo(AssignLaneFn(opts.seed, opts.num_lanes), AsSingleton(files_per_lane))
+            | "GroupByLaneFile" >> beam.GroupByKey()
+            | "WriteLaneFiles" >> beam.ParDo(WriteLaneFileFn(
+                opts.output, opts.keep_fields, opts.tokenizer,
+                self.tokenizer_info["fingerprint"] if pretokenized else None))
+        )
+        rejected_files = (
+            rejections
+            | "KeyRejectsByFile" >> beam.Map(_keyed_by_input_file)
+            | "GroupRejectsByFile" >> beam.GroupByKey()
+            | "WriteRejected" >> beam.ParDo(WriteRejectedFn(opts.output))
+        )
+        reject_counts = (
+            rejections
+            | "RejectReason" >> beam.Map(itemgetter(3))
+            | "CountRejects" >> beam.combiners.Count.PerElement()
+        )
+        return (
+            file_entries
+            | "CollectFileEntries" >> beam.combiners.ToList()
+            | "CommitManifest" >> beam.Map(
+                commit_manifest,
+                output=opts.output,
+                seed=opts.seed,
+                num_lanes=opts.num_lanes,
+                source_name=opts.resolved_source_name,
+                schema=manifest_schema(pretokenized, opts.keep_fields),
+                tokenizer=self.tokenizer_info,
+                max_reject_fraction=opts.max_reject_fraction,
+                files_per_lane=AsSingleton(files_per_lane),
+                reject_counts=AsDict(reject_counts),
+                rejected_files=AsList(rejected_files),
+            )
+        )
+
+
+def _keyed_by_input_file(rejection: tuple) -> tuple[int, tuple]:
+    return rejection[0], rejection
+
+
+def _job_error_message(exc: BaseException) -> Optional[str]:
+    """The message of a :class:`ShardJobError` raised on a worker, wherever the runner put it."""
+    text = str(exc)
+    match = re.search(re.escape(JOB_ERROR_PREFIX) + r"(.*?)(?: \[while running|\\n|\n|$)", text)
+    return match.group(1) if match else None
+
+
+def _normalize_output(output: str) -> str:
+    return output if "://" in output else os.path.abspath(os.path.expanduser(output))
+
+
+def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait: bool = True) -> Optional[Manifest]:
+    """Shard ``options.inputs`` into ``options.output``; returns the committed manifest.
+
+    With ``wait=False`` (e.g. a Dataflow template launch) the job is submitted and ``None``
+    is returned; the job itself writes the manifest when it succeeds.
+    """
+    from dataclasses import replace
+
+    options = replace(options, output=_normalize_output(options.output))
+    input_files = expand_inputs(options.inputs, options.format)
+    text_files = [f.path for f in input_files if f.format == "text"]
+    if text_files and options.id_field is not None:
+        raise ShardConfigError(
+            f"--id-field {options.id_field!r} cannot apply to text input (e.g. {text_files[0]}): a text file "
+            "is one document without fields; drop --id-field (the key is then the file's relative path) "
+            "or convert the input to JSONL."
+        )
+    tokenizer_info = None
+    if options.tokenizer is not None:
+        from loader.tokenizer import describe, load_tokenizer
+
+        tokenizer_info = describe(load_tokenizer(options.tokenizer)).to_dict()
+    prepare_output(options.output, options.overwrite)
+    logger.info("sharding %d input files into %d lanes at %s", len(input_files), options.num_lanes, options.output)
+
+    pipeline = beam.Pipeline(options=PipelineOptions(with_default_runner(pipeline_args)))
+    _ = pipeline | "Shard" >> ShardDataset(options, input_files, tokenizer_info)
+    try:
+        result = pipeline.run()
+        if not wait:
+            return None
+        result.wait_until_finish()
+    except Exception as exc:
+        message = _job_error_message(exc)
+        if message is not None:
+            raise ShardError(message) from exc
+        raise
+    return read_manifest(options.output)
+
+
+def run(argv: Union[Sequence[str], ShardOptions]) -> Manifest:
+    """Library entry: ``run(["--input", "data/*.jsonl", "--output", "ds", ...])`` -> Manifest."""
+    if isinstance(argv, ShardOptions):
+        return run_shard(argv)
+    options, pipeline_args = parse_args(argv)
+    return run_shard(options, pipeline_args)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``zephon shard`` / ``python -m beam_jobs.shard``: 0 on success, 1 on failure, 2 on bad options."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("beam_jobs").setLevel(logging.INFO)
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        options, pipeline_args = parse_args(args)
+    except ShardConfigError as exc:
+        print(f"zephon shard: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        manifest = run_shard(options, pipeline_args)
+    except (ShardConfigError, InputError) as exc:
+        print(f"zephon shard: error: {exc}", file=sys.stderr)
+        return 2
+    except (ShardError, FileExistsError, ValueError, OSError) as exc:
+        print(f"zephon shard: error: {exc}", file=sys.stderr)
+        return 1
+    assert manifest is not None
+    tokens = f", {manifest.total_tokens} tokens" if manifest.pretokenized else ""
+    rejected = sum(manifest.rejected.values())
+    print(f"wrote {manifest.documents} documents{tokens} to {manifest.num_lanes} lanes in "
+          f"{len(manifest.files)} files at {options.output} ({rejected} rejected); "
+          f"dataset_fingerprint {manifest.dataset_fingerprint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
