@@ -1,0 +1,124 @@
+"""MosaicML Streaming: MDS shards (``MDSWriter``) read by ``StreamingDataset``.
+
+Documents are samples (``ids``: ``ndarray:int32`` or ``text``: ``str``), shuffled by
+Streaming (``py1e``, seed 0); the concat packer from common.py packs them. The state is
+``StreamingDataset.state_dict(samples consumed x world size, False)`` - the count the stock
+``StreamingDataLoader`` keeps - plus the packer carry. Mixing uses ``Stream(proportion=...)``.
+Ranks come from Streaming's own environment variables (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE), so a two-rank run is two concurrent processes, as in training.
+"""
+
+from __future__ import annotations
+
+import os
+
+from bench.peers.common import (
+    SOURCES,
+    Layout,
+    PackedBatches,
+    Spec,
+    TextToIds,
+    eos_id,
+    load_flat,
+    stub_streaming_vision,
+)
+
+SHARD_BYTES = 8 << 20
+
+
+def version() -> str:
+    from importlib.metadata import version as v
+
+    return v("mosaicml-streaming")
+
+
+def prepare(layout: Layout) -> dict:
+    stub_streaming_vision()
+    from streaming import MDSWriter
+
+    from bench.peers.common import iter_docs_jsonl
+
+    root = layout.formats("streaming")
+    for source in SOURCES:
+        tokens, offsets = load_flat(layout, source)
+        with MDSWriter(out=os.path.join(root, f"{source}-ids"), columns={"ids": "ndarray:int32"},
+                       size_limit=SHARD_BYTES) as w:
+            for i in range(len(offsets) - 1):
+                w.write({"ids": tokens[offsets[i]:offsets[i + 1]].copy()})
+        with MDSWriter(out=os.path.join(root, f"{source}-text"), columns={"text": "str"},
+                       size_limit=SHARD_BYTES) as w:
+            for doc in iter_docs_jsonl(layout, source):
+                w.write({"text": doc["text"]})
+    return {}
+
+
+def _mean_doc_tokens(layout: Layout) -> float:
+    return float(layout.info()["sources"]["web"]["mean_doc_tokens"]) + 1.0
+
+
+def _set_env(spec: Spec) -> None:
+    os.environ.update({"RANK": str(spec.rank), "WORLD_SIZE": str(spec.world_size), "LOCAL_RANK": str(spec.rank),
+                       "LOCAL_WORLD_SIZE": str(spec.world_size), "NODE_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29577"})
+
+
+class Session:
+    def __init__(self, spec: Spec, layout: Layout) -> None:
+        _set_env(spec)
+        stub_streaming_vision()
+        from streaming import Stream, StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+        from torch.utils.data import DataLoader
+
+        clean_stale_shared_memory()
+        root = layout.formats("streaming")
+        # batch_size is in samples (documents): about the documents one packed batch needs.
+        # predownload (default 8 x batch_size) bounds how far the ready thread runs ahead; it
+        # polls every 7 ms, so a small value caps throughput at ~predownload/7ms samples/s.
+        docs_per_batch = max(1, round(spec.rank_batch * spec.seq_len / _mean_doc_tokens(layout)))
+        common = dict(shuffle=True, shuffle_seed=spec.seed, batch_size=docs_per_batch,
+                      predownload=4096, num_canonical_nodes=1)
+        if spec.mode == "mix":
+            streams = [Stream(local=os.path.join(root, f"{s}-ids"), proportion=w)
+                       for s, w in zip(SOURCES, spec.weights)]
+            self.ds = StreamingDataset(streams=streams, **common)
+        else:
+            kind = "ids" if spec.mode in ("pretok",) else "text"
+            self.ds = StreamingDataset(local=os.path.join(root, f"web-{kind}"), **common)
+        self.dl = DataLoader(self.ds, batch_size=None, num_workers=spec.num_workers,
+                             persistent_workers=False)
+        self.world = spec.world_size
+        self.consumed = 0
+        tok = TextToIds(layout) if spec.mode == "text" else None
+        self.to_ids = (lambda s: tok(s["text"])) if tok else (lambda s: s["ids"])
+        self.batches = PackedBatches(self._docs, spec.seq_len, spec.rank_batch, eos_id(layout),
+                                     self._peer_state, self._peer_load)
+
+    def _docs(self):
+        while True:  # epochs
+            self.consumed = 0
+            for sample in self.dl:
+                self.consumed += 1
+                yield self.to_ids(sample)
+
+    def _peer_state(self):
+        return self.ds.state_dict(self.consumed * self.world, False)
+
+    def _peer_load(self, state) -> None:
+        self.ds.load_state_dict(state)
+
+    def __iter__(self):
+        return self.batches
+
+    def state_dict(self):
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.batches.load_state_dict(state)
+
+    def close(self) -> None:
+        pass
+
+
+def open_session(spec: Spec, layout: Layout) -> Session:
+    return Session(spec, layout)

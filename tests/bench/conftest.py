@@ -1,0 +1,8 @@
+"""Make the repository root importable (``bench`` is not an installed package)."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
