@@ -1,6 +1,6 @@
 """Elastic-resume demo: stop a 4-process training run, resume it on 2 and on 1 process.
 
-Run from the repository root (about 4-5 minutes on 2 CPU cores)::
+Run from the repository root (6-8 minutes on 2 shared CPU cores: 368 s for docs/elastic_demo.*)::
 
     python -m examples.elastic_demo                  # or: python examples/elastic_demo.py
     python -m examples.elastic_demo --out-dir docs   # what produced docs/elastic_demo.*
@@ -12,28 +12,36 @@ It needs ``matplotlib`` for the plot (``pip install matplotlib``). Steps:
    8 lanes each. The loader config mixes them 0.7 / 0.3 with online tokenization and concat
    packing into 64-token sequences, 32 sequences per global batch.
 2. **Runs**, each a ``torchrun`` of ``examples/train_gpt.py`` on gloo over loopback, for
-   Zephon and then for the baseline (``--loader baseline``: pre-packed list +
-   ``DistributedSampler``) with the same schedule:
+   Zephon and then for two baselines a user would write (``examples/baseline_data.py``),
+   with the same schedule:
+
+   * ``--loader baseline``: the pre-packed list of sequences + ``DistributedSampler``;
+   * ``--loader baseline_online``: ``DistributedSampler`` over the documents (the same
+     tokens), tokenized and concat-packed on each rank.
+
+   Both resume by skipping the micro-batches already consumed.
 
    ============  ====  ===========  =======  =======  =====================================
    run           W     micro-batch  accum    workers  steps
    ============  ====  ===========  =======  =======  =====================================
    reference     4     4            2        0        0 .. N, never stops
    w4_stop       4     4            2        1        0 .. k, checkpoint at k, exits
-   w2_resume     2     2            8        2        k .. N from the W=4 checkpoint
-   w1_resume     1     16           2        1        k .. N from the W=4 checkpoint
+   w2_resume     2     4            4        0        k .. N from the W=4 checkpoint
+   w1_resume     1     16           2        2        k .. N from the W=4 checkpoint
    ============  ====  ===========  =======  =======  =====================================
 
 3. **Checks.** Every step's batch fingerprint of every Zephon run equals the reference's
    (exact), and the reference's equal ``zephon fingerprints`` computed in this process.
    Losses agree with the reference within ``LOSS_RTOL`` (``tolerance_note`` explains the value); ``w4_stop``
-   runs the reference's topology and must match it bit for bit. For the baseline the demo
-   reports the first step whose global batch differs from the baseline reference.
+   runs the reference's topology and must match it bit for bit. For each baseline the demo
+   reports the first step whose global batch differs from that baseline's reference, and
+   the loss deviation from it.
 4. **Outputs** in ``--out-dir``: ``elastic_demo.png`` (loss per step of every run and the
    deviation from its reference) and ``elastic_demo_report.txt``; run logs, checkpoints
    and data stay in ``--work-dir`` (a temporary directory unless given).
 
-Exit status 0 when every Zephon check passes, 1 otherwise.
+Exit status 0 when every Zephon check passes, 1 otherwise (the baselines are reported, not
+checked).
 """
 
 from __future__ import annotations
@@ -68,6 +76,16 @@ NUM_LANES = 8
 SEQ_LEN = 64
 GLOBAL_BATCH = 32
 LOADER_SEED = 1234
+
+LOADERS = ("zephon", "baseline", "baseline_online")
+BASELINES = LOADERS[1:]
+COLORS = {"zephon": "tab:blue", "baseline": "tab:orange", "baseline_online": "tab:green"}
+BASELINE_DESCRIPTIONS = {
+    "baseline": "pre-packed list of sequences, DistributedSampler(shuffle=True, seed) over the sequences, "
+                "resume by skipping micro-batches",
+    "baseline_online": "DistributedSampler(shuffle=True, seed) over the documents (the pre-packed list's tokens), "
+                       "tokenized and concat-packed on each rank, resume by skipping micro-batches",
+}
 
 
 @dataclass(frozen=True)
@@ -186,7 +204,7 @@ def run_schedule(loader: str, config: Path, work: Path, steps: int, stop_step: i
             args += ["--ckpt-dir", str(ckpt), "--ckpt-every", str(stop_step)]
         if spec.start == "checkpoint":
             args += ["--resume", str(ckpt / f"step_{stop_step:06d}")]
-        print(f"  {loader:8s} {spec.name:10s} W={spec.world_size} micro={spec.micro_batch} "
+        print(f"  {loader:15s} {spec.name:10s} W={spec.world_size} micro={spec.micro_batch} "
               f"accum={spec.accum()} workers={spec.num_workers} ...", end="", flush=True)
         timings[spec.name] = torchrun(spec.world_size, args, logs / f"{loader}_{spec.name}.txt")
         print(f" {timings[spec.name]:.1f} s", flush=True)
@@ -206,6 +224,12 @@ class Comparison:
     max_rel: float
     rel_by_step: dict[int, float]
 
+    def max_rel_after_first_diff(self) -> Optional[float]:
+        """Largest relative loss difference in the steps after the first differing batch."""
+        if self.first_fp_diff is None:
+            return None
+        return max((self.rel_by_step[s] for s in self.steps if s > self.first_fp_diff), default=None)
+
 
 def compare(ref: dict[int, dict], run: dict[int, dict], name: str) -> Comparison:
     steps = sorted(run)
@@ -219,6 +243,19 @@ def compare(ref: dict[int, dict], run: dict[int, dict], name: str) -> Comparison
         fp_diff_steps=diffs, max_abs=max(abs(run[s]["loss"] - ref[s]["loss"]) for s in steps),
         max_rel=max(rel.values()), rel_by_step=rel,
     )
+
+
+def step_ranges(steps: Sequence[int]) -> str:
+    """``[16, 17, 18, 41]`` -> ``"16-18, 41"``."""
+    out, run = [], []
+    for s in sorted(steps):
+        if run and s != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(s)
+    if run:
+        out.append(run)
+    return ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
 
 
 def describe_baseline_step(step: int, ref_history: dict[int, dict], run_history: dict[int, dict],
@@ -241,6 +278,23 @@ def describe_baseline_step(step: int, ref_history: dict[int, dict], run_history:
             f"the epoch), this run {len(b)} ({again_b}); {shared} in common")
 
 
+def online_overlap(ref: dict[int, dict], run: dict[int, dict]) -> dict[str, int]:
+    """Sequences (by content) a resumed online-baseline run shares with its reference's batch of the same step.
+
+    ``first`` / ``first_total``: at the run's first step; ``same_step`` / ``total``: summed over the run.
+    """
+    def common(a, b) -> int:
+        return sum((collections.Counter(a) & collections.Counter(b)).values())
+
+    steps = sorted(run)
+    return {
+        "first": common(ref[steps[0]]["sequence_keys"], run[steps[0]]["sequence_keys"]),
+        "first_total": len(run[steps[0]]["sequence_keys"]),
+        "same_step": sum(common(ref[s]["sequence_keys"], run[s]["sequence_keys"]) for s in steps),
+        "total": sum(len(run[s]["sequence_keys"]) for s in steps),
+    }
+
+
 def baseline_list_size(work: Path) -> Optional[int]:
     """Sequences in the baseline's pre-packed list (the cache ``train_gpt.py`` wrote)."""
     import numpy as np
@@ -250,6 +304,19 @@ def baseline_list_size(work: Path) -> Optional[int]:
             return len(data["source_ids"])
     except OSError:
         return None
+
+
+def online_documents(config: Path) -> Optional[dict]:
+    """The online baseline's document list (``examples.baseline_data.document_list``), summarised."""
+    from examples.baseline_data import document_list
+    from loader.config import LoaderConfig
+
+    try:
+        docs, names = document_list(LoaderConfig.from_file(str(config)))
+    except OSError:
+        return None
+    return {"documents": len(docs), "per_source": {n: sum(1 for d in docs if d.source_id == k) for k, n in enumerate(names)},
+            "cut": sum(1 for d in docs if d.max_tokens is not None)}
 
 
 def cross_check_cli(config: Path, ref: dict[int, dict], steps: int) -> int:
@@ -265,67 +332,80 @@ def cross_check_cli(config: Path, ref: dict[int, dict], steps: int) -> int:
 
 
 # -- outputs ---------------------------------------------------------------------------------
-def plot(path: Path, zephon: dict, baseline: dict, comps: dict, stop_step: int, rtol: float,
+def plot(path: Path, runs: dict[str, dict], comps: dict, stop_step: int, rtol: float,
          baseline_epoch_steps: Optional[int]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {"reference": ("-", None, 2.2), "w4_stop": ("", "o", 0), "w2_resume": ("", "s", 0), "w1_resume": ("", "^", 0)}
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    for loader, runs, color in (("zephon", zephon, "tab:blue"), ("baseline", baseline, "tab:orange")):
-        for name, records in runs.items():
+    loaders = [loader for loader in LOADERS if runs.get(loader)]
+    styles = {"reference": ("-", None, 2.0), "w4_stop": ("", "o", 0), "w2_resume": ("", "s", 0), "w1_resume": ("", "^", 0)}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 9.5), sharex=True, gridspec_kw={"height_ratios": [3, 2.4]})
+    for loader in loaders:
+        for name, records in runs[loader].items():
             ls, marker, lw = styles[name]
             xs = sorted(records)
             top.plot(xs, [records[s]["loss"] for s in xs], linestyle=ls or "none", marker=marker, markersize=4,
-                     linewidth=lw, color=color, alpha=0.9 if name == "reference" else 0.6,
+                     linewidth=lw, color=COLORS[loader], alpha=0.85 if name == "reference" else 0.6,
                      markerfacecolor="none", label=f"{loader} {name}")
+    ymax = top.get_ylim()[1]
     top.axvline(stop_step, color="gray", linestyle=":", linewidth=1)
-    top.text(stop_step + 0.4, top.get_ylim()[1] * 0.995, f"stop W=4, resume W=2 / W=1 (step {stop_step})",
+    top.text(stop_step + 0.4, ymax * 0.995, f"stop W=4, resume W=2 / W=1 (step {stop_step})",
              va="top", fontsize=8, color="gray")
     top.set_ylabel("training loss (global-batch token mean)")
-    top.set_title("Loss per step: Zephon vs. DistributedSampler baseline, W=4 stopped and resumed on W=2 and W=1")
-    top.legend(fontsize=8, ncol=2)
+    top.set_title("Loss per step: Zephon vs. two DistributedSampler baselines; W=4 stopped at step "
+                  f"{stop_step}, resumed on W=2 and W=1", fontsize=10)
+    top.legend(fontsize=7, ncol=3)
     floor = 1e-10
-    for loader, color in (("zephon", "tab:blue"), ("baseline", "tab:orange")):
+    for loader in loaders:
+        differing = set()
         for name in ("w2_resume", "w1_resume"):
             comp = comps[loader][name]
             xs = comp.steps
             ys = [max(comp.rel_by_step[s], floor) for s in xs]
-            bottom.plot(xs, ys, marker=styles[name][1], markersize=3, linewidth=1, color=color,
+            bottom.plot(xs, ys, marker=styles[name][1], markersize=3, linewidth=1, color=COLORS[loader],
                         markerfacecolor="none", label=f"{loader} {name}")
-            for s in comp.fp_diff_steps:
-                bottom.axvline(s, color=color, alpha=0.25, linewidth=4)
-    last = max(max(r) for r in zephon.values())
-    if baseline_epoch_steps:
+            differing.update(comp.fp_diff_steps)
+        for s in differing:  # shade the steps whose global batch differs from the loader's reference
+            bottom.axvspan(s - 0.5, s + 0.5, color=COLORS[loader], alpha=0.12, linewidth=0)
+        if loader != "zephon" and differing:
+            first = min(differing)
+            y = max(comps[loader][n].rel_by_step.get(first, 0.0) for n in ("w2_resume", "w1_resume"))
+            late = first > stop_step + 10  # label below-left of a late step, above-right of an early one
+            bottom.annotate(f"{loader}: first differing batch, step {first}", xy=(first, y),
+                            xytext=(first - 18, 1e-6) if late else (first + 1, 0.3), fontsize=8,
+                            color=COLORS[loader], arrowprops={"arrowstyle": "->", "color": COLORS[loader]})
+    if baseline_epoch_steps and runs.get("baseline"):
+        last = max(max(r) for r in runs["baseline"].values())
         for end in range(baseline_epoch_steps, last + 1, baseline_epoch_steps):
             for ax in (top, bottom):
-                ax.axvline(end - 0.5, color="tab:orange", linestyle=":", linewidth=1)
-            top.text(end - 0.1, top.get_ylim()[1] * 0.995, "baseline epoch ends", va="top",
-                     fontsize=8, color="tab:orange")
+                ax.axvline(end - 0.5, color=COLORS["baseline"], linestyle=":", linewidth=1)
+            top.text(end - 0.1, ymax * 0.995, "pre-packed baseline's epoch ends", va="top",
+                     fontsize=8, color=COLORS["baseline"])
     bottom.axhline(rtol, color="red", linestyle="--", linewidth=1, label=f"tolerance rtol={rtol:g}")
     bottom.axvline(stop_step, color="gray", linestyle=":", linewidth=1)
     bottom.set_yscale("log")
     bottom.set_ylim(floor / 2, 1)
     bottom.set_xlabel("global step")
     bottom.set_ylabel("|loss - own reference| / loss\n(exact 0 drawn at 1e-10)")
-    bottom.set_title("Deviation from the uninterrupted run (shaded: steps whose global batch differs)", fontsize=10)
-    bottom.legend(fontsize=8, ncol=3, loc="upper left")
+    bottom.set_title("Deviation from the loader's own uninterrupted run (shaded: steps whose global batch differs)",
+                     fontsize=10)
+    bottom.legend(fontsize=7, ncol=4, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="Stop a W=4 run, resume on W=2 and W=1; compare with a reference and a baseline.")
+    parser = argparse.ArgumentParser(description="Stop a W=4 run, resume on W=2 and W=1; compare with a reference and two baselines.")
     parser.add_argument("--work-dir", help="data, logs and checkpoints (default: a new temporary directory)")
     parser.add_argument("--out-dir", default=str(REPO / "docs"), help="where the PNG and the report go (default: docs/)")
     parser.add_argument("--steps", type=int, default=48, help="N: steps of the full schedule (default: 48)")
     parser.add_argument("--stop-step", type=int, default=16, help="k: the W=4 run stops and checkpoints here (default: 16)")
     parser.add_argument("--num-docs", type=int, default=DEMO_NUM_DOCS, help=f"make_sample documents, all sources (default: {DEMO_NUM_DOCS})")
     parser.add_argument("--sample-seed", type=int, default=DEMO_SAMPLE_SEED, help=f"make_sample seed (default: {DEMO_SAMPLE_SEED})")
-    parser.add_argument("--skip-baseline", action="store_true", help="Zephon runs only")
+    parser.add_argument("--skip-baseline", action="store_true", help="Zephon runs only (neither baseline)")
     parser.add_argument("--analyze-only", action="store_true",
                         help="redo checks, plot and report from the logs of a finished --work-dir")
     args = parser.parse_args(argv)
@@ -339,27 +419,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"work dir: {work}")
     N, k = args.steps, args.stop_step
+    runs: dict[str, dict] = {}
     if args.analyze_only:
         if not args.work_dir:
             parser.error("--analyze-only needs the --work-dir of a finished run")
-        config, timings = work / "demo.toml", {}
-        zephon, baseline = ({spec.name: read_log(work / loader / f"{spec.name}.jsonl") for spec in SCHEDULE}
-                            if (work / loader).is_dir() else {} for loader in ("zephon", "baseline"))
+        config = work / "demo.toml"
+        timings = json.loads((work / "timings.json").read_text()) if (work / "timings.json").exists() else {}
+        for loader in LOADERS:
+            if (work / loader).is_dir():
+                runs[loader] = {spec.name: read_log(work / loader / f"{spec.name}.jsonl") for spec in SCHEDULE}
     else:
         config, timings = prepare_data(work, args.num_docs, args.sample_seed, logs)
-        zephon, zt = run_schedule("zephon", config, work, N, k, logs)
-        timings.update({f"zephon {n}": s for n, s in zt.items()})
-        baseline, bt = ({}, {}) if args.skip_baseline else run_schedule("baseline", config, work, N, k, logs)
-        timings.update({f"baseline {n}": s for n, s in bt.items()})
+        for loader in LOADERS if not args.skip_baseline else ("zephon",):
+            runs[loader], t = run_schedule(loader, config, work, N, k, logs)
+            timings.update({f"{loader} {n}": s for n, s in t.items()})
+        (work / "timings.json").write_text(json.dumps(timings))
+    zephon = runs["zephon"]
 
     t0 = time.perf_counter()
     cli_steps = cross_check_cli(config, zephon["reference"], N)
     timings["zephon fingerprints (W=1, in process)"] = time.perf_counter() - t0
-    comps = {"zephon": {}, "baseline": {}}
-    for loader, runs in (("zephon", zephon), ("baseline", baseline)):
+    comps: dict[str, dict[str, Comparison]] = {loader: {} for loader in runs}
+    for loader, loader_runs in runs.items():
         for name in ("w4_stop", "w2_resume", "w1_resume"):
-            if name in runs:
-                comps[loader][name] = compare(runs["reference"], runs[name], f"{loader} {name}")
+            comps[loader][name] = compare(loader_runs["reference"], loader_runs[name], f"{loader} {name}")
     zc = comps["zephon"]
     resumed_rel = max(zc[n].max_rel for n in ("w2_resume", "w1_resume"))
     failures = []
@@ -371,20 +454,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if zc["w4_stop"].max_abs != 0.0:
         failures.append(f"zephon w4_stop: same topology as the reference but losses differ by {zc['w4_stop'].max_abs:.3e}")
 
-    note = tolerance_note(resumed_rel, comps["baseline"])
-    report = build_report(args, work, config, zephon, baseline, comps, timings, cli_steps, note, failures,
-                          time.perf_counter() - t_all)
-    if baseline:
-        n_packed = baseline_list_size(work)
-        plot(out / "elastic_demo.png", zephon, baseline, comps, k, LOSS_RTOL,
-             math.ceil(n_packed / GLOBAL_BATCH) if n_packed else None)
-    report += f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n"
+    n_packed = baseline_list_size(work) if "baseline" in runs else None
+    epoch_steps = math.ceil(n_packed / GLOBAL_BATCH) if n_packed else None
+    note = tolerance_note(resumed_rel, comps)
+    report = build_report(args, work, config, runs, comps, timings, cli_steps, note, failures, n_packed)
+    if len(runs) > 1:
+        plot(out / "elastic_demo.png", runs, comps, k, LOSS_RTOL, epoch_steps)
+    if args.analyze_only:
+        report += f"\n(--analyze-only: checks, plot and report redone from the logs in {time.perf_counter() - t_all:.0f} s)\n"
+    else:
+        report += f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n"
     (out / "elastic_demo_report.txt").write_text(report)
     print(report)
     return 1 if failures else 0
 
 
-def tolerance_note(zephon_rel: float, baseline_comps: dict[str, "Comparison"]) -> str:
+def tolerance_note(zephon_rel: float, comps: dict[str, dict[str, "Comparison"]]) -> str:
     """Why the losses are compared with LOSS_RTOL, with this run's numbers."""
     text = (
         "Why losses are compared with a tolerance: the batches are bit-identical, but float32 sums\n"
@@ -397,24 +482,33 @@ def tolerance_note(zephon_rel: float, baseline_comps: dict[str, "Comparison"]) -
         f"rtol = {LOSS_RTOL:g} sits between two scales measured here: it is {LOSS_RTOL / max(zephon_rel, 1e-300):.0f}x the largest "
         f"relative\nloss difference of the resumed Zephon runs ({zephon_rel:.1e}, {zephon_rel / FLOAT32_EPS:.1f} float32 eps)"
     )
-    after = {name: max((c.rel_by_step[s] for s in c.steps if s > c.first_fp_diff), default=None)
-             for name, c in baseline_comps.items() if c.first_fp_diff is not None}
-    after = {name: v for name, v in after.items() if v is not None}
-    if after and min(after.values()) > LOSS_RTOL:
-        text += (", and below\nwhat one different batch does to the model: in the steps after the baseline's single "
-                 "differing\nbatch its loss departs from its own reference by "
-                 + ", ".join(f"{v:.1e} ({n})" for n, v in after.items()) + ".")
-    elif after:
-        text += (".\nThe baseline's loss after its differing batch departs by only "
-                 + ", ".join(f"{v:.1e} ({n})" for n, v in after.items())
+    # the pre-packed baseline differs in single batches: what one different batch does afterwards
+    single = {}
+    for name, c in comps.get("baseline", {}).items():
+        after = c.max_rel_after_first_diff()
+        if after is not None and len(c.fp_diff_steps) == 1:
+            single[name] = after
+    if single and min(single.values()) > LOSS_RTOL:
+        step = comps["baseline"]["w2_resume"].first_fp_diff
+        text += (",\nand below what one different batch does to the model: in the steps after the pre-packed\n"
+                 f"baseline's single differing batch (step {step}) its loss departs from its own reference by\n"
+                 + ", ".join(f"{v:.1e} ({n})" for n, v in single.items()) + ".")
+    elif single:
+        text += (".\nThe pre-packed baseline's loss after its single differing batch departs by only "
+                 + ", ".join(f"{v:.1e} ({n})" for n, v in single.items())
                  + ", partly within this tolerance:\nlosses cannot tell batches apart; the fingerprints are the exact check.")
     else:
         text += "."
+    online = {n: c.max_rel for n, c in comps.get("baseline_online", {}).items() if c.fp_diff_steps}
+    if online:
+        text += ("\nThe online-packing baseline, whose batches differ at every resumed step, departs by up to\n"
+                 + ", ".join(f"{v:.1e} ({n})" for n, v in online.items()) + ".")
     return text
 
 
-def build_report(args, work, config, zephon, baseline, comps, timings, cli_steps, note, failures, elapsed) -> str:
+def build_report(args, work, config, runs, comps, timings, cli_steps, note, failures, n_packed) -> str:
     N, k = args.steps, args.stop_step
+    zephon = runs["zephon"]
     ref = zephon["reference"]
     sources = collections.Counter()
     for r in ref.values():
@@ -431,26 +525,28 @@ def build_report(args, work, config, zephon, baseline, comps, timings, cli_steps
         "resumed from it on W=2 and W=1 with other micro-batch sizes and worker counts.",
         f"Reference mix over {N} steps: " + ", ".join(f"{n}={c}" for n, c in sources.items())
         + f" sequences ({sum(sources.values())}).",
+        "Loaders: zephon; " + "; ".join(f"{b} = {BASELINE_DESCRIPTIONS[b]}" for b in BASELINES if b in runs) + ".",
         "",
         f"{'run':12s}{'W':>3s}{'micro':>7s}{'accum':>7s}{'workers':>9s}{'steps':>9s}  {'same batch':>11s}"
-        f"{'max |dloss|':>13s}{'max rel':>10s}{'time s':>8s}",
+        f"{'first diff':>11s}{'max |dloss|':>13s}{'max rel':>10s}{'time s':>8s}",
     ]
-    for loader, runs in (("zephon", zephon), ("baseline", baseline)):
-        if not runs:
+    for loader in LOADERS:
+        if loader not in runs:
             continue
         lines.append(f"-- {loader}")
         for spec in SCHEDULE:
-            recs = runs[spec.name]
+            recs = runs[loader][spec.name]
             span = f"{min(recs)}..{max(recs)}"
             t = timings.get(f"{loader} {spec.name}", float("nan"))
+            head = (f"{spec.name:12s}{spec.world_size:3d}{spec.micro_batch:7d}{spec.accum():7d}"
+                    f"{spec.num_workers:9d}{span:>9s}  ")
             if spec.name == "reference":
-                lines.append(f"{spec.name:12s}{spec.world_size:3d}{spec.micro_batch:7d}{spec.accum():7d}"
-                             f"{spec.num_workers:9d}{span:>9s}  {'-':>11s}{'-':>13s}{'-':>10s}{t:8.1f}")
+                lines.append(head + f"{'-':>11s}{'-':>11s}{'-':>13s}{'-':>10s}{t:8.1f}")
                 continue
             c = comps[loader][spec.name]
             same = f"{c.fp_equal}/{len(c.steps)}"
-            lines.append(f"{spec.name:12s}{spec.world_size:3d}{spec.micro_batch:7d}{spec.accum():7d}"
-                         f"{spec.num_workers:9d}{span:>9s}  {same:>11s}{c.max_abs:13.2e}{c.max_rel:10.2e}{t:8.1f}")
+            first = "-" if c.first_fp_diff is None else str(c.first_fp_diff)
+            lines.append(head + f"{same:>11s}{first:>11s}{c.max_abs:13.2e}{c.max_rel:10.2e}{t:8.1f}")
     zc = comps["zephon"]
     lines += [
         "",
@@ -463,34 +559,101 @@ def build_report(args, work, config, zephon, baseline, comps, timings, cli_steps
         f"  * resumed on W=2 / W=1: max relative loss difference {zc['w2_resume'].max_rel:.2e} / "
         f"{zc['w1_resume'].max_rel:.2e} (tolerance {LOSS_RTOL:g}).",
     ]
-    if baseline:
-        lines += ["", "Baseline (pre-packed list, DistributedSampler(shuffle=True, seed), resume by skipping micro-batches):"]
-        bref = baseline["reference"]
-        n_packed = baseline_list_size(work)
-        if n_packed is not None:
-            lines.append(f"  * pre-packed list: n = {n_packed} sequences, an epoch of {math.ceil(n_packed / GLOBAL_BATCH)} steps "
-                         f"(the last one short); n mod 4 = {n_packed % 4}, n mod 2 = {n_packed % 2}: DistributedSampler pads "
-                         "each epoch to a multiple of W by repeating its first indices.")
-        spe = math.ceil(n_packed / GLOBAL_BATCH) if n_packed else None
-        for name in ("w4_stop", "w2_resume", "w1_resume"):
-            c = comps["baseline"][name]
-            history = {**baseline["w4_stop"], **baseline[name]}
-            if c.first_fp_diff is None:
-                lines.append(f"  * {name}: same global batch as the baseline reference at every step "
-                             f"(max relative loss difference {c.max_rel:.2e}).")
-            else:
-                s = c.first_fp_diff
-                after = [x for x in c.steps if x > s]
-                worst_after = max((c.rel_by_step[x] for x in after), default=float("nan"))
-                where = (f" = the last step of epoch {s // spe}" if spe and s % spe == spe - 1 else "")
-                detail = describe_baseline_step(s, bref, history, spe) if spe else ""
-                lines.append(f"  * {name}: first differing global batch at step {s}{where} (steps differing: "
-                             f"{c.fp_diff_steps}); {detail}. Loss at that step differs by {c.rel_by_step[s]:.2e} "
-                             f"relative, and by up to {worst_after:.2e} in the steps after it.")
+    if "baseline" in runs:
+        lines += report_prepacked(runs["baseline"], comps["baseline"], n_packed, k)
+    if "baseline_online" in runs:
+        lines += report_online(runs["baseline_online"], comps["baseline_online"], online_documents(config), k)
     lines += ["", note, ""]
     lines.append("Timings (wall s): " + ", ".join(f"{n} {s:.1f}" for n, s in timings.items()))
     lines.append("RESULT: " + ("PASS" if not failures else "FAIL\n  " + "\n  ".join(failures)))
     return "\n".join(lines) + "\n"
+
+
+def report_prepacked(runs: dict, comps: dict, n_packed: Optional[int], k: int) -> list[str]:
+    lines = ["", "Baseline `baseline` (" + BASELINE_DESCRIPTIONS["baseline"] + "):"]
+    spe = math.ceil(n_packed / GLOBAL_BATCH) if n_packed else None
+    if n_packed is not None:
+        lines.append(f"  * pre-packed list: n = {n_packed} sequences, an epoch of {spe} steps "
+                     f"(the last one short) on every W here; n mod 4 = {n_packed % 4}, n mod 2 = {n_packed % 2}: "
+                     "DistributedSampler pads each epoch to a multiple of W by repeating its first indices.")
+    for name in ("w4_stop", "w2_resume", "w1_resume"):
+        c = comps[name]
+        if c.first_fp_diff is None:
+            lines.append(f"  * {name}: same global batch as the baseline reference at every step "
+                         f"(max relative loss difference {c.max_rel:.2e}).")
+            continue
+        s = c.first_fp_diff
+        where = f" = the last step of epoch {s // spe}" if spe and s % spe == spe - 1 else ""
+        lines.append(f"  * {name}: first differing global batch at step {s}{where} ({len(c.fp_diff_steps)} of "
+                     f"{len(c.steps)} resumed steps differ: {step_ranges(c.fp_diff_steps)}).")
+        before = [x for x in c.steps if x < s]
+        if before:
+            lines.append(f"    - steps {before[0]}-{before[-1]}: the reference's batches; max relative loss difference "
+                         f"{max(c.rel_by_step[x] for x in before):.2e} (float noise, as for Zephon).")
+        if spe:
+            detail = describe_baseline_step(s, runs["reference"], {**runs["w4_stop"], **runs[name]}, spe)
+            lines.append(f"    - step {s}: {detail}; the loss differs by {c.rel_by_step[s]:.2e} relative.")
+        after = [x for x in c.steps if x > s]
+        if after:
+            same_after = all(x not in c.fp_diff_steps for x in after)
+            lines.append(f"    - steps {after[0]}-{after[-1]}: "
+                         + ("the reference's batches again (the next epoch starts at the same step on every W), "
+                            if same_after else "")
+                         + f"but the model has trained one other batch: the loss departs by up to "
+                         f"{c.max_rel_after_first_diff():.2e}.")
+    lines += [
+        "  * why only there: packing happens once, before sharding, so a sequence is the same object on every",
+        "    W. DistributedSampler deals ONE seeded permutation of the list round-robin (rank r's j-th sample",
+        "    is position r + j*W), so the global batch of step s is positions [s*B, (s+1)*B) of that",
+        "    permutation for every W, and skipping s*B/W samples per rank puts every rank at position s*B.",
+        "    A resume on another W therefore continues the reference's batches exactly. Only the padding to a",
+        "    multiple of W at the end of the permutation depends on W, so the epoch's last batch differs.",
+    ]
+    return lines
+
+
+def report_online(runs: dict, comps: dict, docs: Optional[dict], k: int) -> list[str]:
+    lines = ["", "Baseline `baseline_online` (" + BASELINE_DESCRIPTIONS["baseline_online"] + "):"]
+    if docs:
+        lines.append(f"  * document list: {docs['documents']} documents ("
+                     + ", ".join(f"{n} {c}" for n, c in docs["per_source"].items())
+                     + f"; {docs['cut']} cut where the pre-packed list's share of its source ends): the same tokens "
+                     "as the pre-packed list.")
+    for name in ("w4_stop", "w2_resume", "w1_resume"):
+        c = comps[name]
+        if c.first_fp_diff is None:
+            lines.append(f"  * {name}: same global batch as the baseline reference at every step "
+                         f"(max relative loss difference {c.max_rel:.2e}).")
+            continue
+        s = c.first_fp_diff
+        where = " = the first resumed step" if s == k else ""
+        o = online_overlap(runs["reference"], runs[name])
+        lines += [
+            f"  * {name}: first differing global batch at step {s}{where} ({len(c.fp_diff_steps)} of {len(c.steps)} "
+            f"resumed steps differ: {step_ranges(c.fp_diff_steps)}).",
+            f"    - step {c.steps[0]}: {o['first']} of its {o['first_total']} sequences are in the reference's batch; "
+            f"the loss differs by {c.rel_by_step[c.steps[0]]:.2e} relative.",
+            f"    - steps {c.steps[0]}-{c.steps[-1]}: {o['same_step']} of {o['total']} sequences are in the reference's "
+            f"batch of the same step; the loss departs by up to {c.max_rel:.2e}.",
+        ]
+    w2, w1 = runs.get("w2_resume", {}), runs.get("w1_resume", {})
+    same = sum(1 for x in w1 if x in w2 and w1[x]["fingerprint"] == w2[x]["fingerprint"])
+    if w1 and same == len(w1):
+        lines.append(f"  * w1_resume trains exactly w2_resume's batches ({same} of {len(w1)} steps): W=1 with 2 workers "
+                     "and W=2 without workers both pack the documents into 2 streams (positions 0, 2, 4, ... and "
+                     "1, 3, 5, ... of the permutation, up to the sampler's padding at the epoch end) and skip the "
+                     f"same {k * GLOBAL_BATCH // 2} sequences of each.")
+    else:
+        lines.append(f"  * w1_resume and w2_resume train the same batch at {same} of {len(w1)} steps.")
+    lines += [
+        "  * why at once: sharding happens before packing. Rank r of W packs the documents at positions",
+        "    r, r+W, r+2W, ... of the sampler's permutation into its own stream (each of its n loader workers",
+        "    every n-th of those; one worker packs them all, which is why w4_stop matches), so which documents",
+        "    share a buffer, and where sequence boundaries fall, depend on W x workers. The resumed run skips",
+        "    step*accum micro-batches of ITS OWN streams: the right amount of data, but not the sequences the",
+        "    W=4 ranks would have trained next. So the global batches differ from the first resumed step on.",
+    ]
+    return lines
 
 
 if __name__ == "__main__":

@@ -38,7 +38,12 @@ there is no dropout, and the learning rate is a pure function of the step (linea
 then constant), so nothing but the checkpoint is needed to continue.
 
 ``--loader baseline`` swaps Zephon for the pre-packed ``DistributedSampler`` pipeline of
-``examples/baseline_data.py`` (same datasets, tokenizer, global batch), for comparison.
+``examples/baseline_data.py`` (same datasets, tokenizer, global batch), for comparison;
+``--loader baseline_online`` for its other pipeline: ``DistributedSampler`` over the
+documents, tokenized and concat-packed on each rank. Both resume by skipping the
+micro-batches already consumed. A ``baseline_online`` global batch is fingerprinted with
+its sequences in byte order (its rows have no global index that means the same on every
+world size), so its fingerprint names the batch's multiset of sequences.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from examples.baseline_data import BaselineData, load_or_prepack
+from examples.baseline_data import BaselineData, OnlineBaselineData, load_or_prepack
 from examples.tiny_gpt import GPTConfig, TinyGPT, lm_loss_sum
 from loader.config import LoaderConfig
 from loader.fingerprints import sequence_bytes
@@ -73,7 +78,7 @@ from loader.torch_data import LoaderStateful
 
 log = logging.getLogger("train_gpt")
 
-LOADERS = ("zephon", "baseline")
+LOADERS = ("zephon", "baseline", "baseline_online")
 CKPT_PREFIX = "step_"
 
 
@@ -139,6 +144,9 @@ class ZephonData:
 def build_data(args, config: LoaderConfig, rank: int, world_size: int):
     if args.loader == "zephon":
         return ZephonData(config)
+    if args.loader == "baseline_online":
+        return OnlineBaselineData(config, rank=rank, world_size=world_size,
+                                  micro_batch=config.micro_batch_size, num_workers=config.num_workers)
     packed = load_or_prepack(config, args.baseline_cache, rank=rank, barrier=dist.barrier)
     return BaselineData(packed, config, rank=rank, world_size=world_size,
                         micro_batch=config.micro_batch_size, num_workers=config.num_workers)
@@ -207,8 +215,11 @@ def fingerprint_rows(micro_batches: list[dict]) -> list[tuple]:
     return rows
 
 
-def global_fingerprint(all_rows: list[list[tuple]], step: int, batch_size: int, exact_indices: bool):
-    rows = sorted((r for rank_rows in all_rows for r in rank_rows), key=lambda r: r[0])
+def global_fingerprint(all_rows: list[list[tuple]], step: int, batch_size: int, exact_indices: bool,
+                       by_content: bool = False):
+    """SHA-256 over the step's sequences in global-index order (``by_content``: in byte order)."""
+    key = (lambda r: r[1]) if by_content else (lambda r: r[0])
+    rows = sorted((r for rank_rows in all_rows for r in rank_rows), key=key)
     indices = [r[0] for r in rows]
     if exact_indices and indices != list(range(step * batch_size, (step + 1) * batch_size)):
         raise RuntimeError(f"step {step}: the ranks' sequences do not cover the global batch exactly")
@@ -259,7 +270,8 @@ def train(args, config: LoaderConfig, data, rank: int, world_size: int) -> None:
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(rows, gathered, dst=0)
         if rank == 0:
-            sha, ordered = global_fingerprint(gathered, step, config.global_batch_size, args.loader == "zephon")
+            sha, ordered = global_fingerprint(gathered, step, config.global_batch_size, args.loader == "zephon",
+                                              by_content=args.loader == "baseline_online")
             counts = {name: sum(1 for r in ordered if r[2] == k) for k, name in enumerate(data.source_names)}
             record = {
                 "event": "step", "step": step, "loss": float(total) / n_tokens, "fingerprint": sha,
@@ -269,6 +281,8 @@ def train(args, config: LoaderConfig, data, rank: int, world_size: int) -> None:
             }
             if args.loader == "baseline":
                 record["sequence_ids"] = [r[3] for r in ordered]
+            elif args.loader == "baseline_online":  # no stable ids: name each sequence by its content
+                record["sequence_keys"] = [hashlib.sha256(r[1]).hexdigest()[:16] for r in ordered]
             if log_file:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()

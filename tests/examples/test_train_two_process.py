@@ -10,10 +10,17 @@ Two ``torchrun`` launches of ``examples/train_gpt.py`` on gloo over loopback:
 
 Every resumed step must see the reference's global batch bit for bit (fingerprint), and
 its loss must agree within the demo's relative tolerance.
+
+The same two launches with ``--loader baseline_online`` (documents sharded by
+``DistributedSampler``, packed per rank, resume by skipping), shortened to the first resumed
+step: there the W=1 run already trains another global batch than the W=2 run did.
+(``tests/examples/test_baseline_data.py`` checks in process that a resume on the *same*
+world size does see the same batches.)
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
@@ -69,3 +76,21 @@ def test_resume_w2_checkpoint_on_w1_sees_the_same_batches(demo_config: Path, tmp
         assert resumed[step]["fingerprint"] == ref[step]["fingerprint"], f"step {step}: different global batch"
         assert resumed[step]["tokens"] == ref[step]["tokens"]
         assert resumed[step]["loss"] == pytest.approx(ref[step]["loss"], rel=LOSS_RTOL), f"step {step}"
+
+
+@pytest.mark.distributed
+def test_baseline_online_resumed_on_w1_differs_at_the_first_resumed_step(demo_config: Path, tmp_path: Path) -> None:
+    common = ["--config", str(demo_config), "--steps", str(STOP + 1), "--warmup", "2", "--loader", "baseline_online",
+              "--num-workers", "0"]
+    torchrun(2, [*common, "--micro-batch", "2", "--log-file", str(tmp_path / "ref.jsonl"),
+                 "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(STOP)],
+             tmp_path / "ref.txt", timeout=RUN_TIMEOUT_S)
+    torchrun(1, [*common, "--micro-batch", "4", "--log-file", str(tmp_path / "resumed.jsonl"),
+                 "--resume", str(tmp_path / "ckpt" / f"step_{STOP:06d}")],
+             tmp_path / "resumed.txt", timeout=RUN_TIMEOUT_S)
+
+    ref, resumed = read_log(tmp_path / "ref.jsonl"), read_log(tmp_path / "resumed.jsonl")
+    assert sorted(ref) == list(range(STOP + 1)) and sorted(resumed) == [STOP]
+    assert ref[STOP]["sequences"] == resumed[STOP]["sequences"] == 8
+    assert resumed[STOP]["fingerprint"] != ref[STOP]["fingerprint"]
+    assert collections.Counter(resumed[STOP]["sequence_keys"]) != collections.Counter(ref[STOP]["sequence_keys"])
