@@ -519,8 +519,8 @@ def build_report(args, work, config, runs, comps, timings, cli_steps, note, fail
         f"Data: make_sample(num_docs={args.num_docs}, seed={args.sample_seed}); prose and code sharded by the Beam job "
         f"into L={NUM_LANES} lanes; mix prose 0.7 / code 0.3, online tokenization, concat packing, "
         f"seq_len={SEQ_LEN}, global batch B={GLOBAL_BATCH} sequences, loader seed {LOADER_SEED}.",
-        f"Model: tiny GPT (2 layers, d_model 64, 4 heads, vocab 8000, document-masked causal attention), "
-        f"DDP on gloo, AdamW, lr 1e-3 after 10 warm-up steps, 1 thread per rank.",
+        "Model: tiny GPT (2 layers, d_model 64, 4 heads, vocab 8000, document-masked causal attention), "
+        "DDP on gloo, AdamW, lr 1e-3 after 10 warm-up steps, 1 thread per rank.",
         f"Schedule: N={N} steps; W=4 stops at step k={k} with a DCP checkpoint (model, optimizer, loader); "
         "resumed from it on W=2 and W=1 with other micro-batch sizes and worker counts.",
         f"Reference mix over {N} steps: " + ", ".join(f"{n}={c}" for n, c in sources.items())

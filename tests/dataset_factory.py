@@ -8,7 +8,6 @@ real job output has this layout.
 from __future__ import annotations
 
 import io
-import json
 import os
 from typing import Optional, Sequence
 

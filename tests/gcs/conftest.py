@@ -10,7 +10,6 @@ default 60 s) so a hung request fails the test instead of hanging the suite.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 
 import pytest
@@ -19,28 +18,6 @@ from loader import gcs
 from tests.gcs.faults import FaultProxy
 from tests.gcs.gcs_testing import BUCKET, Emulator, LaneFile, make_lane_file, start_emulator, upload_lane_file
 
-DEFAULT_TEST_TIMEOUT_S = 60
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "timeout(seconds): fail the test after this many seconds")
-
-
-@pytest.fixture(autouse=True)
-def _timeout_guard(request: pytest.FixtureRequest):
-    marker = request.node.get_closest_marker("timeout")
-    seconds = marker.args[0] if marker else DEFAULT_TEST_TIMEOUT_S
-
-    def expire(signum, frame):
-        raise TimeoutError(f"{request.node.nodeid} ran longer than {seconds}s (timeout guard)")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="session")

@@ -30,12 +30,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from dataset_factory import synthetic_texts, write_dataset
-from loader import gcs, pipeline
+from loader import gcs
 from loader.config import LoaderConfig
 from loader.fingerprints import collect_fingerprints
 from loader.lane_reader import LaneDataError
 from loader.pipeline import WorkerError
-from loader.storage import StorageError, StorageNotFoundError, StorageOptions
+from loader.storage import StorageError, StorageNotFoundError
 from tests.gcs.faults import Fault
 
 pytestmark = [pytest.mark.gcs, pytest.mark.timeout(60)]

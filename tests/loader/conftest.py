@@ -12,7 +12,6 @@ fails the test instead of the suite.
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,30 +26,9 @@ from tests.dataset_factory import synthetic_texts, write_dataset
 from tests.resume_harness import epoch_edge_steps
 
 from tests.loader.settings import (
-    DATA_SEED, DEFAULT_TIMEOUT_S, GLOBAL_BATCH, LOADER_SEED, MICRO_BATCH, NUM_DOCS, NUM_LANES, OPEN_BINS,
+    DATA_SEED, GLOBAL_BATCH, LOADER_SEED, MICRO_BATCH, NUM_DOCS, NUM_LANES, OPEN_BINS,
     PACKINGS, SEQ_LEN,
 )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "timeout(seconds): fail the test after this many seconds")
-
-
-@pytest.fixture(autouse=True)
-def _timeout_guard(request: pytest.FixtureRequest):
-    marker = request.node.get_closest_marker("timeout")
-    seconds = int(marker.args[0]) if marker else DEFAULT_TIMEOUT_S
-
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"{request.node.nodeid} took longer than {seconds} s (hang?)")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ GLOBAL_BATCH = 16
 MICRO_BATCH = 2
 OPEN_BINS = 4
 NUM_DOCS = 160
-DEFAULT_TIMEOUT_S = 120
 
 
 def pids_alive(pids) -> list[int]:

@@ -17,7 +17,6 @@ fails the test instead of the suite.
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,28 +36,6 @@ GLOBAL_BATCH = 28
 MICRO_BATCH = 7
 WEIGHTS = {"web": 0.55, "code": 0.3, "math": 0.15}
 SOURCES = {"web": (240, 21, True), "code": (160, 22, False), "math": (64, 23, False)}  # docs, text seed, pretok
-DEFAULT_TIMEOUT_S = 120
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "timeout(seconds): fail the test after this many seconds")
-
-
-@pytest.fixture(autouse=True)
-def _timeout_guard(request: pytest.FixtureRequest):
-    marker = request.node.get_closest_marker("timeout")
-    seconds = int(marker.args[0]) if marker else DEFAULT_TIMEOUT_S
-
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"{request.node.nodeid} took longer than {seconds} s (hang?)")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass(frozen=True)
