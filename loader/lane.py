@@ -106,8 +106,9 @@ class Lane:
             if sequence is None:
                 raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")
             self.outputs += 1
-            counts = np.bincount(sequence.token_sources[sequence.token_sources >= 0], minlength=len(self.stopped))
-            return int(np.argmax(counts)), sequence
+            # Majority source (ties: lowest id); padding is -1, i.e. 255 as uint8, out of range.
+            counts = np.bincount(sequence.token_sources.view(np.uint8), minlength=256)[: len(self.stopped)]
+            return int(counts.argmax()), sequence
         source_id = schedule.source_of(global_index)
         while True:
             if not self.stopped[source_id]:

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from loader.lane import LaneSpec, SourceSpec
 from loader.lane_reader import TokenFormat
 from loader.manifest import Manifest, ManifestError, read_manifest
 from loader.mixing import MixingSchedule, MixturePhase, exact_weights
-from loader.ordering import Topology, lanes_of_rank, lanes_of_worker, lane_outputs_before
+from loader.ordering import Topology, lanes_of_worker, lane_outputs_before
 from loader.producer import End, Item, build_lanes, produce, unpack_items, worker_main, write_worker_input
 from loader.tokenizer import (
     BOS_CANDIDATES,
@@ -132,6 +132,7 @@ class ZephonLoader:
         self._step_complete = True
         self._end_group = None
         self.lane_states: dict[int, dict] = {}
+        self._positions: Optional[np.ndarray] = None  # arange(micro_batch_size * seq_len) for _collate
         self._run: Optional[_Run] = None
         self._finalizer = None
 
@@ -346,7 +347,12 @@ class ZephonLoader:
         cu[:-1] = np.concatenate([s.segment_starts for s in sequences])
         cu[:-1] += np.repeat(np.arange(0, rows * seq_len, seq_len, dtype=np.int64), counts)
         cu[-1] = rows * seq_len
-        position_ids = np.arange(rows * seq_len, dtype=np.int64) - np.repeat(cu[:-1], np.diff(cu))
+        # position = index - start of its segment; the subtraction runs in place on the
+        # repeated starts, against an arange built once per loader.
+        if self._positions is None or len(self._positions) != rows * seq_len:
+            self._positions = np.arange(rows * seq_len, dtype=np.int64)
+        position_ids = np.repeat(cu[:-1], np.diff(cu))
+        np.subtract(self._positions, position_ids, out=position_ids)
         first_index = items[0].global_index
         step = first_index // self.config.global_batch_size
         micro_step = ((self.rank_position - len(items)) % self.topology.per_rank_batch) // self.config.micro_batch_size

@@ -11,8 +11,7 @@ plus ``odd4`` (4 lanes) for the lane-count mismatch error. B = 28 is divisible b
 world size that divides L (1, 2, 4) but not by 3, and 0.55/0.3/0.15 and 1/3 each have
 fractional quotas at B = 28 (15.4/8.4/4.2 and 9.33), so every step has a remainder slot.
 
-Every test runs under a SIGALRM guard (``timeout`` marker, default 120 s): a loader hang
-fails the test instead of the suite.
+The suite-wide hang guard of ``tests/conftest.py`` (``timeout`` marker) applies.
 """
 
 from __future__ import annotations

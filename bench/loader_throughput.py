@@ -1,0 +1,507 @@
+"""Loader throughput (issue 3): tokens/s into a training loop, against two floors, in one run.
+
+    python bench/loader_throughput.py [--quick] [--repeats 3] [--docs 20000] [--only CASE ...]
+
+Data: the sample corpus (:mod:`beam_jobs.sample_data`, JSONL) sharded by the Beam job
+(``python -m beam_jobs.shard``), pre-tokenized or as text; cached under
+``bench/_work/loader_throughput/`` (``--writer factory`` uses ``tests.dataset_factory``
+instead, for when the Beam job is unavailable). ``--docs D`` (default 20,000; quick 4,000):
+
+* D documents, 16 lanes, pre-tokenized: the scan floor and the pre-tokenized loader runs;
+* D/4 documents, 16 lanes, text: the tokenizer floor and the online-tokenization runs (its
+  pre-tokenized twin only supplies the token count);
+* D/4 and 10 x D/4 documents, 4 lanes, pre-tokenized: the RSS pair (4 lanes so that even
+  the small one fills whole 1 MiB row groups, the Beam job's cap: below the cap a row group,
+  and with it the loader's memory, grows with the data, which is not the question here).
+
+Every measurement runs in a fresh Python process (imports and loader construction are not
+timed) and the report gives the median of ``--repeats``; the cases are interleaved round by
+round so that load from other work on the machine spreads over all of them. Next to wall
+time each child reports its CPU time (its own plus its worker processes'): on a shared
+machine ``tokens / CPU s`` is the steadier number, wall time is what the goals use.
+
+Cases and goals:
+
+* ``scan``       floor (a): bare pyarrow scan of the pre-tokenized lane files (every row
+                 group's ``input_ids``, flattened to numpy, tokens counted; ``use_threads=False``,
+                 which is faster for a single column, as the loader reads).
+* ``tokenizer``  floor (b): ``Tokenizer.encode_batch_fast`` on the same documents, one call
+                 per row group (texts already in memory), on the tokenizer's default thread
+                 pool (one thread per core).
+* ``pre_concat_k0`` / ``_k2``   the loader on the pre-tokenized lanes, concat packing,
+                 ``num_workers`` 0 / 2. Goal: k0 >= 0.5 x scan.
+* ``pre_best_fit_k0``           the same with best-fit packing (reported, no goal).
+* ``text_concat_k0`` / ``_k2``  the loader on the text lanes (online tokenization). Goal:
+                 k0 >= 0.8 x tokenizer (same cores: the in-process loader tokenizes on the
+                 same thread pool as the floor); k2 reported.
+* ``restore``    seconds from ``load_state_dict`` to the first batch, with states saved at
+                 step 10 and step 10,000 of a small-sequence run (seq_len 32, one sequence
+                 per lane per step, so 10,000 steps are cheap to reach). Goal, pre-tokenized
+                 lanes, num_workers 0: step 10,000 <= 1.5 x step 10 (restore seeks, it does
+                 not replay). Also reported: num_workers 2, and text lanes (the cursor is a
+                 token offset in a row group, so a text restore tokenizes the group's
+                 documents before it).
+* ``rss``        peak RSS (``ru_maxrss``) of a process that reads the N and the 10N dataset
+                 (one epoch, at most ``RSS_MAX_TOKENS``). Goal: 10N within 1.10 x N. The
+                 growth above the process's RSS after its imports (torch included) is shown
+                 too.
+
+The loader runs use seq_len 2048, global batch 32, micro-batch 8, one rank, and deliver
+``PRE_EPOCHS`` / ``TEXT_EPOCHS`` epochs' worth of tokens: lanes hold different token counts,
+so when the run stops some lanes have read (and tokenized) part of a row group they did not
+use, an overshoot of at most a row group per lane that a run of several epochs makes small,
+as in training. The first micro-batch (start-up: workers spawn, first blocks read) is timed
+as part of the run and also shown apart. The consuming loop sums every tensor of every
+micro-batch. Delivered tokens are ``input_ids.numel()``: they include one EOS per document
+(~0.2% more than the floors count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Only the standard library at module level: worker processes (spawn) re-import this file.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORK_DIR = REPO_ROOT / "bench" / "_work" / "loader_throughput"
+TOKENIZER = str(REPO_ROOT / "beam_jobs" / "assets" / "tokenizer.json")
+NUM_LANES = 16
+RSS_LANES = 4
+SEED = 0
+
+THROUGHPUT = {"seq_len": 2048, "global_batch_size": 32, "micro_batch_size": 8}
+RESTORE = {"seq_len": 32, "global_batch_size": NUM_LANES, "micro_batch_size": NUM_LANES}
+RESTORE_STEPS = (10, 10_000)
+PRE_EPOCHS = 2
+TEXT_EPOCHS = 2
+RSS_MAX_TOKENS = 8_000_000
+
+GOAL_SCAN_RATIO = 0.5
+GOAL_TOKENIZER_RATIO = 0.8
+GOAL_RESTORE_RATIO = 1.5
+GOAL_RSS_RATIO = 1.10
+
+
+# ---------------------------------------------------------------------------------------
+# Data (built once, cached)
+
+
+def _dataset_dir(docs: int, pretokenized: bool, writer: str, lanes: int = NUM_LANES) -> Path:
+    suffix = "" if lanes == NUM_LANES else f"_L{lanes}"
+    return WORK_DIR / f"{writer}_{docs}_{'pre' if pretokenized else 'text'}{suffix}"
+
+
+def _datasets(docs: int) -> list[tuple[int, bool, int]]:
+    """(documents, pre-tokenized, lanes) of every dataset the run needs."""
+    return [(docs, True, NUM_LANES), (docs // 4, False, NUM_LANES), (docs // 4, True, NUM_LANES),
+            (docs // 4, True, RSS_LANES), (docs * 10 // 4, True, RSS_LANES)]
+
+
+def build_datasets(docs: int, writer: str) -> None:
+    from beam_jobs.sample_data import make_sample
+
+    for count, pretokenized, lanes in _datasets(docs):
+        out = _dataset_dir(count, pretokenized, writer, lanes)
+        if (out / "manifest.json").exists():
+            continue
+        corpus = WORK_DIR / f"corpus_{count}"
+        if not (corpus / "done").exists():
+            make_sample(str(corpus), num_docs=count, seed=SEED, formats=("jsonl",))
+            (corpus / "done").write_text("")
+        print(f"building {out.name} ({writer}) ...", flush=True)
+        if writer == "beam":
+            cmd = [sys.executable, "-m", "beam_jobs.shard", "--input", str(corpus / "*" / "*.jsonl"),
+                   "--output", str(out), "--num-lanes", str(lanes), "--seed", str(SEED),
+                   "--id-field", "id", "--overwrite",
+                   "--max-reject-fraction", "0.05"]  # the sample corpus has ~1% empty documents
+            if pretokenized:
+                cmd += ["--tokenizer", TOKENIZER]
+            subprocess.run(cmd, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
+        else:
+            _factory_dataset(corpus, out, pretokenized, lanes)
+
+
+def _factory_dataset(corpus: Path, out: Path, pretokenized: bool, lanes: int) -> None:
+    from tokenizers import Tokenizer
+
+    from tests.dataset_factory import write_dataset
+
+    texts, keys = [], []
+    for path in sorted(corpus.glob("*/*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["text"].strip():
+                texts.append(record["text"])
+                keys.append(record["id"])
+    write_dataset(str(out), texts, keys=keys, num_lanes=lanes, seed=SEED, row_group_rows=1024,
+                  tokenizer=Tokenizer.from_file(TOKENIZER) if pretokenized else None)
+
+
+def _manifest(dataset: str) -> dict:
+    return json.loads(Path(dataset, "manifest.json").read_text())
+
+
+def _lane_files(dataset: str) -> list[str]:
+    return [str(Path(dataset, f["path"])) for f in _manifest(dataset)["files"] if f["rows"] > 0]
+
+
+def _dataset_tokens(dataset: str) -> int:
+    return sum(f["tokens"] or 0 for f in _manifest(dataset)["files"])
+
+
+# ---------------------------------------------------------------------------------------
+# Children: one measurement each, in a fresh process; print one RESULT line
+
+
+class _Clock:
+    """Wall time and CPU time (this process's threads plus its finished child processes)."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), self._cpu()
+
+    @staticmethod
+    def _cpu() -> float:
+        import resource
+
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + children.ru_utime + children.ru_stime
+
+    def read(self) -> dict:
+        return {"seconds": time.perf_counter() - self.wall, "cpu_s": self._cpu() - self.cpu}
+
+
+def child_scan(dataset: str) -> dict:
+    import pyarrow.parquet as pq
+
+    clock = _Clock()
+    tokens = 0
+    for path in _lane_files(dataset):
+        parquet = pq.ParquetFile(path)
+        for group in range(parquet.metadata.num_row_groups):
+            # use_threads=False as the loader reads: for one column it is the faster setting
+            table = parquet.read_row_group(group, columns=["input_ids"], use_threads=False)
+            column = table.column(0).combine_chunks()
+            tokens += len(column.flatten().to_numpy(zero_copy_only=False))
+    return {"tokens": tokens, **clock.read()}
+
+
+def child_tokenizer(dataset: str) -> dict:
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(TOKENIZER)
+    batches = []
+    for path in _lane_files(dataset):
+        parquet = pq.ParquetFile(path)
+        for group in range(parquet.metadata.num_row_groups):
+            batches.append(parquet.read_row_group(group, columns=["text"]).column(0).to_pylist())
+    clock = _Clock()
+    tokens = 0
+    for texts in batches:
+        tokens += sum(len(e.ids) for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+    return {"tokens": tokens, **clock.read()}
+
+
+def _config(dataset: str, shape: dict, **overrides):
+    from loader.config import LoaderConfig
+
+    return LoaderConfig.from_dict({"datasets": [{"path": dataset}], "seed": SEED, "tokenizer": TOKENIZER,
+                                   **shape, **overrides})
+
+
+def _consume(batch) -> int:
+    """What a training loop does at least: touch every tensor of the micro-batch."""
+    import torch
+
+    total = 0
+    for value in batch.values():
+        if isinstance(value, torch.Tensor):
+            total += int(value.sum())
+    return total
+
+
+def child_loader(dataset: str, packing: str, num_workers: int, steps: int) -> dict:
+    from loader.pipeline import ZephonLoader
+
+    config = _config(dataset, THROUGHPUT, packing=packing, num_workers=num_workers)
+    micro_batches = steps * config.global_batch_size // config.micro_batch_size
+    loader = ZephonLoader(config)
+    clock = _Clock()
+    batch = next(loader)  # start-up: workers spawn, the first lanes' first blocks are read
+    _consume(batch)
+    startup = clock.read()["seconds"]
+    tokens = batch["input_ids"].numel()
+    for _ in range(micro_batches - 1):
+        batch = next(loader)
+        _consume(batch)
+        tokens += batch["input_ids"].numel()
+    seconds = clock.read()["seconds"]
+    loader.close()  # joins the workers, so that their CPU time is counted
+    return {"tokens": tokens, **clock.read(), "seconds": seconds, "startup_s": startup}
+
+
+def _state_path(dataset: str, step: int) -> Path:
+    return WORK_DIR / f"state_{Path(dataset).name}_step{step}.json"
+
+
+def child_make_states(dataset: str) -> dict:
+    """Run the small-sequence config to the restore steps once and save the states (cached)."""
+    from loader.pipeline import ZephonLoader
+    from loader.state import dumps
+
+    config = _config(dataset, RESTORE)
+    clock = _Clock()
+    with ZephonLoader(config) as loader:
+        for step in range(max(RESTORE_STEPS) + 1):
+            if step in RESTORE_STEPS:
+                _state_path(dataset, step).write_text(dumps(loader.state_dict()))
+            next(loader)
+    return {**clock.read(), "steps": max(RESTORE_STEPS)}
+
+
+def child_restore(dataset: str, step: int, num_workers: int) -> dict:
+    from loader.pipeline import ZephonLoader
+    from loader.state import loads
+
+    config = _config(dataset, RESTORE, num_workers=num_workers)
+    state = loads(_state_path(dataset, step).read_text())
+    with ZephonLoader(config) as loader:
+        clock = _Clock()
+        loader.load_state_dict(state)
+        batch = next(loader)
+        seconds = clock.read()["seconds"]
+        if batch["step"] != step:
+            raise RuntimeError(f"restored at step {batch['step']}, expected {step}")
+    return {"seconds": seconds}
+
+
+def _peak_rss_mb(who: int) -> float:
+    import resource
+
+    return resource.getrusage(who).ru_maxrss / 1024  # KiB on Linux
+
+
+def child_rss(dataset: str, num_workers: int) -> dict:
+    import resource
+
+    import torch  # noqa: F401 - imported before the baseline, as a trainer has it
+
+    from loader.pipeline import ZephonLoader
+
+    base = _peak_rss_mb(resource.RUSAGE_SELF)
+    config = _config(dataset, THROUGHPUT, num_workers=num_workers)
+    tokens = min(_dataset_tokens(dataset), RSS_MAX_TOKENS)
+    micro_batches = max(1, tokens // (config.seq_len * config.micro_batch_size))
+    with ZephonLoader(config) as loader:
+        for _ in range(micro_batches):
+            _consume(next(loader))
+    return {
+        "after_imports_mb": base,
+        "peak_mb": _peak_rss_mb(resource.RUSAGE_SELF),
+        "workers_peak_mb": _peak_rss_mb(resource.RUSAGE_CHILDREN) if num_workers else 0.0,
+        "tokens": micro_batches * config.seq_len * config.micro_batch_size,
+    }
+
+
+CHILDREN = {
+    "scan": child_scan, "tokenizer": child_tokenizer, "loader": child_loader,
+    "make_states": child_make_states, "restore": child_restore, "rss": child_rss,
+}
+
+
+def run_child(kind: str, **kwargs) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps({"kind": kind, **kwargs})]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} {kwargs} failed:\n{proc.stderr[-4000:]}")
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+# ---------------------------------------------------------------------------------------
+# Orchestration
+
+
+def plan(docs: int, writer: str) -> dict[str, dict]:
+    """Case name -> child arguments."""
+    pre = str(_dataset_dir(docs, True, writer))
+    text = str(_dataset_dir(docs // 4, False, writer))
+    per_step = THROUGHPUT["seq_len"] * THROUGHPUT["global_batch_size"]
+    pre_steps = max(2, PRE_EPOCHS * _dataset_tokens(pre) // per_step)
+    text_steps = max(2, TEXT_EPOCHS * _dataset_tokens(str(_dataset_dir(docs // 4, True, writer))) // per_step)
+    cases = {
+        "scan": {"kind": "scan", "dataset": pre},
+        "tokenizer": {"kind": "tokenizer", "dataset": text},
+    }
+    for name, dataset, packing, k, steps in (
+        ("pre_concat_k0", pre, "concat", 0, pre_steps),
+        ("pre_concat_k2", pre, "concat", 2, pre_steps),
+        ("pre_best_fit_k0", pre, "best_fit", 0, pre_steps),
+        ("text_concat_k0", text, "concat", 0, text_steps),
+        ("text_concat_k2", text, "concat", 2, text_steps),
+    ):
+        cases[name] = {"kind": "loader", "dataset": dataset, "packing": packing, "num_workers": k, "steps": steps}
+    for data, dataset, workers in (("pre", pre, (0, 2)), ("text", text, (0,))):
+        for k in workers:
+            for step in RESTORE_STEPS:
+                cases[f"restore_{data}_step{step}_k{k}"] = {
+                    "kind": "restore", "dataset": dataset, "step": step, "num_workers": k}
+    for label, count in (("n", docs // 4), ("10n", docs * 10 // 4)):
+        for k in (0, 2):
+            cases[f"rss_{label}_k{k}"] = {
+                "kind": "rss", "dataset": str(_dataset_dir(count, True, writer, RSS_LANES)), "num_workers": k}
+    return cases
+
+
+def measure(cases: dict[str, dict], repeats: int) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {name: [] for name in cases}
+    for round_ in range(repeats):
+        for name, args in cases.items():
+            args = dict(args)
+            result = run_child(args.pop("kind"), **args)
+            results[name].append(result)
+            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+            print(f"  round {round_ + 1}/{repeats} {name}: {shown}", flush=True)
+    return results
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _rate(runs: list[dict], per: str = "seconds") -> float:
+    """Median tokens per wall second (or per CPU second) over repeats."""
+    return statistics.median(r["tokens"] / r[per] for r in runs)
+
+
+def _status(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def report(results: dict[str, list[dict]]) -> list[str]:
+    """The results table (Markdown) and one GOAL line per goal."""
+    lines = ["| case | median | ratio | goal | status | tok / CPU s (ratio) |", "|---|---:|---:|---|---|---:|"]
+    has = lambda *names: all(results.get(n) for n in names)  # noqa: E731
+    verdicts = []
+    for name, label in (("scan", "floor (a): bare pyarrow scan, pre-tokenized lanes"),
+                        ("tokenizer", "floor (b): tokenizers encode_batch_fast, default threads")):
+        if has(name):
+            lines.append(f"| {label} | {_rate(results[name]) / 1e6:.2f} M tok/s | 1.00 | | | "
+                         f"{_rate(results[name], 'cpu_s') / 1e6:.2f} M |")
+    for name, floor, goal in (
+        ("pre_concat_k0", "scan", GOAL_SCAN_RATIO), ("pre_concat_k2", "scan", None),
+        ("pre_best_fit_k0", "scan", None),
+        ("text_concat_k0", "tokenizer", GOAL_TOKENIZER_RATIO), ("text_concat_k2", "tokenizer", None),
+    ):
+        if not has(name, floor):
+            continue
+        rate = _rate(results[name])
+        ratio = rate / _rate(results[floor])
+        cpu_ratio = _rate(results[name], "cpu_s") / _rate(results[floor], "cpu_s")
+        goal_text, status = "", ""
+        if goal is not None:
+            goal_text, status = f">= {goal} x {floor}", _status(ratio >= goal)
+            verdicts.append((f"{name} >= {goal} x {floor}", ratio, status))
+        startup = _median(results[name], "startup_s")
+        lines.append(f"| loader {name} (start-up {startup:.2f} s) | {rate / 1e6:.2f} M tok/s | "
+                     f"{ratio:.2f} x {floor} | {goal_text} | {status} | "
+                     f"{_rate(results[name], 'cpu_s') / 1e6:.2f} M ({cpu_ratio:.2f}) |")
+    for data, k in (("pre", 0), ("pre", 2), ("text", 0)):
+        early, late = (f"restore_{data}_step{s}_k{k}" for s in RESTORE_STEPS)
+        if has(early, late):
+            a, b = _median(results[early], "seconds"), _median(results[late], "seconds")
+            ratio = b / a
+            goal_text, status = "", ""
+            if (data, k) == ("pre", 0):
+                goal_text, status = f"<= {GOAL_RESTORE_RATIO}", _status(ratio <= GOAL_RESTORE_RATIO)
+                verdicts.append((f"restore step {RESTORE_STEPS[1]} / step {RESTORE_STEPS[0]} (pre, k0)", ratio, status))
+            lines.append(f"| restore to first batch ({data}, num_workers={k}): step {RESTORE_STEPS[0]} / "
+                         f"{RESTORE_STEPS[1]:,} | {a * 1e3:.0f} / {b * 1e3:.0f} ms | {ratio:.2f} | {goal_text} | "
+                         f"{status} | |")
+    for k in (0, 2):
+        small, large = f"rss_n_k{k}", f"rss_10n_k{k}"
+        if has(small, large):
+            peak = lambda runs: max(_median(runs, "peak_mb"), _median(runs, "workers_peak_mb"))  # noqa: E731
+            grow = lambda runs: _median(runs, "peak_mb") - _median(runs, "after_imports_mb")  # noqa: E731
+            a, b = peak(results[small]), peak(results[large])
+            ratio = b / a
+            goal_text, status = "", ""
+            if k == 0:
+                goal_text, status = f"<= {GOAL_RSS_RATIO}", _status(ratio <= GOAL_RSS_RATIO)
+                verdicts.append(("peak RSS 10N / N documents (k0)", ratio, status))
+            what = "max of main and workers" if k else "main process"
+            lines.append(f"| peak RSS, {what}, num_workers={k}: N / 10N docs (main above its imports: "
+                         f"{grow(results[small]):.0f} / {grow(results[large]):.0f} MB) | {a:.0f} / {b:.0f} MB | "
+                         f"{ratio:.2f} | {goal_text} | {status} | |")
+    lines.append("")
+    for what, ratio, status in verdicts:
+        lines.append(f"GOAL {what}: {ratio:.2f} {status}")
+    return lines
+
+
+def machine_line() -> str:
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import pyarrow
+    import tokenizers
+    import torch
+
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"nproc {os.cpu_count()}, {model}, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"pyarrow {pyarrow.__version__}, tokenizers {tokenizers.__version__}; load average {load}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small data (--docs 4000) and 1 repeat")
+    parser.add_argument("--docs", type=int, default=None, help="documents of the throughput dataset (default 20000)")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per case (default 3; quick 1)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="CASE", help="run only these cases (prefixes)")
+    parser.add_argument("--writer", choices=("beam", "factory"), default="beam", help="how lane datasets are built")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        spec = json.loads(args.child)
+        result = CHILDREN[spec.pop("kind")](**spec)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    docs = args.docs or (4000 if args.quick else 20000)
+    repeats = args.repeats or (1 if args.quick else 3)
+    WORK_DIR.mkdir(parents=True, exist_ok=True)
+    build_datasets(docs, args.writer)
+    cases = plan(docs, args.writer)
+    if args.only:
+        cases = {n: c for n, c in cases.items() if any(n.startswith(p) for p in args.only)}
+    for dataset in sorted({c["dataset"] for c in cases.values() if c["kind"] == "restore"}):
+        if not all(_state_path(dataset, s).exists() for s in RESTORE_STEPS):
+            made = run_child("make_states", dataset=dataset)
+            print(f"{Path(dataset).name}: states at steps {RESTORE_STEPS} saved "
+                  f"(running {made['steps']:,} steps took {made['seconds']:.1f} s)", flush=True)
+    pre = str(_dataset_dir(docs, True, args.writer))
+    print(machine_line())
+    print("command: python bench/loader_throughput.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
+    print(f"data: {docs:,} sample documents, {_dataset_tokens(pre):,} tokens in {NUM_LANES} lanes; "
+          f"{repeats} repeat(s), median")
+    results = measure(cases, repeats)
+    print("\n".join(report(results)))
+    print(f"load average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO_ROOT))
+    sys.exit(main())
