@@ -1,6 +1,7 @@
 """Mixing overhead (issue 4): tokens/s of a two-source mix against the same data as one source.
 
-    python bench/mixing_overhead.py [--quick] [--repeats 7] [--docs 80000] [--only CASE ...]
+    python bench/mixing_overhead.py [--mode separate|interleaved] [--quick] [--repeats 7]
+                                    [--docs 80000] [--passes 3] [--only CASE ...]
 
 Data: ``tests.dataset_factory.synthetic_texts(docs, seed=0)`` (142 tokens per document on
 average) written with the dataset factory into 16 lanes, with the same document keys in
@@ -21,20 +22,27 @@ tokenization is slower); row groups of 256 documents. Cached under
 
 Every case runs the loader with concat packing, seq_len 2048, global batch 32, micro-batch 8,
 one rank, ``num_workers`` 0, for ``--epochs`` (default 0.9) of the corpus's tokens, so that
-every source stays in its first epoch. The first ``WARMUP_STEPS`` = 4 global steps are not
+every source stays in its first epoch; a measurement is ``--passes`` (default 3) such passes
+in one process, each with a new loader. The first ``WARMUP_STEPS`` = 4 global steps of a pass are not
 timed: by then every lane has opened its files and read its first block of every source (a
 mix opens twice the files, a one-off start-up cost that is not throughput). ``_s128``
 cases repeat the pre-tokenized sequence-unit cases at seq_len 128, global batch 512,
 micro-batch 128 (16x more sequences per token: the per-sequence cost of mixing at its most
 visible).
 
-Every measurement runs in a fresh Python process (imports and construction not timed).
-Each mix is measured in ``--repeats`` pairs with its one-source baseline, the two runs of a
-pair adjacent and in alternating order. The report gives median tokens/s and the median
-over pairs of mix / baseline, by wall clock and by CPU time of the process
-(``time.process_time``, all its threads): on a machine shared with other work, wall-clock
-rates swing with the load and the CPU-time ratio is the steadier measure of the work mixing
-adds; the goal is judged on it.
+Each mix is measured in ``--repeats`` pairs with its one-source baseline, every pair in fresh
+Python processes (imports and construction not timed):
+
+* ``--mode separate`` (default): one process per run, the two runs of a pair adjacent and in
+  alternating order;
+* ``--mode interleaved``: one process per pair holds both loaders and alternates timed slices
+  of ``SLICE_STEPS`` = 8 steps between them, so that load from other work on the machine
+  falls on both alike (a steady-state comparison; one pass each).
+
+The report gives median tokens/s and the median over pairs of mix / baseline, by wall clock
+and by CPU time of the process (``time.process_time``, all its threads): on a machine shared
+with other work, wall-clock rates swing with the load and the CPU-time ratio is the steadier
+measure of the work mixing adds; the goal is judged on it.
 Goal: every mix >= 0.95 x its ``one`` (at most 5% slower).
 """
 
@@ -58,6 +66,7 @@ NUM_LANES = 16
 SEED = 0
 ROW_GROUP_ROWS = 256
 WARMUP_STEPS = 4
+SLICE_STEPS = 8  # --mode interleaved: steps per timed slice
 SHAPES = {
     "": {"seq_len": 2048, "global_batch_size": 32, "micro_batch_size": 8},
     "_s128": {"seq_len": 128, "global_batch_size": 512, "micro_batch_size": 128},
@@ -100,31 +109,69 @@ def _tokens_of(dataset: Path) -> int:
 # Child: one measurement in a fresh process; prints one RESULT line
 
 
-def child_loader(datasets: list[str], unit: str, shape: dict, steps: int) -> dict:
-    import torch
-
+def _loader(datasets: list[str], unit: str, shape: dict):
     from loader.config import LoaderConfig
     from loader.pipeline import ZephonLoader
 
     entries = [{"path": d, "weight": 1.0} for d in datasets]
     config = LoaderConfig(datasets=entries, seed=SEED, tokenizer=TOKENIZER, num_workers=0,
                           mixing_unit=unit, **shape)
-    per_step = config.global_batch_size // config.micro_batch_size
-    with ZephonLoader(config) as loader:
-        # Start-up, not timed: the first WARMUP_STEPS global steps, by which every lane has
-        # opened its files and read its first block of every source.
-        for _ in range(WARMUP_STEPS * per_step):
-            next(loader)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        tokens = 0
-        for _ in range((steps - WARMUP_STEPS) * per_step):
-            batch = next(loader)
-            for value in batch.values():  # what a training loop does at least: touch every tensor
-                if isinstance(value, torch.Tensor):
-                    int(value.sum())
-            tokens += batch["input_ids"].numel()
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return ZephonLoader(config), config.global_batch_size // config.micro_batch_size
+
+
+def _consume(loader, micro_batches: int) -> int:
+    """Take micro-batches the way a training loop does at least (touch every tensor); tokens."""
+    import torch
+
+    tokens = 0
+    for _ in range(micro_batches):
+        batch = next(loader)
+        for value in batch.values():
+            if isinstance(value, torch.Tensor):
+                int(value.sum())
+        tokens += batch["input_ids"].numel()
+    return tokens
+
+
+def child_loader(datasets: list[str], unit: str, shape: dict, steps: int, passes: int) -> dict:
+    """``passes`` passes over the same stretch of the stream, each with a new loader."""
+    tokens, seconds, cpu_seconds = 0, 0.0, 0.0
+    for _ in range(passes):
+        loader, per_step = _loader(datasets, unit, shape)
+        with loader:
+            # Start-up, not timed: the first WARMUP_STEPS global steps, by which every lane
+            # has opened its files and read its first block of every source.
+            _consume(loader, WARMUP_STEPS * per_step)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            tokens += _consume(loader, (steps - WARMUP_STEPS) * per_step)
+            seconds += time.perf_counter() - start
+            cpu_seconds += time.process_time() - cpu_start
     return {"tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds}
+
+
+def child_interleaved(mix: dict, base: dict, slice_steps: int) -> dict:
+    """The mix and its baseline in one process, alternating slices of ``slice_steps`` steps.
+
+    Both loaders run the same number of steps (the shorter case's); each slice is timed on
+    its own, so load on the machine falls on both sides alike.
+    """
+    runs = {}
+    for name, args in (("mix", mix), ("base", base)):
+        loader, per_step = _loader(args["datasets"], args["unit"], args["shape"])
+        _consume(loader, WARMUP_STEPS * per_step)
+        runs[name] = {"loader": loader, "per_step": per_step, "tokens": 0, "seconds": 0.0, "cpu_seconds": 0.0}
+    steps = min(mix["steps"], base["steps"]) - WARMUP_STEPS
+    for k, done in enumerate(range(0, steps, slice_steps)):
+        for name in (("mix", "base") if k % 2 == 0 else ("base", "mix")):
+            run = runs[name]
+            start, cpu_start = time.perf_counter(), time.process_time()
+            run["tokens"] += _consume(run["loader"], min(slice_steps, steps - done) * run["per_step"])
+            run["seconds"] += time.perf_counter() - start
+            run["cpu_seconds"] += time.process_time() - cpu_start
+    for run in runs.values():
+        run.pop("loader").close()
+        run.pop("per_step")
+    return runs
 
 
 def run_child(**kwargs) -> dict:
@@ -149,7 +196,7 @@ CASES = {  # label -> (mixing unit, layouts)
 }
 
 
-def plan(docs: int, epochs: float) -> dict[str, dict]:
+def plan(docs: int, epochs: float, passes: int) -> dict[str, dict]:
     """Case name -> child arguments plus ``base``, the name of its one-source case."""
     cases = {}
     tokens_pre = _tokens_of(_dataset_dir("pre", "one", docs))
@@ -163,29 +210,35 @@ def plan(docs: int, epochs: float) -> dict[str, dict]:
                 cases[f"{kind}_{label}{suffix}"] = {
                     "base": f"{kind}_one{suffix}",
                     "datasets": [str(_dataset_dir(kind, name, count)) for name in layouts],
-                    "unit": unit, "shape": shape, "steps": steps,
+                    "unit": unit, "shape": shape, "steps": steps, "passes": passes,
                 }
     return cases
 
 
-def measure(cases: dict[str, dict], repeats: int) -> dict[str, list[tuple[dict, dict]]]:
-    """Per mix case, ``repeats`` pairs (mix run, baseline run), each run in a fresh process.
+def measure(cases: dict[str, dict], repeats: int, mode: str) -> dict[str, list[tuple[dict, dict]]]:
+    """Per mix case, ``repeats`` pairs (mix run, baseline run).
 
-    The two runs of a pair are adjacent, in alternating order (baseline first in even rounds,
-    the mix first in odd ones), so load that drifts during the benchmark hits both alike.
+    ``separate``: each run in a fresh process, the two runs of a pair adjacent and in
+    alternating order (baseline first in even rounds). ``interleaved``: one fresh process
+    per pair runs both loaders, alternating slices of ``SLICE_STEPS`` steps.
     """
     mixes = [name for name, case in cases.items() if case["base"] != name]
     pairs: dict[str, list[tuple[dict, dict]]] = {name: [] for name in mixes}
+    strip = lambda case: {k: v for k, v in case.items() if k != "base"}  # noqa: E731
     for round_ in range(repeats):
         for name in mixes:
-            order = [cases[name]["base"], name] if round_ % 2 == 0 else [name, cases[name]["base"]]
-            got = {}
-            for which in order:
-                got[which] = run_child(**{k: v for k, v in cases[which].items() if k != "base"})
-            pairs[name].append((got[name], got[cases[name]["base"]]))
+            base_name = cases[name]["base"]
+            if mode == "interleaved":
+                got = run_child(kind="interleaved", mix=strip(cases[name]), base=strip(cases[base_name]),
+                                slice_steps=SLICE_STEPS)
+                pairs[name].append((got["mix"], got["base"]))
+            else:
+                order = [base_name, name] if round_ % 2 == 0 else [name, base_name]
+                got = {which: run_child(kind="loader", **strip(cases[which])) for which in order}
+                pairs[name].append((got[name], got[base_name]))
             mix, base = pairs[name][-1]
             print(f"  round {round_ + 1}/{repeats} {name}: {_rate(mix) / 1e6:.2f} M tok/s "
-                  f"({_rate(mix, 'cpu_seconds') / 1e6:.2f} per CPU-s) vs {cases[name]['base']} "
+                  f"({_rate(mix, 'cpu_seconds') / 1e6:.2f} per CPU-s) vs {base_name} "
                   f"{_rate(base) / 1e6:.2f} ({_rate(base, 'cpu_seconds') / 1e6:.2f}): CPU ratio "
                   f"{_rate(mix, 'cpu_seconds') / _rate(base, 'cpu_seconds'):.3f}", flush=True)
     return pairs
@@ -237,18 +290,27 @@ def main(argv=None) -> int:
     parser.add_argument("--docs", type=int, default=None, help="documents of the pre-tokenized corpus (default 80000)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per case (default 7; quick 1)")
     parser.add_argument("--epochs", type=float, default=0.9,
-                        help="corpus tokens per measurement, in epochs (default 0.9: every source in its first epoch)")
+                        help="corpus tokens per pass, in epochs (default 0.9: every source in its first epoch)")
+    parser.add_argument("--passes", type=int, default=3,
+                        help="passes per measurement, each with a new loader (default 3; quick 1)")
+    parser.add_argument("--mode", choices=("separate", "interleaved"), default="separate",
+                        help="separate: one process per run (default); interleaved: mix and baseline "
+                             "in one process per pair, alternating slices of steps")
     parser.add_argument("--only", nargs="+", default=None, metavar="CASE", help="run only these cases (prefixes)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print("RESULT " + json.dumps(child_loader(**json.loads(args.child))), flush=True)
+        kwargs = json.loads(args.child)
+        child = {"loader": child_loader, "interleaved": child_interleaved}[kwargs.pop("kind")]
+        print("RESULT " + json.dumps(child(**kwargs)), flush=True)
         return 0
     docs = args.docs or (8000 if args.quick else 80000)
     repeats = args.repeats or (1 if args.quick else 7)
+    if args.quick:
+        args.passes = 1
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     build_datasets(docs)
-    cases = plan(docs, args.epochs)
+    cases = plan(docs, args.epochs, args.passes)
     if args.only:
         wanted = {n for n in cases if any(n.startswith(p) for p in args.only)}
         wanted |= {cases[n]["base"] for n in wanted}  # keep the baselines of the selected mixes
@@ -256,7 +318,7 @@ def main(argv=None) -> int:
     command = "python bench/mixing_overhead.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     print(f"{command}\n{machine_line()}", flush=True)
     started = time.perf_counter()
-    pairs = measure(cases, repeats)
+    pairs = measure(cases, repeats, args.mode)
     print(f"\n{len(pairs)} mixes x {repeats} pairs in {time.perf_counter() - started:.0f} s; {machine_line()}\n")
     print("\n".join(report(pairs, cases)))
     return 0

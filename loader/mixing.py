@@ -18,6 +18,7 @@ batches from its start step on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
@@ -25,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from loader.hashing import stable_hash64, stable_permutation
+from loader.hashing import _splitmix64, stable_hash64  # _splitmix64: stable_permutation's keys, batched
 
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd
 _TWO_64 = 1 << 64
@@ -57,32 +58,56 @@ class MixturePhase:
 
 
 def batch_source_counts(weights: tuple[Fraction, ...], batch_size: int, step: int) -> list[int]:
-    """How many sequences of global batch ``step`` each source gets (floor or ceil of w*B)."""
-    quotas = [w * batch_size for w in weights]
-    counts = [int(q) for q in quotas]  # floor: quotas are >= 0
+    """How many sequences of global batch ``step`` each source gets (floor or ceil of w*B).
+
+    Exact integer arithmetic: with ``w_s = n_s / d`` every quantity is counted in units of
+    ``1 / (d * 2^64)``, which gives the same answer as the rational definition in the module
+    docstring (tests/mixing/test_mix_decisions.py checks them against each other).
+    """
+    denominator = math.lcm(*(w.denominator for w in weights))
+    quotas = [w.numerator * (denominator // w.denominator) * batch_size for w in weights]  # w_s*B*d
+    counts = [q // denominator for q in quotas]  # floor: quotas are >= 0
     remainder = batch_size - sum(counts)
     if remainder == 0:
         return counts
-    offset = Fraction(((step + 1) * _GOLDEN_64) % _TWO_64, _TWO_64)
-    lower = Fraction(0)
+    unit = denominator << 64  # 1 in the scaled units
+    offset = (((step + 1) * _GOLDEN_64) % _TWO_64) * denominator  # u_t
+    lower = 0
     for s, q in enumerate(quotas):
-        frac = q - int(q)
+        frac = (q % denominator) << 64  # fractional part of w_s*B
         upper = lower + frac
         # A point u + k lies in [lower, upper) for some integer k >= 0.
-        k = -((offset - upper) // 1) - 1  # largest k with offset + k < upper
-        if frac > 0 and k >= 0 and offset + k >= lower and k < remainder:
+        k = -((offset - upper) // unit) - 1  # largest k with u + k < upper
+        if frac > 0 and 0 <= k < remainder and offset + k * unit >= lower:
             counts[s] += 1
         lower = upper
     return counts
 
 
+def batch_assignments(weights: Sequence[tuple[Fraction, ...]], batch_size: int, first_step: int, seed: int) -> np.ndarray:
+    """Source id for every position of the global batches ``first_step, first_step + 1, ...``.
+
+    Row ``k`` (int8, length B) holds ``batch_source_counts(weights[k], B, first_step + k)``
+    slots of each source, in source order, permuted by ``stable_permutation(B, seed, "mix",
+    step)``. The permutations of all rows are computed with one pass of numpy calls (the
+    same SplitMix64 keys as ``stable_permutation``), so a block of steps costs little more
+    than one.
+    """
+    steps = range(first_step, first_step + len(weights))
+    counts = np.array([batch_source_counts(w, batch_size, t) for w, t in zip(weights, steps)])
+    # Slots in source order: position p holds the number of sources whose slots end at or before p.
+    positions = np.arange(batch_size)
+    slots = (positions[None, :, None] >= counts.cumsum(axis=1)[:, None, :]).sum(axis=2)
+    bases = np.array([stable_hash64("perm", seed, "mix", t) for t in steps], dtype=np.uint64)
+    keys = _splitmix64(positions.astype(np.uint64)[None, :] ^ bases[:, None])
+    order = np.argsort(keys, axis=1, kind="stable")
+    return np.take_along_axis(slots, order, axis=1).astype(np.int8)
+
+
 @lru_cache(maxsize=64)
 def batch_assignment(weights: tuple[Fraction, ...], batch_size: int, step: int, seed: int) -> np.ndarray:
-    """Source id for every position of global batch ``step`` (int8 array of length B)."""
-    counts = batch_source_counts(weights, batch_size, step)
-    slots = np.repeat(np.arange(len(weights), dtype=np.int8), counts)
-    order = stable_permutation(batch_size, seed, "mix", step)
-    assignment = slots[order]
+    """Source id for every position of global batch ``step`` (read-only int8 array of length B)."""
+    assignment = batch_assignments([weights], batch_size, step, seed)[0]
     assignment.setflags(write=False)
     return assignment
 
@@ -90,10 +115,12 @@ def batch_assignment(weights: tuple[Fraction, ...], batch_size: int, step: int, 
 class MixingSchedule:
     """Phases of a mixture; answers ``source_of(global_index)``. Pure and picklable.
 
-    ``source_of`` keeps the assignment of the last step it was asked about (callers walk the
-    indices step by step), so a lookup is a list index rather than a cache lookup keyed by
-    fractions.
+    ``source_of`` computes the assignments of a block of steps at a time (up to 64 steps,
+    ``BLOCK_POSITIONS`` batch positions) and keeps them (callers walk the indices step by
+    step), so most lookups are a list index.
     """
+
+    BLOCK_POSITIONS = 16384
 
     def __init__(self, phases: Sequence[MixturePhase], global_batch_size: int, seed: int) -> None:
         if not phases or phases[0].start_step != 0:
@@ -102,8 +129,8 @@ class MixingSchedule:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.num_sources = len(phases[0].weights)
-        self._step = -1  # the step whose assignment is in self._assignment
-        self._assignment: list[int] = []
+        self._first_step = 0  # self._block[k] is the assignment (a list) of step _first_step + k
+        self._block: list[list[int]] = []
 
     def phase_at(self, step: int) -> MixturePhase:
         current = self.phases[0]
@@ -121,11 +148,13 @@ class MixingSchedule:
         if self.num_sources == 1:
             return 0
         step, position = divmod(global_index, self.global_batch_size)
-        if step != self._step:
-            weights = self.weights_at(step)
-            self._assignment = batch_assignment(weights, self.global_batch_size, step, self.seed).tolist()
-            self._step = step
-        return self._assignment[position]
+        k = step - self._first_step
+        if not 0 <= k < len(self._block):
+            steps = range(step, step + max(1, min(64, self.BLOCK_POSITIONS // self.global_batch_size)))
+            weights = [self.weights_at(t) for t in steps]
+            self._block = batch_assignments(weights, self.global_batch_size, step, self.seed).tolist()
+            self._first_step, k = step, 0
+        return self._block[k][position]
 
     def fallback_source(self, global_index: int, alive: Sequence[bool], step: int) -> int:
         """When the decided source has stopped in this lane: a renormalised draw among the rest."""

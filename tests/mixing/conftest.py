@@ -34,6 +34,7 @@ SEQ_LEN = 32
 GLOBAL_BATCH = 28
 MICRO_BATCH = 7
 WEIGHTS = {"web": 0.55, "code": 0.3, "math": 0.15}
+THIRDS = {"web": 1, "code": 1, "math": 1}
 SOURCES = {"web": (240, 21, True), "code": (160, 22, False), "math": (64, 23, False)}  # docs, text seed, pretok
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from loader.config import LoaderConfig
+from loader.mixing import exact_weights
 from loader.packing import IGNORE_INDEX
 from loader.pipeline import ZephonLoader
 from tests.loader.settings import make_stream
@@ -62,6 +64,11 @@ def run_records(config: LoaderConfig, steps: int, *, world_size: int = 1) -> dic
             loader.close()
     assert sorted(records) == list(range(steps * config.global_batch_size))
     return records
+
+
+def count_bounds(weights: dict[str, float], batch: int) -> list[tuple[int, int]]:
+    """``(floor, ceil)`` of ``w_s * batch`` per source, with the loader's exact weights."""
+    return [(math.floor(w * batch), math.ceil(w * batch)) for w in exact_weights(list(weights.values()))]
 
 
 def lane_records(records: dict[int, Record], lane: int, num_lanes: int) -> list[Record]:

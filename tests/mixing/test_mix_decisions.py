@@ -15,10 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader.hashing import stable_permutation
 from loader.mixing import (
     MixingSchedule,
     MixturePhase,
     batch_assignment,
+    batch_assignments,
     batch_source_counts,
     exact_weights,
 )
@@ -77,6 +79,33 @@ def test_counts_are_floor_or_ceil_every_step_and_converge(raw, batch) -> None:
     assert np.allclose(counts.mean(axis=0), [float(w * batch) for w in weights], atol=4 / STEPS)
 
 
+_GOLDEN_64 = 0x9E3779B97F4A7C15
+_TWO_64 = 1 << 64
+
+
+def rational_counts(weights: tuple[Fraction, ...], batch_size: int, step: int) -> list[int]:
+    """The definition in ``loader.mixing``'s docstring, in plain fractions (the reference)."""
+    quotas = [w * batch_size for w in weights]
+    counts = [math.floor(q) for q in quotas]
+    remainder = batch_size - sum(counts)
+    offset = Fraction(((step + 1) * _GOLDEN_64) % _TWO_64, _TWO_64)  # u_t
+    lower = Fraction(0)
+    for s, q in enumerate(quotas):
+        upper = lower + (q - math.floor(q))
+        # the points u_t + k, 0 <= k < R, that fall into [lower, upper)
+        if any(lower <= offset + k < upper for k in range(remainder)):
+            counts[s] += 1
+        lower = upper
+    return counts
+
+
+@settings(max_examples=300, deadline=None)
+@given(weight_lists, st.integers(1, 300), st.integers(0, 10**12))
+def test_counts_match_the_rational_definition(raw, batch, step) -> None:
+    weights = exact_weights(raw)
+    assert batch_source_counts(weights, batch, step) == rational_counts(weights, batch, step)
+
+
 def test_divisible_batches_get_exact_counts() -> None:
     weights = exact_weights([0.55, 0.3, 0.15])
     for step in range(100):
@@ -102,6 +131,21 @@ def test_assignment_is_a_permutation_of_the_counts(raw, batch, step, seed) -> No
     assert assignment.shape == (batch,)
     assert np.bincount(assignment, minlength=len(weights)).tolist() == batch_source_counts(weights, batch, step)
     assert not assignment.flags.writeable  # cached: callers must not be able to corrupt it
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(weight_lists.filter(lambda w: len(w) == 3), min_size=1, max_size=8),
+       st.integers(1, 200), st.integers(0, 10**9), st.integers(0, 2**32))
+def test_assignments_are_the_counts_placed_by_the_stable_permutation(raw, batch, first, seed) -> None:
+    """Each row: the counts' slots in source order, permuted by ``stable_permutation``."""
+    weights = [exact_weights(w) for w in raw]
+    block = batch_assignments(weights, batch, first, seed)
+    assert block.shape == (len(weights), batch)
+    for k, w in enumerate(weights):
+        slots = np.repeat(np.arange(3), batch_source_counts(w, batch, first + k))
+        expected = slots[stable_permutation(batch, seed, "mix", first + k)]
+        assert np.array_equal(block[k], expected)
+        assert np.array_equal(batch_assignment(w, batch, first + k, seed), expected)
 
 
 def test_assignment_positions_depend_on_step_and_seed() -> None:

@@ -8,20 +8,18 @@ it was reached.
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
 from loader.fingerprints import collect_fingerprints
-from loader.mixing import exact_weights
-from tests.mixing.conftest import GLOBAL_BATCH, WEIGHTS
+from tests.mixing.conftest import GLOBAL_BATCH, THIRDS, WEIGHTS
+from tests.mixing.mix_helpers import count_bounds
 from tests.resume_harness import check_resume, loader_runs
 
 UNITS = ("sequence", "token")
 PACKINGS = ("concat", "best_fit")
-THIRDS = {"web": 1, "code": 1, "math": 1}
 X = {"web": 0.2, "code": 0.2, "math": 0.6}
 Y = {"web": 0.7, "code": 0.1, "math": 0.2}
 
@@ -36,9 +34,8 @@ def counts_of(line: str) -> list[int]:
 
 
 def assert_counts_follow(line: str, weights: dict[str, float]) -> None:
-    exact = exact_weights(list(weights.values()))
-    for count, w in zip(counts_of(line), exact):
-        assert math.floor(w * GLOBAL_BATCH) <= count <= math.ceil(w * GLOBAL_BATCH), (line, weights)
+    for count, (lo, hi) in zip(counts_of(line), count_bounds(weights, GLOBAL_BATCH)):
+        assert lo <= count <= hi, (line, weights)
 
 
 @pytest.mark.timeout(180)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from loader.fingerprints import collect_fingerprints
-from tests.mixing.conftest import GLOBAL_BATCH, LOADER_SEED, NUM_LANES
+from tests.mixing.conftest import LOADER_SEED, NUM_LANES
 from tests.mixing.mix_helpers import (
     lane_records,
     run_records,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 
 import numpy as np
@@ -14,16 +13,10 @@ from loader.fingerprints import collect_fingerprints, main as fingerprints_main
 from loader.manifest import ManifestError
 from loader.mixing import exact_weights
 from loader.pipeline import ZephonLoader
-from tests.mixing.conftest import GLOBAL_BATCH, LOADER_SEED, NUM_LANES, WEIGHTS
-from tests.mixing.mix_helpers import lane_records, run_records, source_tokens_of_lane, stream_prefix
+from tests.mixing.conftest import GLOBAL_BATCH, LOADER_SEED, NUM_LANES, THIRDS, WEIGHTS
+from tests.mixing.mix_helpers import count_bounds, lane_records, run_records, source_tokens_of_lane, stream_prefix
 
 STEPS = 50
-THIRDS = {"web": 1, "code": 1, "math": 1}
-
-
-def _floor_ceil(weights: dict[str, float], batch: int) -> list[tuple[int, int]]:
-    exact = exact_weights(list(weights.values()))
-    return [(math.floor(w * batch), math.ceil(w * batch)) for w in exact]
 
 
 @pytest.mark.parametrize("weights", [WEIGHTS, THIRDS], ids=["0.55-0.3-0.15", "thirds"])
@@ -38,7 +31,7 @@ def test_every_batch_holds_floor_or_ceil_of_each_share(mix_config, weights) -> N
         assert record.source == schedule.source_of(index), f"global index {index}"
         counts[record.step, record.source] += 1
     # ... so every batch holds floor or ceil of w * B of each source ...
-    for s, (lo, hi) in enumerate(_floor_ceil(weights, GLOBAL_BATCH)):
+    for s, (lo, hi) in enumerate(count_bounds(weights, GLOBAL_BATCH)):
         assert counts[:, s].min() >= lo and counts[:, s].max() <= hi, (s, lo, hi, counts[:, s])
         assert lo < hi  # B = 28 leaves a remainder: both values occur
         assert set(counts[:, s]) <= {lo, hi}
@@ -88,7 +81,7 @@ def test_fingerprints_cli_prints_counts_per_source(mix_config, tmp_path, capsys)
     assert fingerprints_main([str(path), "--world-size", "2", "--micro-batch", "7", "--steps", "3:9"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 6
-    bounds = _floor_ceil(WEIGHTS, GLOBAL_BATCH)
+    bounds = count_bounds(WEIGHTS, GLOBAL_BATCH)
     for step, line in zip(range(3, 9), lines):
         match = re.fullmatch(r"(\d+) ([0-9a-f]{64}) web=(\d+) code=(\d+) math=(\d+)", line)
         assert match, line

@@ -27,12 +27,11 @@ from loader.packing import IGNORE_INDEX
 from loader.pipeline import ZephonLoader
 from loader.producer import build_lanes
 from tests.loader.settings import make_stream
-from tests.mixing.conftest import GLOBAL_BATCH, LOADER_SEED, NUM_LANES, WEIGHTS
+from tests.mixing.conftest import GLOBAL_BATCH, LOADER_SEED, NUM_LANES, THIRDS, WEIGHTS
 from tests.mixing.mix_helpers import lane_records, run_records
 
 CHANGE = 48  # schedule change step
 STEPS = 96
-THIRDS = {"web": 1, "code": 1, "math": 1}
 
 
 def longest_document(mix_data, tokenizer, lane: int) -> int:
