@@ -55,7 +55,10 @@ PARQUET_WRITE_OPTIONS: dict[str, Any] = {
     "store_schema": True,
     "write_batch_size": 1024,
 }
-INPUT_IDS_TYPE = pa.list_(pa.int32())
+# Token ids as little-endian int32 bytes per document: Parquet decodes a binary column ~2x
+# faster than list<int32> (no repetition levels) and the loader reads its values buffer as
+# the flat id array without a copy. ``np.frombuffer(value, "<i4")`` gives one row's ids.
+INPUT_IDS_TYPE = pa.binary()
 STATISTICS_COLUMNS = ("key", "order_key", "num_tokens")
 RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens")
 
@@ -121,7 +124,7 @@ def row_group_bounds(text_nbytes: np.ndarray) -> list[tuple[int, int]]:
 
 
 def tokenize_texts(tokenizer, texts: list[str]):
-    """``(input_ids ListArray<int32>, num_tokens int32 ndarray)`` of one batch of texts.
+    """``(input_ids BinaryArray of little-endian int32 ids, num_tokens int32 ndarray)`` of one batch.
 
     ``encode_batch_fast`` gives the same ids as ``encode`` (it only skips character
     offsets) and tokenizes the batch on all cores; special tokens are not added because
@@ -132,8 +135,18 @@ def tokenize_texts(tokenizer, texts: list[str]):
     offsets = np.zeros(len(id_lists) + 1, dtype=np.int32)
     np.cumsum(num_tokens, out=offsets[1:])
     flat_ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(offsets[-1]))
-    input_ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids), type=INPUT_IDS_TYPE)
-    return input_ids, num_tokens
+    return token_bytes_array(flat_ids, offsets), num_tokens
+
+
+def token_bytes_array(flat_ids: np.ndarray, offsets: np.ndarray) -> pa.Array:
+    """The ``input_ids`` column (``INPUT_IDS_TYPE``) of rows ``flat_ids[offsets[i]:offsets[i+1]]``."""
+    byte_offsets = np.asarray(offsets, dtype=np.int64) * 4
+    if len(byte_offsets) and byte_offsets[-1] >= 1 << 31:
+        raise ValueError(f"a row group of {int(byte_offsets[-1]) // 4} tokens exceeds the 2 GiB of one binary column chunk")
+    byte_offsets = byte_offsets.astype(np.int32)
+    data = np.ascontiguousarray(flat_ids, dtype="<i4")
+    return pa.Array.from_buffers(INPUT_IDS_TYPE, len(byte_offsets) - 1,
+                                 [None, pa.py_buffer(byte_offsets), pa.py_buffer(data)])
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,8 @@ def plan(docs: int, epochs: float, passes: int) -> dict[str, dict]:
     for kind, count in (("pre", docs), ("text", docs // 4)):
         tokens = tokens_pre * count // docs  # the text corpus is a prefix-sized sample of the same generator
         for suffix, shape in SHAPES.items():
-            steps = max(2, int(epochs * tokens) // (shape["seq_len"] * shape["global_batch_size"]))
+            # At least SLICE_STEPS timed steps: --quick's small text corpus has fewer in 0.9 epochs.
+            steps = max(WARMUP_STEPS + SLICE_STEPS, int(epochs * tokens) // (shape["seq_len"] * shape["global_batch_size"]))
             for label, (unit, layouts) in CASES.items():
                 if suffix and (kind == "text" or unit == "token"):
                     continue

@@ -81,6 +81,7 @@ class LoaderConfig:
     storage_endpoint: Optional[str] = None
     storage: dict[str, Any] = field(default_factory=dict)  # advanced StorageOptions: retries, timeouts, read-ahead
     worker_timeout_s: float = 300.0
+    read_ahead: bool = True
 
     def __post_init__(self) -> None:
         datasets = tuple(
@@ -132,6 +133,8 @@ class LoaderConfig:
             raise ConfigError(f"num_workers must be an integer >= 0 (got num_workers={self.num_workers!r})")
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ConfigError(f"prefetch must be an integer >= 1 (got prefetch={self.prefetch!r})")
+        if not isinstance(self.read_ahead, bool):
+            raise ConfigError(f"read_ahead must be true or false (got read_ahead={self.read_ahead!r})")
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise ConfigError("tokenizer: path to a tokenizer.json is required (it also names the EOS/BOS ids)")
         if not (self.add_eos or self.add_bos) and self.packing == "concat":

@@ -54,6 +54,7 @@ class LaneSpec:
     schedule: MixingSchedule
     global_batch_size: int
     mixing_unit: str = "sequence"
+    read_ahead: bool = False
 
 
 class LaneExhausted(Exception):
@@ -81,6 +82,7 @@ class Lane:
                 tokenizer=None if manifest.pretokenized else tokenizer,
                 max_epochs=max_epochs,
                 storage_options=spec.storage_options,
+                read_ahead=spec.read_ahead,
             )
             streams.append(stream)
         self.token_mixing = spec.mixing_unit == "token" and len(streams) > 1

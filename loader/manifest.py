@@ -16,8 +16,10 @@ column         type              meaning
 key            string            the document key (``--id-field`` value, or path#index)
 order_key      uint64            ``order_key_of(seed, key)``; rows are sorted by it
 text           string            the document text
-input_ids      list<int32>       only when pre-tokenized: ``tokenizers`` ids of ``text``
-num_tokens     int32             only when pre-tokenized: ``len(input_ids)``
+input_ids      binary            only when pre-tokenized: ``tokenizers`` ids of ``text`` as
+                                 little-endian int32 bytes (``np.frombuffer(v, "<i4")``);
+                                 the loader also reads ``list<int32>`` (older datasets)
+num_tokens     int32             only when pre-tokenized: the number of ids in ``input_ids``
 <kept field>   string            each ``--keep-fields`` value, JSON-encoded
 =============  ================  ==========================================================
 

@@ -112,24 +112,62 @@ def _sequence_from_pieces(
 
 
 class ConcatPacker:
-    """State keys: ``stream`` (the stream cursor). Holds no tokens."""
+    """State keys: ``stream`` (the stream cursor). Holds no tokens.
+
+    Rows that lie inside one block are cut in bulk (:meth:`_fill`: up to ``FILL_TOKENS``
+    tokens, one reshape and one label pass for all of them) and handed out one by one; the
+    per-sequence work was what capped pre-tokenized replay. Rows cut but not handed out yet
+    are not part of the state: ``get_state`` moves the cursor back over them, so a
+    checkpoint is the same whether or not a fill was in flight.
+    """
+
+    FILL_TOKENS = 1 << 16
 
     def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int) -> None:
         self.stream = stream
         self.seq_len = seq_len
         self.pad_id = pad_id
+        self._rows: list[PackedSequence] = []  # filled rows not handed out, in reverse order
+        self._bulk = hasattr(stream, "take_rows")  # token-unit mixing streams cut per sequence
 
     def next_sequence(self) -> Optional[PackedSequence]:
         """The next ``seq_len`` tokens; a short final sequence is padded; None when exhausted."""
+        if self._rows or (self._bulk and self._fill()):
+            return self._rows.pop()
         chunk = self.stream.take(self.seq_len)
         if chunk is None:
             return None
         return _sequence_from_pieces([chunk], self.seq_len, self.pad_id, piece_segment_starts=False)
 
+    def _fill(self) -> bool:
+        seq_len = self.seq_len
+        chunk = self.stream.take_rows(seq_len, max(1, self.FILL_TOKENS // seq_len))
+        if chunk is None:
+            return False
+        rows = len(chunk.tokens) // seq_len
+        input_ids = chunk.tokens.reshape(rows, seq_len)
+        labels = input_ids.copy()
+        labels.reshape(-1)[chunk.doc_starts] = IGNORE_INDEX
+        # Every row starts a segment; union1d also drops repeated starts (empty documents
+        # without BOS/EOS), as _sequence_from_pieces does.
+        row_starts = np.arange(0, rows * seq_len, seq_len, dtype=np.int64)
+        starts = np.union1d(chunk.doc_starts, row_starts)
+        in_row = (starts - np.repeat(row_starts, np.diff(np.append(starts.searchsorted(row_starts), len(starts))))).astype(np.int32)
+        segments = np.split(in_row, starts.searchsorted(row_starts[1:]))
+        self._rows = [
+            PackedSequence(input_ids=input_ids[r], labels=labels[r], segment_starts=segments[r])
+            for r in range(rows - 1, -1, -1)
+        ]
+        return True
+
     def get_state(self) -> dict:
-        return {"stream": self.stream.get_state()}
+        state = self.stream.get_state()
+        if self._rows:  # filled rows stay inside the stream's current block
+            state = dict(state, offset=state["offset"] - len(self._rows) * self.seq_len)
+        return {"stream": state}
 
     def set_state(self, state: dict) -> None:
+        self._rows = []
         self.stream.set_state(state["stream"])
 
 

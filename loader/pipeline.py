@@ -122,6 +122,7 @@ class ZephonLoader:
             schedule=MixingSchedule(self.phases, config.global_batch_size, config.seed),
             global_batch_size=config.global_batch_size,
             mixing_unit=config.mixing_unit,
+            read_ahead=config.read_ahead,
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far

@@ -44,6 +44,7 @@ def write_dataset(
     files_per_lane: int = 1,
     row_group_rows: int = 16,
     keys: Optional[Sequence[str]] = None,
+    token_encoding: str = "binary",
 ) -> Manifest:
     keys = list(keys) if keys is not None else [f"doc-{k:07d}" for k in range(len(texts))]
     rows_by_file: dict[tuple[int, int], list[tuple[int, str, str]]] = {}
@@ -63,7 +64,10 @@ def write_dataset(
         tokens = None
         if tokenizer is not None:
             ids = [e.ids for e in tokenizer.encode_batch([r[2] for r in rows], add_special_tokens=False)]
-            columns["input_ids"] = pa.array(ids, pa.list_(pa.int32()))
+            if token_encoding == "binary":  # what the Beam job writes
+                columns["input_ids"] = pa.array([np.asarray(i, dtype="<i4").tobytes() for i in ids], pa.binary())
+            else:  # "list": list<int32>, which the loader also reads
+                columns["input_ids"] = pa.array(ids, pa.list_(pa.int32()))
             columns["num_tokens"] = pa.array([len(i) for i in ids], pa.int32())
             tokens = sum(len(i) for i in ids)
         table = pa.table(columns)

@@ -1,0 +1,160 @@
+"""How blocks reach the packers: token encodings, read-ahead and bulk row cutting.
+
+None of these may change a batch: ``input_ids`` stored as ``binary`` (what the Beam job
+writes) or ``list<int32>`` (older datasets), read-ahead on or off, and concat rows cut in
+bulk must give the fingerprints of the text lanes tokenized online; a checkpoint taken
+while bulk-cut rows are waiting resumes exactly; a read-ahead that turns out not to be
+needed cannot fail the stream; malformed token bytes name the file, row group and row.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from loader.fingerprints import collect_fingerprints
+from loader.lane_reader import LaneDataError, LaneTokenStream, TokenFormat
+from loader.manifest import read_manifest
+from loader.packing import ConcatPacker
+from loader.pipeline import ZephonLoader
+from tests.dataset_factory import write_dataset
+from tests.loader.settings import DATA_SEED, NUM_LANES, PACKINGS, SEQ_LEN
+
+STEPS = 24  # crosses epoch boundaries (an epoch ends every ~10 steps)
+
+
+@pytest.fixture(scope="module")
+def list_encoded(tmp_path_factory, corpus, tokenizer) -> str:
+    """The corpus pre-tokenized with ``input_ids`` as ``list<int32>``."""
+    path = str(tmp_path_factory.mktemp("list") / "dataset")
+    write_dataset(path, corpus.texts, keys=corpus.keys, tokenizer=tokenizer, num_lanes=NUM_LANES,
+                  seed=DATA_SEED, files_per_lane=2, row_group_rows=4, token_encoding="list")
+    return path
+
+
+def lines(config) -> list[str]:
+    return [r.line() for r in collect_fingerprints(config, end_step=STEPS)[0]]
+
+
+def test_the_suite_corpus_is_binary_encoded(corpus):
+    manifest = read_manifest(corpus.pretokenized_path)
+    assert {c["name"]: c["type"] for c in manifest.schema}["input_ids"] == "binary"
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_binary_and_list_token_encodings_give_the_online_batches(make_config, baseline, list_encoded, packing):
+    online = baseline(packing, STEPS)
+    assert lines(make_config(packing, pretokenized=True)) == online
+    assert lines(make_config(packing, datasets=[{"path": list_encoded}])) == online
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+@pytest.mark.parametrize("pretokenized", [False, True], ids=["text", "pretokenized"])
+def test_read_ahead_does_not_change_batches(make_config, baseline, packing, pretokenized):
+    on = lines(make_config(packing, pretokenized=pretokenized, read_ahead=True))
+    off = lines(make_config(packing, pretokenized=pretokenized, read_ahead=False))
+    assert on == off == baseline(packing, STEPS)
+
+
+def test_checkpoint_with_bulk_cut_rows_waiting_resumes_exactly(make_config, tokenizer, corpus):
+    """A fill cuts many rows at once; the state must count only those handed out."""
+    manifest = read_manifest(corpus.pretokenized_path)
+    fmt = TokenFormat(bos_id=None, eos_id=0)
+
+    def packer() -> ConcatPacker:
+        stream = LaneTokenStream(dataset_path=corpus.pretokenized_path, manifest=manifest, source_name="s",
+                                 lane_id=0, seed=5, token_format=fmt, read_ahead=True)
+        return ConcatPacker(stream, 8, 0)  # short rows: every fill cuts several
+
+    reference = packer()
+    expected = [reference.next_sequence().input_ids.copy() for _ in range(120)]
+    filled_states = 0
+    for cut in (1, 2, 3, 7, 30, 61):
+        first = packer()
+        for _ in range(cut):
+            first.next_sequence()
+        filled_states += bool(first._rows)
+        state = first.get_state()
+        first.stream.close()
+        second = packer()
+        second.set_state(state)
+        resumed = [second.next_sequence().input_ids.copy() for _ in range(120 - cut)]
+        assert all(np.array_equal(a, b) for a, b in zip(resumed, expected[cut:])), f"cut at {cut}"
+        second.stream.close()
+    reference.stream.close()
+    assert filled_states >= 3, "the checkpoints did not fall inside fills: the test lost its subject"
+
+
+def _replace_input_ids(path: str, row_group: int, row: int, value: bytes) -> None:
+    parquet = pq.ParquetFile(path)
+    tables = [parquet.read_row_group(g) for g in range(parquet.metadata.num_row_groups)]
+    table = tables[row_group]
+    ids = table.column("input_ids").to_pylist()
+    ids[row] = value
+    tables[row_group] = table.set_column(table.schema.get_field_index("input_ids"), "input_ids",
+                                         pa.array(ids, pa.binary()))
+    parquet.close()
+    with pq.ParquetWriter(path, tables[0].schema, compression="zstd", write_page_checksum=True) as writer:
+        for t in tables:
+            writer.write_table(t, row_group_size=len(t))
+
+
+def _fix_manifest(dataset: str) -> None:
+    """Re-record sizes and checksums: the file is well-formed Parquet with bad content."""
+    from loader.hashing import sha256_hex
+
+    manifest = read_manifest(dataset)
+    files = []
+    for entry in manifest.files:
+        data = open(os.path.join(dataset, entry.path), "rb").read()
+        files.append(replace(entry, bytes=len(data), sha256=sha256_hex(data)))
+    with open(os.path.join(dataset, "manifest.json"), "w") as fh:
+        fh.write(replace(manifest, files=files).with_fingerprint().to_json())
+
+
+def test_token_bytes_that_are_not_int32_name_file_row_group_and_row(tmp_path, corpus, make_config):
+    dataset = str(tmp_path / "dataset")
+    shutil.copytree(corpus.pretokenized_path, dataset)
+    target = os.path.join(dataset, "lane=00000", "part-00000.parquet")
+    _replace_input_ids(target, 0, 1, b"\x01\x02\x03\x04\x05")  # 5 bytes
+    _fix_manifest(dataset)
+    with ZephonLoader(make_config(datasets=[{"path": dataset}], seq_len=SEQ_LEN)) as loader:
+        with pytest.raises(LaneDataError) as info:
+            for _ in range(50):
+                next(loader)
+    message = str(info.value)
+    assert target in message and "row group 0, row 1" in message and "5 bytes" in message
+
+
+def test_a_read_ahead_that_is_never_used_cannot_fail_the_stream(tmp_path, corpus):
+    """With max_epochs=1 the stream ends after its last block: nothing past it is read ahead,
+    and a cursor moved by set_state drops the pending read, error and all."""
+    manifest = read_manifest(corpus.pretokenized_path)
+    fmt = TokenFormat(bos_id=None, eos_id=0)
+    stream = LaneTokenStream(dataset_path=corpus.pretokenized_path, manifest=manifest, source_name="s",
+                             lane_id=0, seed=5, token_format=fmt, read_ahead=True, max_epochs=1)
+    taken = 0
+    while (chunk := stream.take(64)) is not None:
+        taken += len(chunk.tokens)
+    assert stream.exhausted and stream._ahead is None
+    assert taken == sum(f.tokens for f in manifest.lane_files(0)) + sum(f.rows for f in manifest.lane_files(0))
+
+    failing = LaneTokenStream(dataset_path=corpus.pretokenized_path, manifest=manifest, source_name="s",
+                              lane_id=0, seed=5, token_format=fmt, read_ahead=True)
+    failing.take(4)
+    assert failing._ahead is not None
+    key, future = failing._ahead
+    assert key == (0, 1)
+    future.result()  # let the real read finish, then stand in a failed one for it
+    failed = type(future)()
+    failed.set_exception(LaneDataError("the read-ahead of a block nobody needs"))
+    failing._ahead = key, failed
+    failing.set_state({"epoch": 1, "block": 0, "offset": 0})  # elsewhere: the pending read is not wanted
+    assert len(failing.take(4).tokens) == 4
+    failing.close()
