@@ -22,6 +22,7 @@ State keys (``get_state``): ``epoch``, ``block``, ``offset``, ``exhausted``.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -72,6 +73,7 @@ TOKENIZE_CHARS = 64 * 1024
 # on two or more cores it overlaps the packing and collation on the calling thread). One
 # thread, so blocks arrive in the order lanes asked for them; the pool is rebuilt after a
 # fork, whose child would inherit the pool object but not its thread.
+READ_AHEAD_BLOCKS = 2  # per stream: one is not enough when every lane changes block at once
 _pool_lock = threading.Lock()
 _pool: Optional[tuple[int, ThreadPoolExecutor]] = None
 
@@ -278,9 +280,9 @@ class LaneTokenStream:
         self.offset = 0
         self.exhausted = False
         self.read_ahead = read_ahead
-        # The block being read in the background: ((epoch, block), future). While it is
-        # pending only the read-ahead thread touches the open Parquet file.
-        self._ahead: Optional[tuple[tuple[int, int], Future]] = None
+        # Blocks being read in the background, in stream order: ((epoch, block), future).
+        # While any is pending only the read-ahead thread touches the open Parquet file.
+        self._ahead: collections.deque[tuple[tuple[int, int], Future]] = collections.deque()
 
     # -- state -------------------------------------------------------------------------
     def get_state(self) -> dict:
@@ -373,26 +375,30 @@ class LaneTokenStream:
         return epoch + 1, 0
 
     def _start_read_ahead(self, epoch: int, block_index: int) -> None:
-        # The epoch layout is looked up on this thread: the reader gets only file and row group.
-        key = self._next_block_key(epoch, block_index)
-        if key is not None:
+        """Queue reads of the blocks after ``(epoch, block_index)`` up to ``READ_AHEAD_BLOCKS``."""
+        key = (epoch, block_index)
+        for _ in range(READ_AHEAD_BLOCKS):
+            key = self._next_block_key(*key)
+            if key is None:
+                return
+            if any(pending == key for pending, _ in self._ahead):
+                continue
+            # The epoch layout is looked up on this thread: the reader gets file and row group.
             where = self.blocks_of_epoch(key[0])[key[1]]
-            self._ahead = key, _read_ahead_pool().submit(self._read_block, key[0], *where)
+            self._ahead.append((key, _read_ahead_pool().submit(self._read_block, key[0], *where)))
 
     def _settle_read_ahead(self, wanted: Optional[tuple[int, int]] = None) -> Optional[Block]:
-        """Wait for the pending read; its block if it is ``wanted``, else None.
+        """The block ``wanted`` if it is the next one read ahead, else None (all reads dropped).
 
-        A read of a block that turns out not to be wanted (after ``set_state``) is waited
-        for and dropped, its error with it: only blocks the stream really reads may fail it.
+        Reads that turn out not to be wanted (after ``set_state``) are waited for and
+        dropped, errors and all: only blocks the stream really reads may fail it.
         """
-        if self._ahead is None:
-            return None
-        key, future = self._ahead
-        self._ahead = None
-        if key == wanted:
-            return future.result()  # a read error surfaces here, as from a direct read
-        if not future.cancel():  # already running or done: wait, and drop its error
-            future.exception()
+        if self._ahead and self._ahead[0][0] == wanted:
+            return self._ahead.popleft()[1].result()  # a read error surfaces here, as from a direct read
+        while self._ahead:
+            _, future = self._ahead.popleft()
+            if not future.cancel():  # already running or done: wait, and drop its error
+                future.exception()
         return None
 
     def _read_block(self, epoch: int, file_ordinal: int, row_group: int) -> Block:
@@ -418,6 +424,11 @@ class LaneTokenStream:
                 len(values), self.seed, "rows", self.source_name, self.lane_id, epoch, file_ordinal, row_group
             )
         if self.pretokenized:
+            binary = pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type)
+            if order is not None and binary:
+                # Arrow's take copies the rows in C++ without the GIL; on the read-ahead
+                # thread a Python loop over the rows would stall the trainer's thread.
+                values, order = pc.take(values, pa.array(order)), None
             flat, lengths = _token_rows(values, storage.join(self.dataset_path, entry.path), row_group)
             if order is not None:
                 block = _permuted_block(flat, lengths, order, self.token_format)

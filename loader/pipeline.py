@@ -40,8 +40,9 @@ from loader.lane import LaneSpec, SourceSpec
 from loader.lane_reader import TokenFormat
 from loader.manifest import Manifest, ManifestError, read_manifest
 from loader.mixing import MixingSchedule, MixturePhase, exact_weights
+from loader.packing import IGNORE_INDEX, ConcatRow
 from loader.ordering import Topology, lanes_of_worker, lane_outputs_before
-from loader.producer import End, Item, build_lanes, produce, unpack_items, worker_main, write_worker_input
+from loader.producer import End, Item, build_lanes, produce_one, unpack_items, worker_main, write_worker_input
 from loader.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
@@ -339,7 +340,15 @@ class ZephonLoader:
         # One call per tensor, converting int32 -> int64 while copying (not stack + astype);
         # the per-call overhead, not the bytes, is what costs at these sizes.
         input_ids = np.concatenate([s.input_ids for s in sequences], dtype=np.int64).reshape(rows, seq_len)
-        labels = np.concatenate([s.labels for s in sequences], dtype=np.int64).reshape(rows, seq_len)
+        if all(type(s) is ConcatRow for s in sequences):
+            # Labels from the input ids just written (still in cache), not from per-row copies.
+            labels = input_ids.copy()
+            doc_counts = [len(s.doc_starts) for s in sequences]
+            ignore = np.concatenate([s.doc_starts for s in sequences], dtype=np.int64)
+            ignore += np.repeat(np.arange(0, rows * seq_len, seq_len, dtype=np.int64), doc_counts)
+            labels.reshape(-1)[ignore] = IGNORE_INDEX
+        else:
+            labels = np.concatenate([s.labels for s in sequences], dtype=np.int64).reshape(rows, seq_len)
         # Segment starts of the whole micro-batch as one flat array (row r's shifted by
         # r * seq_len) plus the end: that is cu_seqlens. Every row starts with a segment, so
         # position ids restart at row boundaries without a per-row loop.
@@ -412,12 +421,9 @@ class _Run:
         self.ended_at: Optional[int] = None
         start = loader.rank_position
         if cfg.num_workers == 0:
+            # The trainer's thread calls produce_one for each index in turn: no generator and
+            # no position bookkeeping between the loader and its lanes.
             self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states)
-            self._iter = produce(
-                self.in_process_lanes, num_lanes=self.num_lanes, rank=topo.rank,
-                world_size=topo.world_size, start_position=start,
-                snapshot_state=not self.reads_lanes_directly,
-            )
             return
         ctx = mp.get_context("spawn")  # fork is unsafe after torch/arrow/tokenizers started threads
         self.stop_event = ctx.Event()
@@ -457,7 +463,8 @@ class _Run:
         if self.ended_at is not None and global_index >= self.ended_at:
             raise StopIteration
         if self.in_process_lanes is not None:
-            item = next(self._iter)
+            lane = self.in_process_lanes[global_index % self.num_lanes]
+            item = produce_one(lane, global_index, snapshot_state=not self.reads_lanes_directly)
         else:
             item = self._next_from_worker(self.worker_of_lane[global_index % self.num_lanes])
         if isinstance(item, End):

@@ -125,12 +125,19 @@ def produce(
         lane = lanes.get(global_index % num_lanes)
         if lane is None:
             continue
-        try:
-            source_id, sequence = lane.next_sequence(global_index)
-        except LaneExhausted:
-            yield End(global_index)
+        item = produce_one(lane, global_index, snapshot_state)
+        yield item
+        if isinstance(item, End):
             return
-        yield Item(global_index, source_id, sequence, lane.get_state() if snapshot_state else None)
+
+
+def produce_one(lane: Lane, global_index: int, snapshot_state: bool) -> Item | End:
+    """The item of ``global_index`` from its lane (the caller walks the indices in order)."""
+    try:
+        source_id, sequence = lane.next_sequence(global_index)
+    except LaneExhausted:
+        return End(global_index)
+    return Item(global_index, source_id, sequence, lane.get_state() if snapshot_state else None)
 
 
 def write_worker_input(directory: str, worker_id: int, spec: LaneSpec, lane_ids: list[int],
