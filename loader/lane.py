@@ -20,6 +20,7 @@ import numpy as np
 
 from loader.lane_reader import LaneTokenStream, TokenFormat
 from loader.mixing import MixingSchedule
+from loader.ordering import lane_outputs_before
 from loader.packing import BestFitPacker, ConcatPacker, PackedSequence
 from loader.storage import StorageOptions
 from loader.token_mixing import MixedTokenStream
@@ -68,6 +69,7 @@ class Lane:
         self.outputs = 0
         self.packers = []
         self.stopped = [False] * len(spec.sources)
+        self.num_lanes = manifests[0].num_lanes
         self._warned: set[int] = set()
         streams = []
         for source, manifest in zip(spec.sources, manifests):
@@ -103,7 +105,11 @@ class Lane:
         step = global_index // self.spec.global_batch_size
         if self.token_mixing:
             phase = schedule.phase_at(step)
-            self.mixed_stream.set_phase(phase.start_step, phase.weights)
+            end = schedule.phase_end(step)
+            rows_left = None if end is None else (
+                lane_outputs_before(end * self.spec.global_batch_size, self.lane_id, self.num_lanes) - self.outputs
+            )
+            self.mixed_stream.set_phase(phase.start_step, phase.weights, rows_left)
             sequence = self.packers[0].next_sequence()
             if sequence is None:
                 raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")

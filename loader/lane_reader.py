@@ -459,6 +459,31 @@ class LaneTokenStream:
         k = np.searchsorted(block.doc_starts, self.offset)
         return k < len(block.doc_starts) and block.doc_starts[k] == self.offset
 
+    def documents_in_block(self, min_tokens: int) -> Optional[tuple[np.ndarray, int, np.ndarray]]:
+        """``(block tokens, cursor, ends)`` for bulk readers that stay inside the current block.
+
+        ``ends`` are the end offsets of the documents from the cursor on (the first one is
+        the end of the document the cursor is in) that end strictly inside the block; a
+        document that reaches the block's end is left to :meth:`take`. Text blocks are
+        tokenized to at least ``min_tokens`` past the cursor first. None when exhausted.
+        """
+        if self.exhausted:
+            return None
+        block = self._load_block(self.epoch, self.block_index)
+        block.ensure(self.offset + min_tokens)
+        starts = block.doc_starts
+        lo = starts.searchsorted(self.offset, side="right")
+        hi = starts.searchsorted(len(block.tokens), side="left")
+        return block.tokens, self.offset, starts[lo:hi]
+
+    def move_in_block(self, offset: int) -> None:
+        """Set the cursor inside the current block (bulk readers, after ``documents_in_block``)."""
+        self.offset = offset
+
+    def rewound_state(self, rows: int, row_len: int) -> dict:
+        """The state before the last ``rows`` rows of ``row_len`` (all in the current block)."""
+        return dict(self.get_state(), offset=self.offset - rows * row_len)
+
     def take_rows(self, row_len: int, max_rows: int) -> Optional[Chunk]:
         """Up to ``max_rows`` whole rows of ``row_len`` tokens from the current block, or None.
 

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -140,6 +140,13 @@ class MixingSchedule:
             else:
                 break
         return current
+
+    def phase_end(self, step: int) -> Optional[int]:
+        """The first step of the phase after ``step``'s, or None if ``step`` is in the last."""
+        for phase in self.phases:
+            if phase.start_step > step:
+                return phase.start_step
+        return None
 
     def weights_at(self, step: int) -> tuple[Fraction, ...]:
         return self.phase_at(step).weights

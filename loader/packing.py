@@ -50,11 +50,12 @@ class ConcatRow(PackedSequence):
     of such rows from its ``input_ids`` in one pass instead of copying per-row label arrays.
     """
 
-    def __init__(self, input_ids: np.ndarray, segment_starts: np.ndarray, doc_starts: np.ndarray) -> None:
+    def __init__(self, input_ids: np.ndarray, segment_starts: np.ndarray, doc_starts: np.ndarray,
+                 token_sources: Optional[np.ndarray] = None) -> None:
         self.input_ids = input_ids
         self.segment_starts = segment_starts
         self.doc_starts = doc_starts  # int32 offsets in the row where a document begins
-        self.token_sources = None
+        self.token_sources = token_sources
 
     @property
     def labels(self) -> np.ndarray:  # type: ignore[override]
@@ -150,10 +151,10 @@ class ConcatPacker:
         self.stream = stream
         self.seq_len = seq_len
         self.pad_id = pad_id
-        self._bulk = hasattr(stream, "take_rows")  # token-unit mixing streams cut per sequence
+        self._bulk = True  # both stream kinds cut rows in bulk where they can (take_rows)
         # The current fill: rows ``_next_row .. _fill_rows - 1`` are not handed out yet.
         self._fill_rows = self._next_row = 0
-        self._input_ids = self._segments = self._doc_starts = None
+        self._input_ids = self._segments = self._doc_starts = self._token_sources = None
         self._bounds: list[int] = []
         self._doc_bounds: list[int] = []
 
@@ -166,6 +167,7 @@ class ConcatPacker:
                 self._input_ids[row],
                 self._segments[self._bounds[row] : self._bounds[row + 1]],
                 self._doc_starts[self._doc_bounds[row] : self._doc_bounds[row + 1]],
+                None if self._token_sources is None else self._token_sources[row],
             )
         chunk = self.stream.take(self.seq_len)
         if chunk is None:
@@ -180,6 +182,7 @@ class ConcatPacker:
         rows = len(chunk.tokens) // seq_len
         doc_starts = chunk.doc_starts
         self._input_ids = chunk.tokens.reshape(rows, seq_len)
+        self._token_sources = None if chunk.token_sources is None else chunk.token_sources.reshape(rows, seq_len)
         # Segment starts: the document starts plus every row start that is not one. Concat
         # packing always wraps documents (BOS or EOS), so document starts are distinct;
         # np.unique covers the general case, as _sequence_from_pieces does.
@@ -200,15 +203,14 @@ class ConcatPacker:
         return True
 
     def get_state(self) -> dict:
-        state = self.stream.get_state()
         waiting = self._fill_rows - self._next_row
-        if waiting:  # rows cut but not handed out: the stream's cursor is still in their block
-            state = dict(state, offset=state["offset"] - waiting * self.seq_len)
-        return {"stream": state}
+        if waiting:  # rows cut but not handed out: the stream's state before them
+            return {"stream": self.stream.rewound_state(waiting, self.seq_len)}
+        return {"stream": self.stream.get_state()}
 
     def set_state(self, state: dict) -> None:
         self._fill_rows = self._next_row = 0
-        self._input_ids = self._segments = self._doc_starts = None
+        self._input_ids = self._segments = self._doc_starts = self._token_sources = None
         self.stream.set_state(state["stream"])
 
 

@@ -57,9 +57,16 @@ class MixedTokenStream:
         self._positive: tuple[bool, ...] = ()
         self._scaled: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
         self._alive: Optional[tuple[int, ...]] = None  # sources in the mix; None: recompute
+        self.rows_left: Optional[int] = None  # outputs of the lane left in this phase (None: no end)
+        self._bulk: Optional[_BulkRows] = None  # the last take_rows, for rewound_state
 
-    def set_phase(self, phase_start: int, weights: tuple[Fraction, ...]) -> None:
-        """Called by the lane before each sequence with the phase of its global index."""
+    def set_phase(self, phase_start: int, weights: tuple[Fraction, ...], rows_left: Optional[int] = None) -> None:
+        """Called by the lane before each sequence with the phase of its global index.
+
+        ``rows_left``: how many more outputs the lane makes in this phase, so that bulk rows
+        (``take_rows``) never run past a window's end.
+        """
+        self.rows_left = rows_left
         if phase_start != self.phase_start:
             self.phase_start = phase_start
             self.tokens = [0] * len(self.streams)
@@ -83,15 +90,19 @@ class MixedTokenStream:
             self._scaled[alive] = scaled
         return scaled
 
-    def _choose_source(self) -> int:
+    def _alive_sources(self) -> tuple[int, ...]:
         alive = self._alive
         if alive is None:  # streams only become exhausted in ``take`` or ``set_state``
             alive = tuple(s for s, stream in enumerate(self.streams) if self._positive[s] and not stream.exhausted)
             if not alive:  # only weight-0 sources left: they go on, in source order
                 alive = tuple(s for s, stream in enumerate(self.streams) if not stream.exhausted)[:1]
-                if not alive:
-                    return -1
             self._alive = alive
+        return alive
+
+    def _choose_source(self) -> int:
+        alive = self._alive_sources()
+        if not alive:
+            return -1
         if len(alive) == 1:
             return alive[0]
         # argmax_s w_s * (T + 1) - t_s over the sources in the mix, ties to the lowest id, with
@@ -154,6 +165,68 @@ class MixedTokenStream:
             token_sources=np.repeat(np.array(sources, dtype=np.int8), lengths),
         )
 
+    def take_rows(self, row_len: int, max_rows: int) -> Optional[Chunk]:
+        """Up to ``max_rows`` rows of ``row_len`` tokens at once: what ``take(row_len)`` would
+        give row after row, while every document involved lies inside its source's current
+        block and the rows stay inside the phase. None when not even one row qualifies (the
+        caller then uses :meth:`take`).
+
+        The deficit rule is the same; only its evaluation differs: the documents' lengths
+        are known ahead within the blocks, so the decisions are made for many documents at
+        once (two sources: a merge of two sorted key sequences, see :func:`_merge_two`).
+        """
+        if self.rows_left is not None:
+            max_rows = min(max_rows, self.rows_left)
+        alive = self._alive_sources()
+        if max_rows < 1 or not alive:
+            return None
+        wanted = max_rows * row_len
+        views = {}
+        for s in alive:
+            view = self.streams[s].documents_in_block(wanted)
+            if view is None:
+                return None
+            views[s] = view
+        plan = _plan_documents(self, alive, views, wanted)
+        if plan is None:
+            return None
+        sources, starts, ends = plan  # documents (or the current one's rest) in stream order
+        lengths = ends - starts
+        cumulative = np.cumsum(lengths)
+        rows = min(max_rows, int(cumulative[-1]) // row_len) if len(cumulative) else 0
+        if rows < 1:
+            return None
+        need = rows * row_len
+        last = int(cumulative.searchsorted(need))  # the piece holding the last token taken
+        sources, starts, ends = sources[: last + 1], starts[: last + 1], ends[: last + 1].copy()
+        cut = int(cumulative[last]) - need  # tokens of the last piece left for later
+        ends[-1] -= cut
+        lengths = ends - starts
+        first_is_rest = self.current >= 0
+        self._bulk = _BulkRows(
+            state_before=self.get_state(), sources=sources, starts=starts, ends=ends,
+            out_ends=np.cumsum(lengths), row_len=row_len, rows=rows, rest_first=first_is_rest,
+        )
+        # Advance: every source's cursor to the end of its last piece, counters, current.
+        for s in alive:
+            mine = sources == s
+            if mine.any():
+                self.streams[s].move_in_block(int(ends[mine][-1]))
+                self.tokens[s] += int(lengths[mine].sum())
+        self.current = int(sources[-1]) if cut else -1
+        pieces = [views[int(s)][0][a:b] for s, a, b in zip(sources.tolist(), starts.tolist(), ends.tolist())]
+        doc_starts = np.cumsum(lengths) - lengths
+        if first_is_rest:  # the first piece continues a document begun earlier
+            doc_starts = doc_starts[1:]
+        return Chunk(
+            tokens=np.concatenate(pieces), doc_starts=doc_starts,
+            token_sources=np.repeat(sources.astype(np.int8), lengths),
+        )
+
+    def rewound_state(self, rows: int, row_len: int) -> dict:
+        """The state before the last ``rows`` rows of the last ``take_rows``."""
+        return self._bulk.state_at_row(self._bulk.rows - rows, self)
+
     def get_state(self) -> dict:
         return {
             "sources": [s.get_state() for s in self.streams],
@@ -169,3 +242,153 @@ class MixedTokenStream:
         self.tokens = [int(t) for t in state["tokens"]]
         self.current = int(state["current"])
         self.phase_start = int(state["phase_start"])
+
+
+class _BulkRows:
+    """What ``take_rows`` decided, kept to rebuild the state at any of its row boundaries."""
+
+    def __init__(self, *, state_before: dict, sources: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                 out_ends: np.ndarray, row_len: int, rows: int, rest_first: bool) -> None:
+        self.state_before = state_before
+        self.sources, self.starts, self.ends, self.out_ends = sources, starts, ends, out_ends
+        self.row_len, self.rows, self.rest_first = row_len, rows, rest_first
+
+    def state_at_row(self, row: int, mixer: "MixedTokenStream") -> dict:
+        position = row * self.row_len  # tokens of this bulk taken before that row
+        out_starts = self.out_ends - (self.ends - self.starts)
+        taken = np.clip(position - out_starts, 0, self.ends - self.starts)  # per piece
+        state = {
+            "sources": [dict(saved) for saved in self.state_before["sources"]],
+            "tokens": list(self.state_before["tokens"]),
+            "current": self.state_before["current"],
+            "phase_start": self.state_before["phase_start"],
+        }
+        for s in np.unique(self.sources).tolist():
+            mine = np.flatnonzero((self.sources == s) & (taken > 0))
+            if len(mine):
+                k = mine[-1]
+                state["sources"][s]["offset"] = int(self.starts[k] + taken[k])
+                state["tokens"][s] += int(taken[self.sources == s].sum())
+        if position > 0:
+            k = int(np.searchsorted(self.out_ends, position))  # piece holding token position - 1
+            inside = position < self.out_ends[k]
+            state["current"] = int(self.sources[k]) if inside else -1
+        return state
+
+
+def _plan_documents(mixer: MixedTokenStream, alive: tuple[int, ...], views: dict, wanted: int):
+    """``(sources, starts, ends)`` of the next pieces in the order the deficit rule takes
+    them: first the rest of the current document (if one is open), then whole documents,
+    as far as the decisions are certain (every candidate document inside its block) and
+    until ``wanted`` tokens are covered. Offsets are in each source's block. None if empty.
+    """
+    tokens = list(mixer.tokens)
+    head_sources: list[int] = []
+    head_starts: list[int] = []
+    head_ends: list[int] = []
+    docs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for s in alive:
+        _, cursor, ends = views[s]
+        if s == mixer.current:  # the open document's rest comes first, decided earlier
+            if not len(ends):
+                return None
+            head_sources.append(s)
+            head_starts.append(cursor)
+            head_ends.append(int(ends[0]))
+            tokens[s] += int(ends[0]) - cursor
+            cursor, ends = int(ends[0]), ends[1:]
+        starts = np.concatenate([[cursor], ends[:-1]]).astype(np.int64) if len(ends) else np.zeros(0, np.int64)
+        docs[s] = (starts, ends.astype(np.int64))
+    if mixer.current >= 0 and mixer.current not in alive:
+        return None  # an open document of a source that left the mix: the per-document path
+    covered = sum(head_ends) - sum(head_starts)
+    if len(alive) == 1:
+        (s,) = alive
+        starts, ends = docs[s]
+        order = np.full(len(starts), s, dtype=np.int64)
+        picked = (order, starts, ends)
+    else:
+        numerators, denominator = mixer._scaled_weights(alive)
+        if len(alive) == 2:
+            picked = _merge_two(alive, numerators, tokens, docs)
+        else:
+            picked = _decide_in_turn(alive, numerators, denominator, tokens, docs, wanted - covered)
+        if picked is None:
+            return None
+    order, starts, ends = picked
+    sources = np.concatenate([np.array(head_sources, np.int64), order])
+    all_starts = np.concatenate([np.array(head_starts, np.int64), starts])
+    all_ends = np.concatenate([np.array(head_ends, np.int64), ends])
+    if not len(sources):
+        return None
+    return sources, all_starts, all_ends
+
+
+_SAFE = 1 << 62  # keys beyond this would overflow int64: use the per-document path
+
+
+def _merge_two(alive, numerators, tokens, docs):
+    """Two sources ``a < b`` with shares ``n_a / d``, ``n_b / d`` (``n_a + n_b = d``).
+
+    The rule takes ``a`` iff ``n_a (T + 1) - d t_a >= n_b (T + 1) - d t_b`` with ``T = t_a +
+    t_b``, which rearranges to ``2 n_b t_a <= 2 n_a t_b + n_a - n_b``: each side depends on
+    one source only. So ``a``'s document ``j`` gets the key ``2 n_b`` x (its tokens before
+    ``j``) and ``b``'s document ``i`` the key ``2 n_a`` x (its tokens before ``i``) + ``n_a -
+    n_b``; the rule's order is the merge of the two increasing key sequences, ties to
+    ``a``. The merge is certain up to the last document of either candidate list.
+    """
+    a, b = alive
+    n_a, n_b = numerators
+    starts_a, ends_a = docs[a]
+    starts_b, ends_b = docs[b]
+    if not len(starts_a) or not len(starts_b):
+        return None
+    before_a = tokens[a] + np.concatenate([[0], np.cumsum(ends_a - starts_a)[:-1]])
+    before_b = tokens[b] + np.concatenate([[0], np.cumsum(ends_b - starts_b)[:-1]])
+    if max(2 * n_b * int(before_a[-1]), 2 * n_a * int(before_b[-1]) + abs(n_a - n_b)) >= _SAFE:
+        return None
+    key_a = 2 * n_b * before_a
+    key_b = 2 * n_a * before_b + (n_a - n_b)
+    position_a = np.arange(len(key_a)) + np.searchsorted(key_b, key_a, side="left")
+    position_b = np.arange(len(key_b)) + np.searchsorted(key_a, key_b, side="right")
+    certain = min(int(position_a[-1]), int(position_b[-1])) + 1
+    total = len(key_a) + len(key_b)
+    order = np.empty(total, dtype=np.int64)
+    order[position_a] = a
+    order[position_b] = b
+    starts = np.empty(total, dtype=np.int64)
+    ends = np.empty(total, dtype=np.int64)
+    starts[position_a], ends[position_a] = starts_a, ends_a
+    starts[position_b], ends[position_b] = starts_b, ends_b
+    return order[:certain], starts[:certain], ends[:certain]
+
+
+def _decide_in_turn(alive, numerators, denominator, tokens, docs, wanted):
+    """Three or more sources: the rule one document at a time, on plain integers."""
+    tokens = list(tokens)
+    next_doc = {s: 0 for s in alive}
+    lengths = {s: (docs[s][1] - docs[s][0]).tolist() for s in alive}
+    order: list[int] = []
+    picks: list[int] = []
+    covered = 0
+    while covered < wanted:
+        total = sum(tokens[s] for s in alive) + 1
+        best, best_key = -1, None
+        for s, numerator in zip(alive, numerators):
+            key = numerator * total - tokens[s] * denominator
+            if best_key is None or key > best_key:
+                best, best_key = s, key
+        j = next_doc[best]
+        if j == len(lengths[best]):
+            break  # the rule wants a document past its block: stop, certain so far
+        order.append(best)
+        picks.append(j)
+        next_doc[best] = j + 1
+        tokens[best] += lengths[best][j]
+        covered += lengths[best][j]
+    if not order:
+        return None
+    order_arr = np.array(order, dtype=np.int64)
+    starts = np.array([int(docs[s][0][j]) for s, j in zip(order, picks)], dtype=np.int64)
+    ends = np.array([int(docs[s][1][j]) for s, j in zip(order, picks)], dtype=np.int64)
+    return order_arr, starts, ends

@@ -95,17 +95,19 @@ def test_token_shares_in_the_mixer_draw_order(mix_config, d_max_by_lane, packing
     for lane_id, lane in lanes.items():
         drawn: list[tuple[int, np.ndarray, np.ndarray]] = []  # (step, sources, document starts)
         step = [0]
-        take = lane.mixed_stream.take
+        def recording(take, _drawn=drawn, _step=step):
+            """Record what ``take`` (per sequence) or ``take_rows`` (bulk, one phase) draws."""
+            def wrapper(*args, **kwargs):
+                chunk = take(*args, **kwargs)
+                if chunk is not None:
+                    starts = np.zeros(len(chunk.tokens), dtype=bool)
+                    starts[chunk.doc_starts] = True
+                    _drawn.append((_step[0], chunk.token_sources, starts))
+                return chunk
+            return wrapper
 
-        def recording_take(n, *, within_document=False, _take=take, _drawn=drawn, _step=step):
-            chunk = _take(n, within_document=within_document)
-            if chunk is not None:
-                starts = np.zeros(len(chunk.tokens), dtype=bool)
-                starts[chunk.doc_starts] = True
-                _drawn.append((_step[0], chunk.token_sources, starts))
-            return chunk
-
-        lane.mixed_stream.take = recording_take
+        lane.mixed_stream.take = recording(lane.mixed_stream.take)
+        lane.mixed_stream.take_rows = recording(lane.mixed_stream.take_rows)
         for k in range(STEPS * GLOBAL_BATCH // NUM_LANES):
             index = lane_id + k * NUM_LANES
             step[0] = index // GLOBAL_BATCH
