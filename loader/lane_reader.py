@@ -428,7 +428,10 @@ class LaneTokenStream:
             if order is not None and binary:
                 # Arrow's take copies the rows in C++ without the GIL; on the read-ahead
                 # thread a Python loop over the rows would stall the trainer's thread.
-                values, order = pc.take(values, pa.array(order)), None
+                # Indices from the buffer: pa.array(ndarray) imports pandas when it is
+                # installed (~0.2 s on the first call, paid by a restore's first batch).
+                indices = pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order.astype(np.int64))])
+                values, order = pc.take(values, indices), None
             flat, lengths = _token_rows(values, storage.join(self.dataset_path, entry.path), row_group)
             if order is not None:
                 block = _permuted_block(flat, lengths, order, self.token_format)

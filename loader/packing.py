@@ -51,11 +51,14 @@ class ConcatRow(PackedSequence):
     """
 
     def __init__(self, input_ids: np.ndarray, segment_starts: np.ndarray, doc_starts: np.ndarray,
-                 token_sources: Optional[np.ndarray] = None) -> None:
+                 token_sources: Optional[np.ndarray] = None, majority_source: int = -1) -> None:
         self.input_ids = input_ids
         self.segment_starts = segment_starts
         self.doc_starts = doc_starts  # int32 offsets in the row where a document begins
         self.token_sources = token_sources
+        # token-unit mixing: the source with most tokens in the row (ties: lowest id), counted
+        # for the whole fill at once; the lane reports it as the row's source
+        self.majority_source = majority_source
 
     @property
     def labels(self) -> np.ndarray:  # type: ignore[override]
@@ -155,6 +158,7 @@ class ConcatPacker:
         # The current fill: rows ``_next_row .. _fill_rows - 1`` are not handed out yet.
         self._fill_rows = self._next_row = 0
         self._input_ids = self._segments = self._doc_starts = self._token_sources = None
+        self._majority: Optional[list[int]] = None
         self._bounds: list[int] = []
         self._doc_bounds: list[int] = []
 
@@ -168,6 +172,7 @@ class ConcatPacker:
                 self._segments[self._bounds[row] : self._bounds[row + 1]],
                 self._doc_starts[self._doc_bounds[row] : self._doc_bounds[row + 1]],
                 None if self._token_sources is None else self._token_sources[row],
+                -1 if self._majority is None else self._majority[row],
             )
         chunk = self.stream.take(self.seq_len)
         if chunk is None:
@@ -182,7 +187,14 @@ class ConcatPacker:
         rows = len(chunk.tokens) // seq_len
         doc_starts = chunk.doc_starts
         self._input_ids = chunk.tokens.reshape(rows, seq_len)
-        self._token_sources = None if chunk.token_sources is None else chunk.token_sources.reshape(rows, seq_len)
+        self._token_sources = self._majority = None
+        if chunk.token_sources is not None:
+            self._token_sources = chunk.token_sources.reshape(rows, seq_len)
+            # Per-row token counts of every source in one bincount; argmax takes the lowest id on ties.
+            sources = int(chunk.token_sources.max()) + 1
+            keys = np.repeat(np.arange(rows, dtype=np.int64) * sources, seq_len) + chunk.token_sources
+            counts = np.bincount(keys, minlength=rows * sources).reshape(rows, sources)
+            self._majority = counts.argmax(axis=1).tolist()
         # Segment starts: the document starts plus every row start that is not one. Concat
         # packing always wraps documents (BOS or EOS), so document starts are distinct;
         # np.unique covers the general case, as _sequence_from_pieces does.

@@ -379,7 +379,7 @@ class ZephonLoader:
         }
         if any(it.sequence.token_sources is not None for it in items):
             batch["token_source_ids"] = torch.from_numpy(
-                np.stack([it.sequence.token_sources for it in items]).astype(np.int64)
+                np.concatenate([it.sequence.token_sources for it in items], dtype=np.int64).reshape(rows, seq_len)
             )
         return batch
 

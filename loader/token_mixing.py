@@ -59,6 +59,9 @@ class MixedTokenStream:
         self._alive: Optional[tuple[int, ...]] = None  # sources in the mix; None: recompute
         self.rows_left: Optional[int] = None  # outputs of the lane left in this phase (None: no end)
         self._bulk: Optional[_BulkRows] = None  # the last take_rows, for rewound_state
+        # Where take_rows last found no whole row: it cannot find one again before a block
+        # or the window changes (consuming documents only shortens what is certain).
+        self._no_rows_at: Optional[tuple] = None
 
     def set_phase(self, phase_start: int, weights: tuple[Fraction, ...], rows_left: Optional[int] = None) -> None:
         """Called by the lane before each sequence with the phase of its global index.
@@ -180,6 +183,9 @@ class MixedTokenStream:
         alive = self._alive_sources()
         if max_rows < 1 or not alive:
             return None
+        where = (self.phase_start, alive, tuple((self.streams[s].epoch, self.streams[s].block_index) for s in alive))
+        if where == self._no_rows_at:
+            return None
         wanted = max_rows * row_len
         views = {}
         for s in alive:
@@ -189,12 +195,14 @@ class MixedTokenStream:
             views[s] = view
         plan = _plan_documents(self, alive, views, wanted)
         if plan is None:
+            self._no_rows_at = where
             return None
         sources, starts, ends = plan  # documents (or the current one's rest) in stream order
         lengths = ends - starts
         cumulative = np.cumsum(lengths)
-        rows = min(max_rows, int(cumulative[-1]) // row_len) if len(cumulative) else 0
-        if rows < 1:
+        rows = min(max_rows, int(cumulative[-1]) // row_len)  # max_rows >= 1 here
+        if rows < 1:  # the certain documents do not fill a row
+            self._no_rows_at = where
             return None
         need = rows * row_len
         last = int(cumulative.searchsorted(need))  # the piece holding the last token taken
@@ -214,7 +222,11 @@ class MixedTokenStream:
                 self.streams[s].move_in_block(int(ends[mine][-1]))
                 self.tokens[s] += int(lengths[mine].sum())
         self.current = int(sources[-1]) if cut else -1
-        pieces = [views[int(s)][0][a:b] for s, a, b in zip(sources.tolist(), starts.tolist(), ends.tolist())]
+        # Consecutive pieces of one source are adjacent in its block: one slice per run.
+        run_first = np.flatnonzero(np.concatenate([[True], sources[1:] != sources[:-1]]))
+        run_last = np.append(run_first[1:], len(sources)) - 1
+        pieces = [views[s][0][a:b] for s, a, b in
+                  zip(sources[run_first].tolist(), starts[run_first].tolist(), ends[run_last].tolist())]
         doc_starts = np.cumsum(lengths) - lengths
         if first_is_rest:  # the first piece continues a document begun earlier
             doc_starts = doc_starts[1:]
