@@ -310,23 +310,10 @@ def compare_fingerprints(r: Runner, name: str, runs: dict) -> dict:
 
 
 def machine_line() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = "?"
-    try:
-        with open("/proc/meminfo") as fh:
-            kb = int(fh.readline().split()[1])
-            mem = f"{kb / 1024 / 1024:.1f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    return f"nproc {os.cpu_count()}, {cpu}, RAM {mem}, Linux {platform.release()}, Python {platform.python_version()}"
+    from bench.machine import cpu_model, memory_gib
+
+    return (f"nproc {os.cpu_count()}, {cpu_model()}, RAM {memory_gib()}, Linux {platform.release()}, "
+            f"Python {platform.python_version()}")
 
 
 def peer_versions(python: str) -> dict:

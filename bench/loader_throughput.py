@@ -179,6 +179,8 @@ class _Clock:
 
 
 def child_scan(dataset: str) -> dict:
+    import numpy as np
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     clock = _Clock()
@@ -189,7 +191,12 @@ def child_scan(dataset: str) -> dict:
             # use_threads=False as the loader reads: for one column it is the faster setting
             table = parquet.read_row_group(group, columns=["input_ids"], use_threads=False)
             column = table.column(0).combine_chunks()
-            tokens += len(column.flatten().to_numpy(zero_copy_only=False))
+            if column.type == pa.binary():  # what the Beam job writes: int32 ids as bytes, zero-copy
+                ends = np.frombuffer(column.buffers()[1], dtype=np.int32)[column.offset:column.offset + len(column) + 1]
+                tokens += len(np.frombuffer(column.buffers()[2], dtype="<i4", count=int(ends[-1] - ends[0]) // 4,
+                                            offset=int(ends[0])))
+            else:  # list<int32> (datasets written before the binary column)
+                tokens += len(column.flatten().to_numpy(zero_copy_only=False))
     return {"tokens": tokens, **clock.read()}
 
 
@@ -448,19 +455,13 @@ def report(results: dict[str, list[dict]]) -> list[str]:
 
 
 def machine_line() -> str:
-    model = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import pyarrow
     import tokenizers
     import torch
 
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    from bench.machine import cpu_model, load_average  # the repo root is on sys.path by now
+
+    model, load = cpu_model(), load_average()
     return (f"nproc {os.cpu_count()}, {model}, Python {platform.python_version()}, torch {torch.__version__}, "
             f"pyarrow {pyarrow.__version__}, tokenizers {tokenizers.__version__}; load average {load}")
 

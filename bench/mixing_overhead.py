@@ -273,16 +273,9 @@ def report(pairs: dict[str, list[tuple[dict, dict]]], cases: dict[str, dict]) ->
 
 
 def machine_line() -> str:
-    model = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"nproc {os.cpu_count()}, {model}, Python {platform.python_version()}; load average {load}"
+    from bench.machine import cpu_model, load_average  # the repo root is on sys.path by now
+
+    return f"nproc {os.cpu_count()}, {cpu_model()}, Python {platform.python_version()}; load average {load_average()}"
 
 
 def main(argv=None) -> int:

@@ -113,14 +113,7 @@ class MixedTokenStream:
         # T counts the sources still in the mix only: a stopped source's tokens are not a
         # debt of the others (else their split stays off by ~t_stopped * (w_s - 1/n) tokens).
         numerators, denominator = self._scaled_weights(alive)
-        tokens = self.tokens
-        total = sum(tokens[s] for s in alive) + 1
-        best, best_key = -1, None
-        for s, numerator in zip(alive, numerators):
-            key = numerator * total - tokens[s] * denominator
-            if best_key is None or key > best_key:
-                best, best_key = s, key
-        return best
+        return _deficit_choice(alive, numerators, denominator, self.tokens)
 
     def take(self, n: int, *, within_document: bool = False) -> Optional[Chunk]:
         """Up to ``n`` tokens, document by document from the chosen sources; None at the end."""
@@ -256,6 +249,17 @@ class MixedTokenStream:
         self.phase_start = int(state["phase_start"])
 
 
+def _deficit_choice(alive, numerators, denominator: int, tokens) -> int:
+    """``argmax_s n_s (T + 1) - d t_s`` over ``alive`` (ties: lowest id), ``T`` = their tokens."""
+    total = sum(tokens[s] for s in alive) + 1
+    best, best_key = -1, None
+    for s, numerator in zip(alive, numerators):
+        key = numerator * total - tokens[s] * denominator
+        if best_key is None or key > best_key:
+            best, best_key = s, key
+    return best
+
+
 class _BulkRows:
     """What ``take_rows`` decided, kept to rebuild the state at any of its row boundaries."""
 
@@ -384,12 +388,7 @@ def _decide_in_turn(alive, numerators, denominator, tokens, docs, wanted):
     picks: list[int] = []
     covered = 0
     while covered < wanted:
-        total = sum(tokens[s] for s in alive) + 1
-        best, best_key = -1, None
-        for s, numerator in zip(alive, numerators):
-            key = numerator * total - tokens[s] * denominator
-            if best_key is None or key > best_key:
-                best, best_key = s, key
+        best = _deficit_choice(alive, numerators, denominator, tokens)
         j = next_doc[best]
         if j == len(lengths[best]):
             break  # the rule wants a document past its block: stop, certain so far

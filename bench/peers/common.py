@@ -198,6 +198,24 @@ class PackedBatches:
         self._docs = None
 
 
+class PackedSession:
+    """A peer session whose batches come from ``self.packed`` (a :class:`PackedBatches`)."""
+
+    packed: PackedBatches
+
+    def __iter__(self):
+        return self.packed
+
+    def state_dict(self):
+        return self.packed.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.packed.load_state_dict(state)
+
+    def close(self) -> None:
+        pass
+
+
 class TextToIds:
     """Document text -> ids with one ``Tokenizer.encode`` call per document (no special tokens)."""
 

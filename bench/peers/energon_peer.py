@@ -22,7 +22,9 @@ import tarfile
 
 import numpy as np
 
-from bench.peers.common import SOURCES, Layout, PackedBatches, Spec, TextToIds, eos_id, iter_docs_jsonl, load_flat
+from bench.peers.common import (
+    SOURCES, Layout, PackedBatches, PackedSession, Spec, TextToIds, eos_id, iter_docs_jsonl, load_flat,
+)
 
 DOCS_PER_SHARD = 2000
 
@@ -95,7 +97,7 @@ def _task_encoder(text: bool):
     return t.TextEncoder() if text else t.IdsEncoder()
 
 
-class Session:
+class Session(PackedSession):
     def __init__(self, spec: Spec, layout: Layout) -> None:
         from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
@@ -114,18 +116,6 @@ class Session:
         to_ids = (lambda s: tok(s.doc)) if tok else (lambda s: s.doc)
         self.packed = PackedBatches(lambda: (to_ids(s) for s in self.loader), spec.seq_len, spec.rank_batch,
                                     eos_id(layout), self.loader.save_state_rank, self.loader.restore_state_rank)
-
-    def __iter__(self):
-        return self.packed
-
-    def state_dict(self):
-        return self.packed.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.packed.load_state_dict(state)
-
-    def close(self) -> None:
-        pass
 
 
 def open_session(spec: Spec, layout: Layout) -> Session:

@@ -16,6 +16,7 @@ from bench.peers.common import (
     SOURCES,
     Layout,
     PackedBatches,
+    PackedSession,
     Spec,
     TextToIds,
     eos_id,
@@ -62,7 +63,7 @@ def _set_env(spec: Spec) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29577"})
 
 
-class Session:
+class Session(PackedSession):
     def __init__(self, spec: Spec, layout: Layout) -> None:
         _set_env(spec)
         stub_streaming_vision()
@@ -91,7 +92,7 @@ class Session:
         self.consumed = 0
         tok = TextToIds(layout) if spec.mode == "text" else None
         self.to_ids = (lambda s: tok(s["text"])) if tok else (lambda s: s["ids"])
-        self.batches = PackedBatches(self._docs, spec.seq_len, spec.rank_batch, eos_id(layout),
+        self.packed = PackedBatches(self._docs, spec.seq_len, spec.rank_batch, eos_id(layout),
                                      self._peer_state, self._peer_load)
 
     def _docs(self):
@@ -106,18 +107,6 @@ class Session:
 
     def _peer_load(self, state) -> None:
         self.ds.load_state_dict(state)
-
-    def __iter__(self):
-        return self.batches
-
-    def state_dict(self):
-        return self.batches.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.batches.load_state_dict(state)
-
-    def close(self) -> None:
-        pass
 
 
 def open_session(spec: Spec, layout: Layout) -> Session:

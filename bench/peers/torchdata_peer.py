@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from bench.peers.common import SOURCES, Layout, PackedBatches, Spec, eos_id, load_tokenizer
+from bench.peers.common import SOURCES, Layout, PackedBatches, PackedSession, Spec, eos_id, load_tokenizer
 
 
 def version() -> str:
@@ -75,7 +75,7 @@ def _as_ids(x):
     return x.numpy() if hasattr(x, "numpy") else x
 
 
-class Session:
+class Session(PackedSession):
     def __init__(self, spec: Spec, layout: Layout) -> None:
         from torch.utils.data.distributed import DistributedSampler
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -125,18 +125,6 @@ class Session:
         self.dl = Loader(mixed)
         self.packed = PackedBatches(lambda: iter(self.dl), spec.seq_len, spec.rank_batch, eos_id(layout),
                                     self.dl.state_dict, self.dl.load_state_dict)
-
-    def __iter__(self):
-        return self.packed
-
-    def state_dict(self):
-        return self.packed.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.packed.load_state_dict(state)
-
-    def close(self) -> None:
-        pass
 
 
 def open_session(spec: Spec, layout: Layout) -> Session:
