@@ -152,6 +152,40 @@ class Chunk:
     token_sources: Optional[np.ndarray] = None
 
 
+@dataclass
+class DocumentsView:
+    """The documents a bulk reader may take: the rest of the current block and, when it
+    is complete and the epoch has another block, the next block as well.
+
+    Positions are *virtual*: offsets in the current block, then ``len(current) + offset`` in
+    the next one. A document never spans two blocks, and the last document of the view ends
+    strictly before the view's end (a document that reaches it is left to ``take``).
+    """
+
+    blocks: list  # token arrays: the current block [, the next]
+    cursor: int  # virtual position of the stream's cursor
+    ends: np.ndarray  # virtual end of each document from the cursor on
+    epoch: int
+    block_index: int  # of the current block
+
+    def slices(self, start: int, end: int) -> list[np.ndarray]:
+        """The tokens at virtual positions ``[start, end)``, one slice per block touched."""
+        first = len(self.blocks[0])
+        if end <= first:
+            return [self.blocks[0][start:end]]
+        if start >= first:
+            return [self.blocks[1][start - first : end - first]]
+        return [self.blocks[0][start:first], self.blocks[1][: end - first]]
+
+    def where(self, position: int) -> tuple[int, int]:
+        """``(block index, offset)`` of a virtual position; the current block's end is the
+        next block's start, as ``take`` leaves the cursor after a block's last document."""
+        first = len(self.blocks[0])
+        if position < first or len(self.blocks) == 1:
+            return self.block_index, position
+        return self.block_index + 1, position - first
+
+
 def _permuted_block(flat: np.ndarray, lengths: np.ndarray, order: np.ndarray, fmt: TokenFormat) -> Block:
     """``wrap_documents`` of the rows in the order ``order``, in one pass.
 
@@ -283,6 +317,8 @@ class LaneTokenStream:
         # Blocks being read in the background, in stream order: ((epoch, block), future).
         # While any is pending only the read-ahead thread touches the open Parquet file.
         self._ahead: collections.deque[tuple[tuple[int, int], Future]] = collections.deque()
+        # The next block, read early by documents_ahead: ((epoch, block), Block).
+        self._peeked: Optional[tuple[tuple[int, int], Block]] = None
 
     # -- state -------------------------------------------------------------------------
     def get_state(self) -> dict:
@@ -346,6 +382,7 @@ class LaneTokenStream:
     def close(self) -> None:
         """Release the open lane file (file descriptors are not left to the GC)."""
         self._settle_read_ahead()
+        self._peeked = None
         self._close_file()
 
     def _close_file(self) -> None:  # also on the read-ahead thread, which must not settle itself
@@ -359,7 +396,11 @@ class LaneTokenStream:
         if self._block_key == (epoch, block_index) and self._block is not None:
             return self._block  # checked first: this is the per-sequence path
         key = (epoch, block_index)
-        block = self._settle_read_ahead(wanted=key)
+        block = None
+        if self._peeked is not None and self._peeked[0] == key:
+            block, self._peeked = self._peeked[1], None
+        else:
+            block = self._settle_read_ahead(wanted=key)
         if block is None:
             block = self._read_block(epoch, *self.blocks_of_epoch(epoch)[block_index])
         self._block_key, self._block = key, block
@@ -462,26 +503,46 @@ class LaneTokenStream:
         k = np.searchsorted(block.doc_starts, self.offset)
         return k < len(block.doc_starts) and block.doc_starts[k] == self.offset
 
-    def documents_in_block(self, min_tokens: int) -> Optional[tuple[np.ndarray, int, np.ndarray]]:
-        """``(block tokens, cursor, ends)`` for bulk readers that stay inside the current block.
+    def documents_ahead(self, min_tokens: int) -> Optional[DocumentsView]:
+        """The documents a bulk reader may take from the cursor on (see :class:`DocumentsView`).
 
-        ``ends`` are the end offsets of the documents from the cursor on (the first one is
-        the end of the document the cursor is in) that end strictly inside the block; a
-        document that reaches the block's end is left to :meth:`take`. Text blocks are
-        tokenized to at least ``min_tokens`` past the cursor first. None when exhausted.
+        Text blocks are tokenized to at least ``min_tokens`` past the cursor first. None when
+        the stream is exhausted.
         """
         if self.exhausted:
             return None
         block = self._load_block(self.epoch, self.block_index)
         block.ensure(self.offset + min_tokens)
-        starts = block.doc_starts
+        blocks, starts = [block.tokens], block.doc_starts
+        if block.complete and self.block_index + 1 < len(self.blocks_of_epoch(self.epoch)):
+            following = self._next_block_in_epoch()
+            following.ensure(min_tokens)
+            blocks.append(following.tokens)
+            starts = np.concatenate([starts[:-1], following.doc_starts + len(block.tokens)])
         lo = starts.searchsorted(self.offset, side="right")
-        hi = starts.searchsorted(len(block.tokens), side="left")
-        return block.tokens, self.offset, starts[lo:hi]
+        hi = starts.searchsorted(sum(len(b) for b in blocks), side="left")
+        return DocumentsView(blocks=blocks, cursor=self.offset, ends=starts[lo:hi],
+                             epoch=self.epoch, block_index=self.block_index)
 
-    def move_in_block(self, offset: int) -> None:
-        """Set the cursor inside the current block (bulk readers, after ``documents_in_block``)."""
-        self.offset = offset
+    def _next_block_in_epoch(self) -> Block:
+        """The block after the current one (same epoch), kept until the cursor gets there."""
+        key = (self.epoch, self.block_index + 1)
+        if self._peeked is not None and self._peeked[0] == key:
+            return self._peeked[1]
+        block = self._settle_read_ahead(wanted=key)  # the read-ahead's head, or nothing pending
+        if block is None:
+            block = self._read_block(key[0], *self.blocks_of_epoch(key[0])[key[1]])
+        self._peeked = (key, block)
+        return block
+
+    def move_to(self, view: DocumentsView, position: int) -> None:
+        """Put the cursor at a virtual position of ``view`` (bulk readers)."""
+        self.block_index, self.offset = view.where(position)
+
+    def state_at(self, view: DocumentsView, position: int) -> dict:
+        """The state with the cursor at a virtual position of ``view``."""
+        block_index, offset = view.where(position)
+        return {"epoch": view.epoch, "block": block_index, "offset": offset, "exhausted": False}
 
     def rewound_state(self, rows: int, row_len: int) -> dict:
         """The state before the last ``rows`` rows of ``row_len`` (all in the current block)."""

@@ -182,7 +182,7 @@ class MixedTokenStream:
         wanted = max_rows * row_len
         views = {}
         for s in alive:
-            view = self.streams[s].documents_in_block(wanted)
+            view = self.streams[s].documents_ahead(wanted)
             if view is None:
                 return None
             views[s] = view
@@ -205,21 +205,23 @@ class MixedTokenStream:
         lengths = ends - starts
         first_is_rest = self.current >= 0
         self._bulk = _BulkRows(
-            state_before=self.get_state(), sources=sources, starts=starts, ends=ends,
+            state_before=self.get_state(), views=views, sources=sources, starts=starts, ends=ends,
             out_ends=np.cumsum(lengths), row_len=row_len, rows=rows, rest_first=first_is_rest,
         )
         # Advance: every source's cursor to the end of its last piece, counters, current.
         for s in alive:
             mine = sources == s
             if mine.any():
-                self.streams[s].move_in_block(int(ends[mine][-1]))
+                self.streams[s].move_to(views[s], int(ends[mine][-1]))
                 self.tokens[s] += int(lengths[mine].sum())
         self.current = int(sources[-1]) if cut else -1
-        # Consecutive pieces of one source are adjacent in its block: one slice per run.
+        # Consecutive pieces of one source are adjacent in its view: one slice per run (two
+        # where a run crosses into the next block).
         run_first = np.flatnonzero(np.concatenate([[True], sources[1:] != sources[:-1]]))
         run_last = np.append(run_first[1:], len(sources)) - 1
-        pieces = [views[s][0][a:b] for s, a, b in
-                  zip(sources[run_first].tolist(), starts[run_first].tolist(), ends[run_last].tolist())]
+        pieces = [piece for s, a, b in zip(sources[run_first].tolist(), starts[run_first].tolist(),
+                                           ends[run_last].tolist())
+                  for piece in views[s].slices(a, b)]
         doc_starts = np.cumsum(lengths) - lengths
         if first_is_rest:  # the first piece continues a document begun earlier
             doc_starts = doc_starts[1:]
@@ -263,9 +265,9 @@ def _deficit_choice(alive, numerators, denominator: int, tokens) -> int:
 class _BulkRows:
     """What ``take_rows`` decided, kept to rebuild the state at any of its row boundaries."""
 
-    def __init__(self, *, state_before: dict, sources: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                 out_ends: np.ndarray, row_len: int, rows: int, rest_first: bool) -> None:
-        self.state_before = state_before
+    def __init__(self, *, state_before: dict, views: dict, sources: np.ndarray, starts: np.ndarray,
+                 ends: np.ndarray, out_ends: np.ndarray, row_len: int, rows: int, rest_first: bool) -> None:
+        self.state_before, self.views = state_before, views
         self.sources, self.starts, self.ends, self.out_ends = sources, starts, ends, out_ends
         self.row_len, self.rows, self.rest_first = row_len, rows, rest_first
 
@@ -283,7 +285,7 @@ class _BulkRows:
             mine = np.flatnonzero((self.sources == s) & (taken > 0))
             if len(mine):
                 k = mine[-1]
-                state["sources"][s]["offset"] = int(self.starts[k] + taken[k])
+                state["sources"][s] = mixer.streams[s].state_at(self.views[s], int(self.starts[k] + taken[k]))
                 state["tokens"][s] += int(taken[self.sources == s].sum())
         if position > 0:
             k = int(np.searchsorted(self.out_ends, position))  # piece holding token position - 1
@@ -295,8 +297,8 @@ class _BulkRows:
 def _plan_documents(mixer: MixedTokenStream, alive: tuple[int, ...], views: dict, wanted: int):
     """``(sources, starts, ends)`` of the next pieces in the order the deficit rule takes
     them: first the rest of the current document (if one is open), then whole documents,
-    as far as the decisions are certain (every candidate document inside its block) and
-    until ``wanted`` tokens are covered. Offsets are in each source's block. None if empty.
+    as far as the decisions are certain (every candidate document inside its source's view)
+    and until ``wanted`` tokens are covered. Positions are the views' (virtual). None if empty.
     """
     tokens = list(mixer.tokens)
     head_sources: list[int] = []
@@ -304,7 +306,7 @@ def _plan_documents(mixer: MixedTokenStream, alive: tuple[int, ...], views: dict
     head_ends: list[int] = []
     docs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for s in alive:
-        _, cursor, ends = views[s]
+        cursor, ends = views[s].cursor, views[s].ends
         if s == mixer.current:  # the open document's rest comes first, decided earlier
             if not len(ends):
                 return None
