@@ -154,8 +154,8 @@ class Chunk:
 
 @dataclass
 class DocumentsView:
-    """The documents a bulk reader may take: the rest of the current block and, when it
-    is complete and the epoch has another block, the next block as well.
+    """The documents a bulk reader may take: the rest of the current block and, when both
+    are fully tokenized and the epoch has another block, the next block as well.
 
     Positions are *virtual*: offsets in the current block, then ``len(current) + offset`` in
     the next one. A document never spans two blocks, and the last document of the view ends
@@ -516,9 +516,11 @@ class LaneTokenStream:
         blocks, starts = [block.tokens], block.doc_starts
         if block.complete and self.block_index + 1 < len(self.blocks_of_epoch(self.epoch)):
             following = self._next_block_in_epoch()
-            following.ensure(min_tokens)
-            blocks.append(following.tokens)
-            starts = np.concatenate([starts[:-1], following.doc_starts + len(block.tokens)])
+            # A text block is tokenized only once the cursor reaches it: tokenizing it here
+            # would front-load work (first batch, restore) for every lane at once.
+            if following.complete:
+                blocks.append(following.tokens)
+                starts = np.concatenate([starts[:-1], following.doc_starts + len(block.tokens)])
         lo = starts.searchsorted(self.offset, side="right")
         hi = starts.searchsorted(sum(len(b) for b in blocks), side="left")
         return DocumentsView(blocks=blocks, cursor=self.offset, ends=starts[lo:hi],
