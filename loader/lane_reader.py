@@ -506,15 +506,17 @@ class LaneTokenStream:
     def documents_ahead(self, min_tokens: int) -> Optional[DocumentsView]:
         """The documents a bulk reader may take from the cursor on (see :class:`DocumentsView`).
 
-        Text blocks are tokenized to at least ``min_tokens`` past the cursor first. None when
-        the stream is exhausted.
+        The current block is tokenized to at least ``min_tokens`` past the cursor (text); the
+        next block joins the view only when fewer than ``min_tokens`` are left in this one.
+        None when the stream is exhausted.
         """
         if self.exhausted:
             return None
         block = self._load_block(self.epoch, self.block_index)
         block.ensure(self.offset + min_tokens)
         blocks, starts = [block.tokens], block.doc_starts
-        if block.complete and self.block_index + 1 < len(self.blocks_of_epoch(self.epoch)):
+        short = len(block.tokens) - self.offset < min_tokens  # else the next block is not needed yet
+        if short and block.complete and self.block_index + 1 < len(self.blocks_of_epoch(self.epoch)):
             following = self._next_block_in_epoch()
             # A text block is tokenized only once the cursor reaches it: tokenizing it here
             # would front-load work (first batch, restore) for every lane at once.

@@ -215,20 +215,18 @@ class MixedTokenStream:
                 self.streams[s].move_to(views[s], int(ends[mine][-1]))
                 self.tokens[s] += int(lengths[mine].sum())
         self.current = int(sources[-1]) if cut else -1
-        # Consecutive pieces of one source are adjacent in its view: one slice per run (two
-        # where a run crosses into the next block).
-        run_first = np.flatnonzero(np.concatenate([[True], sources[1:] != sources[:-1]]))
-        run_last = np.append(run_first[1:], len(sources)) - 1
-        pieces = [piece for s, a, b in zip(sources[run_first].tolist(), starts[run_first].tolist(),
-                                           ends[run_last].tolist())
-                  for piece in views[s].slices(a, b)]
+        # The pieces of one source are consecutive in its view, so its tokens in the output
+        # are one stretch of the view: one masked copy per source, not one slice per piece.
+        token_sources = np.repeat(sources.astype(np.int8), lengths)
+        tokens = np.empty(need, dtype=np.int32)
+        for s in np.unique(sources).tolist():
+            mine = np.flatnonzero(sources == s)
+            stretch = views[s].slices(int(starts[mine[0]]), int(ends[mine[-1]]))
+            tokens[token_sources == s] = stretch[0] if len(stretch) == 1 else np.concatenate(stretch)
         doc_starts = np.cumsum(lengths) - lengths
         if first_is_rest:  # the first piece continues a document begun earlier
             doc_starts = doc_starts[1:]
-        return Chunk(
-            tokens=np.concatenate(pieces), doc_starts=doc_starts,
-            token_sources=np.repeat(sources.astype(np.int8), lengths),
-        )
+        return Chunk(tokens=tokens, doc_starts=doc_starts, token_sources=token_sources)
 
     def rewound_state(self, rows: int, row_len: int) -> dict:
         """The state before the last ``rows`` rows of the last ``take_rows``."""
