@@ -163,9 +163,10 @@ class MixedTokenStream:
 
     def take_rows(self, row_len: int, max_rows: int) -> Optional[Chunk]:
         """Up to ``max_rows`` rows of ``row_len`` tokens at once: what ``take(row_len)`` would
-        give row after row, while every document involved lies inside its source's current
-        block and the rows stay inside the phase. None when not even one row qualifies (the
-        caller then uses :meth:`take`).
+        give row after row, while every document involved lies inside its source's view (the
+        current row group and, near its end, the next one: ``LaneTokenStream.documents_ahead``)
+        and the rows stay inside the phase. None when not even one row qualifies (the caller
+        then uses :meth:`take`).
 
         The deficit rule is the same; only its evaluation differs: the documents' lengths
         are known ahead within the blocks, so the decisions are made for many documents at
@@ -244,6 +245,7 @@ class MixedTokenStream:
         for stream, saved in zip(self.streams, state["sources"]):
             stream.set_state(saved)
         self._alive = None
+        self._no_rows_at = None
         self.tokens = [int(t) for t in state["tokens"]]
         self.current = int(state["current"])
         self.phase_start = int(state["phase_start"])
