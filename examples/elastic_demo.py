@@ -569,6 +569,11 @@ def build_report(args, work, config, runs, comps, timings, cli_steps, note, fail
     return "\n".join(lines) + "\n"
 
 
+def _same_as_reference(name: str, c: Comparison) -> str:
+    return (f"  * {name}: same global batch as the baseline reference at every step "
+            f"(max relative loss difference {c.max_rel:.2e}).")
+
+
 def report_prepacked(runs: dict, comps: dict, n_packed: Optional[int], k: int) -> list[str]:
     lines = ["", "Baseline `baseline` (" + BASELINE_DESCRIPTIONS["baseline"] + "):"]
     spe = math.ceil(n_packed / GLOBAL_BATCH) if n_packed else None
@@ -579,8 +584,7 @@ def report_prepacked(runs: dict, comps: dict, n_packed: Optional[int], k: int) -
     for name in ("w4_stop", "w2_resume", "w1_resume"):
         c = comps[name]
         if c.first_fp_diff is None:
-            lines.append(f"  * {name}: same global batch as the baseline reference at every step "
-                         f"(max relative loss difference {c.max_rel:.2e}).")
+            lines.append(_same_as_reference(name, c))
             continue
         s = c.first_fp_diff
         where = f" = the last step of epoch {s // spe}" if spe and s % spe == spe - 1 else ""
@@ -622,8 +626,7 @@ def report_online(runs: dict, comps: dict, docs: Optional[dict], k: int) -> list
     for name in ("w4_stop", "w2_resume", "w1_resume"):
         c = comps[name]
         if c.first_fp_diff is None:
-            lines.append(f"  * {name}: same global batch as the baseline reference at every step "
-                         f"(max relative loss difference {c.max_rel:.2e}).")
+            lines.append(_same_as_reference(name, c))
             continue
         s = c.first_fp_diff
         where = " = the first resumed step" if s == k else ""

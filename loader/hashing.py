@@ -95,11 +95,17 @@ def stable_permutation(n: int, *seed_parts: HashPart) -> np.ndarray:
     Built by sorting the indices by a keyed SplitMix64 of each index, so it costs
     O(n log n) time and O(n) memory and is identical on every platform.
     """
+    return stable_permutations(n, [seed_parts])[0]
+
+
+def stable_permutations(n: int, seed_parts_per_row: list[tuple[HashPart, ...]]) -> np.ndarray:
+    """``stable_permutation(n, *parts)`` for every ``parts`` in ``seed_parts_per_row``, as the
+    rows of one int64 array: one pass of numpy calls for all of them."""
     if n < 0:
         raise ValueError(f"n must be >= 0 (got {n=})")
-    base = np.uint64(stable_hash64("perm", *seed_parts))
-    keys = _splitmix64(np.arange(n, dtype=np.uint64) ^ base)
-    return np.argsort(keys, kind="stable").astype(np.int64)
+    bases = np.array([stable_hash64("perm", *parts) for parts in seed_parts_per_row], dtype=np.uint64)
+    keys = _splitmix64(np.arange(n, dtype=np.uint64)[None, :] ^ bases[:, None])
+    return np.argsort(keys, axis=1, kind="stable").astype(np.int64)
 
 
 def sha256_hex(data: bytes) -> str:

@@ -114,9 +114,8 @@ class Lane:
             if sequence is None:
                 raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")
             self.outputs += 1
-            majority = getattr(sequence, "majority_source", -1)  # bulk rows count it per fill
-            if majority >= 0:
-                return majority, sequence
+            if sequence.majority_source >= 0:  # bulk rows count it for the whole fill
+                return sequence.majority_source, sequence
             # Majority source (ties: lowest id); padding is -1, i.e. 255 as uint8, out of range.
             counts = np.bincount(sequence.token_sources.view(np.uint8), minlength=256)[: len(self.stopped)]
             return int(counts.argmax()), sequence

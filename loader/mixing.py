@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from loader.hashing import _splitmix64, stable_hash64  # _splitmix64: stable_permutation's keys, batched
+from loader.hashing import stable_hash64, stable_permutations
 
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd
 _TWO_64 = 1 << 64
@@ -89,18 +89,15 @@ def batch_assignments(weights: Sequence[tuple[Fraction, ...]], batch_size: int, 
 
     Row ``k`` (int8, length B) holds ``batch_source_counts(weights[k], B, first_step + k)``
     slots of each source, in source order, permuted by ``stable_permutation(B, seed, "mix",
-    step)``. The permutations of all rows are computed with one pass of numpy calls (the
-    same SplitMix64 keys as ``stable_permutation``), so a block of steps costs little more
-    than one.
+    step)``. The permutations of all rows are computed at once
+    (``stable_permutations``), so a block of steps costs little more than one.
     """
     steps = range(first_step, first_step + len(weights))
     counts = np.array([batch_source_counts(w, batch_size, t) for w, t in zip(weights, steps)])
     # Slots in source order: position p holds the number of sources whose slots end at or before p.
     positions = np.arange(batch_size)
     slots = (positions[None, :, None] >= counts.cumsum(axis=1)[:, None, :]).sum(axis=2)
-    bases = np.array([stable_hash64("perm", seed, "mix", t) for t in steps], dtype=np.uint64)
-    keys = _splitmix64(positions.astype(np.uint64)[None, :] ^ bases[:, None])
-    order = np.argsort(keys, axis=1, kind="stable")
+    order = stable_permutations(batch_size, [(seed, "mix", t) for t in steps])
     return np.take_along_axis(slots, order, axis=1).astype(np.int8)
 
 

@@ -40,6 +40,7 @@ class PackedSequence:
     labels: np.ndarray  # int32 [seq_len]
     segment_starts: np.ndarray  # int32, sorted, starts with 0
     token_sources: Optional[np.ndarray] = None  # int8 [seq_len], token-unit mixing only
+    majority_source: int = -1  # token-unit mixing: the source with most tokens, if counted already
 
 
 class ConcatRow(PackedSequence):
@@ -56,8 +57,6 @@ class ConcatRow(PackedSequence):
         self.segment_starts = segment_starts
         self.doc_starts = doc_starts  # int32 offsets in the row where a document begins
         self.token_sources = token_sources
-        # token-unit mixing: the source with most tokens in the row (ties: lowest id), counted
-        # for the whole fill at once; the lane reports it as the row's source
         self.majority_source = majority_source
 
     @property

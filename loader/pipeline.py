@@ -343,20 +343,13 @@ class ZephonLoader:
         if all(type(s) is ConcatRow for s in sequences):
             # Labels from the input ids just written (still in cache), not from per-row copies.
             labels = input_ids.copy()
-            doc_counts = [len(s.doc_starts) for s in sequences]
-            ignore = np.concatenate([s.doc_starts for s in sequences], dtype=np.int64)
-            ignore += np.repeat(np.arange(0, rows * seq_len, seq_len, dtype=np.int64), doc_counts)
-            labels.reshape(-1)[ignore] = IGNORE_INDEX
+            labels.reshape(-1)[_flat_positions([s.doc_starts for s in sequences], seq_len)] = IGNORE_INDEX
         else:
             labels = np.concatenate([s.labels for s in sequences], dtype=np.int64).reshape(rows, seq_len)
         # Segment starts of the whole micro-batch as one flat array (row r's shifted by
         # r * seq_len) plus the end: that is cu_seqlens. Every row starts with a segment, so
         # position ids restart at row boundaries without a per-row loop.
-        counts = [len(s.segment_starts) for s in sequences]
-        cu = np.empty(sum(counts) + 1, dtype=np.int64)
-        cu[:-1] = np.concatenate([s.segment_starts for s in sequences])
-        cu[:-1] += np.repeat(np.arange(0, rows * seq_len, seq_len, dtype=np.int64), counts)
-        cu[-1] = rows * seq_len
+        cu = np.append(_flat_positions([s.segment_starts for s in sequences], seq_len), rows * seq_len)
         # position = index - start of its segment; the subtraction runs in place on the
         # repeated starts, against an arange built once per loader.
         if self._positions is None or len(self._positions) != rows * seq_len:
@@ -400,6 +393,14 @@ class ZephonLoader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _flat_positions(per_row: list[np.ndarray], seq_len: int) -> np.ndarray:
+    """Offsets inside each row of a micro-batch, as positions in the flattened batch
+    (row ``r``'s shifted by ``r * seq_len``), int64."""
+    flat = np.concatenate(per_row, dtype=np.int64)
+    flat += np.repeat(np.arange(0, len(per_row) * seq_len, seq_len, dtype=np.int64), [len(p) for p in per_row])
+    return flat
 
 
 class _Run:

@@ -207,7 +207,7 @@ class MixedTokenStream:
         first_is_rest = self.current >= 0
         self._bulk = _BulkRows(
             state_before=self.get_state(), views=views, sources=sources, starts=starts, ends=ends,
-            out_ends=np.cumsum(lengths), row_len=row_len, rows=rows, rest_first=first_is_rest,
+            out_ends=np.cumsum(lengths), row_len=row_len, rows=rows,
         )
         # Advance: every source's cursor to the end of its last piece, counters, current.
         for s in alive:
@@ -266,10 +266,10 @@ class _BulkRows:
     """What ``take_rows`` decided, kept to rebuild the state at any of its row boundaries."""
 
     def __init__(self, *, state_before: dict, views: dict, sources: np.ndarray, starts: np.ndarray,
-                 ends: np.ndarray, out_ends: np.ndarray, row_len: int, rows: int, rest_first: bool) -> None:
+                 ends: np.ndarray, out_ends: np.ndarray, row_len: int, rows: int) -> None:
         self.state_before, self.views = state_before, views
         self.sources, self.starts, self.ends, self.out_ends = sources, starts, ends, out_ends
-        self.row_len, self.rows, self.rest_first = row_len, rows, rest_first
+        self.row_len, self.rows = row_len, rows
 
     def state_at_row(self, row: int, mixer: "MixedTokenStream") -> dict:
         position = row * self.row_len  # tokens of this bulk taken before that row
