@@ -153,7 +153,7 @@ class ConcatPacker:
         self.stream = stream
         self.seq_len = seq_len
         self.pad_id = pad_id
-        self._bulk = True  # both stream kinds cut rows in bulk where they can (take_rows)
+        self._bulk = True  # cut rows in bulk where the stream can (take_rows); tests switch it off to compare
         # The current fill: rows ``_next_row .. _fill_rows - 1`` are not handed out yet.
         self._fill_rows = self._next_row = 0
         self._input_ids = self._segments = self._doc_starts = self._token_sources = None
