@@ -1,0 +1,114 @@
+"""Where Zephon's pre-tokenized replay spends its CPU (issue 6 profile), per thread.
+
+    python bench/thread_profile.py [--steps 5000] [--work bench/_work/compare-quick]
+
+Uses the Zephon datasets of ``python -m bench.compare --quick`` (run that first) and the
+same loader setup as its measurement (1): seq_len 1024, global batch 16, 0 workers. Prints,
+per global step, the wall time, the CPU time of the trainer's thread (and of it the batch
+builder, ``ZephonLoader._collate``), the CPU time of the read-ahead thread, the time the
+trainer's thread waited for a block, and the wall / CPU time of one block read on the
+read-ahead thread compared with the same reads on an otherwise idle thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--work", default=str(REPO_ROOT / "bench" / "_work" / "compare-quick"))
+    args = parser.parse_args(argv)
+
+    from bench.machine import cpu_model, load_average
+    from bench.peers import zephon
+    from bench.peers.common import Layout, Spec
+    from loader import lane_reader, pipeline
+
+    reads: list[tuple[str, float, float]] = []  # (thread, wall s, cpu s) per block read
+    waits = [0.0]
+    collate_cpu = [0.0]
+    read_block, settle, collate = (lane_reader.LaneTokenStream._read_block,
+                                   lane_reader.LaneTokenStream._settle_read_ahead, pipeline.ZephonLoader._collate)
+
+    def timed_read(self, *a, **k):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        block = read_block(self, *a, **k)
+        reads.append((threading.current_thread().name, time.perf_counter() - wall, time.thread_time() - cpu))
+        return block
+
+    def timed_settle(self, wanted=None):
+        start = time.perf_counter()
+        try:
+            return settle(self, wanted)
+        finally:
+            waits[0] += time.perf_counter() - start
+
+    def timed_collate(self, items):
+        start = time.thread_time()
+        try:
+            return collate(self, items)
+        finally:
+            collate_cpu[0] += time.thread_time() - start
+
+    lane_reader.LaneTokenStream._read_block = timed_read
+    lane_reader.LaneTokenStream._settle_read_ahead = timed_settle
+    pipeline.ZephonLoader._collate = timed_collate
+
+    layout = Layout(args.work)
+    spec = Spec(loader="zephon", mode="pretok", data_dir=layout.root, seq_len=1024, global_batch=16)
+    session = zephon.open_session(spec, layout)
+    batches = iter(session)
+    for _ in range(50):  # start-up: every lane has read its first blocks
+        next(batches)
+    reads.clear()
+    waits[0] = collate_cpu[0] = 0.0
+    wall, main_cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
+    for _ in range(args.steps):
+        next(batches)
+    wall, main_cpu = time.perf_counter() - wall, time.thread_time() - main_cpu
+    process_cpu = time.process_time() - process_cpu
+    session.close()
+    background = [r for r in reads if r[0] != "MainThread"]
+
+    # The same kind of reads on an idle thread: 3 epochs of every lane, read directly.
+    manifest_path = Path(layout.formats("zephon")) / "web-ids"
+    from loader.lane_reader import LaneTokenStream, TokenFormat
+    from loader.manifest import read_manifest
+
+    manifest = read_manifest(str(manifest_path))
+    reads.clear()
+    for lane in range(manifest.num_lanes):
+        stream = LaneTokenStream(dataset_path=str(manifest_path), manifest=manifest, source_name="web",
+                                 lane_id=lane, seed=0, token_format=TokenFormat(None, 0))
+        for epoch in (1, 2, 3):
+            for file_ordinal, row_group in stream.blocks_of_epoch(epoch):
+                stream._read_block(epoch, file_ordinal, row_group)
+        stream.close()
+    idle = list(reads)
+
+    per_step = 1e6 / args.steps
+    mean = lambda rs, k: sum(r[k] for r in rs) / max(1, len(rs)) * 1e3  # noqa: E731  ms
+    print(f"python bench/thread_profile.py --steps {args.steps}")
+    print(f"nproc {os.cpu_count()}, {cpu_model()}; load average {load_average()}")
+    print(f"per global step (16 x 1024 tokens): wall {wall * per_step:.0f} us; trainer thread CPU "
+          f"{main_cpu * per_step:.0f} us (batch builder {collate_cpu[0] * per_step:.0f} us); other threads CPU "
+          f"{(process_cpu - main_cpu) * per_step:.0f} us; trainer waited for blocks {waits[0] * per_step:.0f} us")
+    print(f"tokens/s {args.steps * 16 * 1024 / wall / 1e6:.1f} M; process CPU / wall {process_cpu / wall:.2f}")
+    print(f"block read on the read-ahead thread: {mean(background, 1):.2f} ms wall, {mean(background, 2):.2f} ms CPU "
+          f"({len(background)} reads); on an idle thread: {mean(idle, 1):.2f} ms wall, {mean(idle, 2):.2f} ms CPU "
+          f"({len(idle)} reads)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO_ROOT))
+    sys.exit(main())
