@@ -439,8 +439,8 @@ class LaneTokenStream:
             )
             # Arrow's take copies the rows in C++ without the GIL (on the read-ahead thread a
             # Python loop over the rows would stall the trainer's thread). Indices from the
-            # buffer: pa.array(ndarray) imports pandas when it is installed (~0.2 s on the
-            # first call, paid by a restore's first batch).
+            # buffer: pa.array(ndarray) imports pandas when it is installed, a fraction of a
+            # second on the first call, paid by a restore's first batch.
             values = pc.take(values, pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)]))
         if self.pretokenized:
             flat, lengths = _token_rows(values, storage.join(self.dataset_path, entry.path), row_group)

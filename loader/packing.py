@@ -145,8 +145,8 @@ class ConcatPacker:
     checkpoint is the same whether or not a fill was in flight.
     """
 
-    # Tokens per fill (at least one row): 64 Ki measured ~10% faster than 16 Ki at seq_len
-    # 1024 (fewer fills); the fill's arrays are a few hundred KiB per lane and source.
+    # Tokens per fill (at least one row): fewer, larger fills were faster than 16 Ki in A/B runs
+    # at seq_len 1024; the fill's arrays are a few hundred KiB per lane and source.
     FILL_TOKENS = 1 << 16
 
     def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int) -> None:
