@@ -11,7 +11,7 @@
 Everything that ends up in a file's bytes is a function of the group's rows: they are
 sorted by ``(order_key, key, text, kept fields)`` before writing, row groups are cut by
 content (:func:`row_group_bounds`), and the Parquet writer settings are fixed
-(:data:`PARQUET_WRITE_OPTIONS`; pyarrow writes its version into ``created_by``, so byte
+(:func:`parquet_write_options`; pyarrow writes its version into ``created_by``, so byte
 equality holds for one pyarrow version). Files are serialised into memory, so their size
 and SHA-256 are known before they are written under a temporary name and renamed.
 
@@ -59,6 +59,13 @@ PARQUET_WRITE_OPTIONS: dict[str, Any] = {
 # faster than list<int32> (no repetition levels) and the loader reads its values buffer as
 # the flat id array without a copy. ``np.frombuffer(value, "<i4")`` gives one row's ids.
 INPUT_IDS_TYPE = pa.binary()
+# Codec of the input_ids column (every other column is zstd). The loader decodes this column
+# on every epoch and is CPU-bound there: lz4 decodes about 1.4x faster than zstd level 3
+# (bench/RESULTS.md, "Token column codec"); zstd stores fewer bytes, which matters more when
+# reads are network-bound and no local cache is used; none skips decompression but makes the
+# page checksums run over 4 bytes per token.
+TOKEN_COMPRESSIONS = ("lz4", "zstd", "none")
+DEFAULT_TOKEN_COMPRESSION = "lz4"
 STATISTICS_COLUMNS = ("key", "order_key", "num_tokens")
 RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens")
 
@@ -165,7 +172,25 @@ def sort_rows(rows: Iterable[LaneRow], has_kept_fields: bool) -> list[LaneRow]:
     return sorted(rows, key=lambda row: (row[0], row[1], row[2], tuple((v is not None, v or "") for v in row[3])))
 
 
-def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[str], tokenizer=None) -> SerializedLaneFile:
+def parquet_write_options(schema: pa.Schema, token_compression: str = DEFAULT_TOKEN_COMPRESSION) -> dict[str, Any]:
+    """The writer settings of a lane file with ``schema``: fixed, so equal rows give equal bytes."""
+    if token_compression not in TOKEN_COMPRESSIONS:
+        raise ValueError(f"token compression must be one of {TOKEN_COMPRESSIONS} (got {token_compression!r})")
+    options = dict(PARQUET_WRITE_OPTIONS)
+    options["write_statistics"] = [c for c in STATISTICS_COLUMNS if c in schema.names]
+    options["sorting_columns"] = [pq.SortingColumn(schema.get_field_index("order_key"))]
+    if "input_ids" in schema.names:
+        codecs = {name: PARQUET_WRITE_OPTIONS["compression"] for name in schema.names}
+        codecs["input_ids"] = token_compression
+        options["compression"] = codecs
+        options["compression_level"] = {
+            name: PARQUET_WRITE_OPTIONS["compression_level"] for name, codec in codecs.items() if codec == "zstd"
+        }
+    return options
+
+
+def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[str], tokenizer=None,
+                        token_compression: str = DEFAULT_TOKEN_COMPRESSION) -> SerializedLaneFile:
     """The exact bytes of one lane part file holding ``sorted_rows`` in that order."""
     schema = lane_schema(tokenizer is not None, keep_fields)
     keys = pa.array([row[1] for row in sorted_rows], pa.string())
@@ -176,10 +201,7 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
 
     sink = pa.BufferOutputStream()
     total_tokens = 0
-    options = dict(PARQUET_WRITE_OPTIONS)
-    options["write_statistics"] = [c for c in STATISTICS_COLUMNS if c in schema.names]
-    options["sorting_columns"] = [pq.SortingColumn(schema.get_field_index("order_key"))]
-    with pq.ParquetWriter(sink, schema, **options) as writer:
+    with pq.ParquetWriter(sink, schema, **parquet_write_options(schema, token_compression)) as writer:
         for start, stop in bounds:
             length = stop - start
             columns = [keys.slice(start, length), order_keys.slice(start, length), texts.slice(start, length)]
@@ -204,8 +226,9 @@ class WriteLaneFileFn(beam.DoFn):
     """``((lane_id, part), rows)`` -> writes ``lane=LLLLL/part-PPPPP.parquet``, yields its FileEntry dict."""
 
     def __init__(self, output: str, keep_fields: Sequence[str], tokenizer_path: Optional[str],
-                 tokenizer_fingerprint: Optional[str]):
+                 tokenizer_fingerprint: Optional[str], token_compression: str = DEFAULT_TOKEN_COMPRESSION):
         self.output = output
+        self.token_compression = token_compression
         self.keep_fields = tuple(keep_fields)
         self.tokenizer_path = tokenizer_path
         self.tokenizer_fingerprint = tokenizer_fingerprint
@@ -231,7 +254,7 @@ class WriteLaneFileFn(beam.DoFn):
 
         (lane_id, part), rows = element
         sorted_rows = sort_rows(rows, bool(self.keep_fields))
-        serialized = serialize_lane_file(sorted_rows, self.keep_fields, self.tokenizer)
+        serialized = serialize_lane_file(sorted_rows, self.keep_fields, self.tokenizer, self.token_compression)
         relative_path = lane_file_path(lane_id, part)
         write_atomically(join_output(self.output, relative_path), serialized.data)
         if serialized.duplicate_keys:

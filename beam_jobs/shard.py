@@ -45,7 +45,9 @@ from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
 from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs
 from beam_jobs.lane_files import (
+    DEFAULT_TOKEN_COMPRESSION,
     RESERVED_COLUMNS,
+    TOKEN_COMPRESSIONS,
     AssignLaneFn,
     WriteLaneFileFn,
     files_per_lane_for,
@@ -87,6 +89,7 @@ class ShardOptions:
     num_lanes: int = DEFAULT_NUM_LANES
     seed: int = DEFAULT_SEED
     tokenizer: Optional[str] = None
+    token_compression: str = DEFAULT_TOKEN_COMPRESSION
     target_file_mb: float = DEFAULT_TARGET_FILE_MB
     overwrite: bool = False
     max_reject_fraction: float = DEFAULT_MAX_REJECT_FRACTION
@@ -103,6 +106,9 @@ class ShardOptions:
             problems.append(f"--num-lanes must be positive (got {self.num_lanes})")
         if self.seed < 0:
             problems.append(f"--seed must be >= 0 (got {self.seed})")
+        if self.token_compression not in TOKEN_COMPRESSIONS:
+            problems.append(f"--token-compression must be one of {', '.join(TOKEN_COMPRESSIONS)} "
+                            f"(got {self.token_compression!r})")
         if not 0 < self.target_file_mb <= MAX_TARGET_FILE_MB:
             problems.append(f"--target-file-mb must be in (0, {MAX_TARGET_FILE_MB:g}] (got {self.target_file_mb})")
         if not 0.0 <= self.max_reject_fraction <= 1.0:
@@ -176,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Hugging Face tokenizer.json (local or gs://) for offline tokenization into "
                              "input_ids/num_tokens columns, without special tokens (default: none; the "
                              "loader tokenizes online)")
+    parser.add_argument("--token-compression", choices=TOKEN_COMPRESSIONS, default=DEFAULT_TOKEN_COMPRESSION,
+                        help="Parquet codec of the input_ids column with --tokenizer (other columns are "
+                             "zstd): lz4 decodes fastest, which is what a CPU-bound loader replays every "
+                             "epoch; zstd stores fewer bytes; none skips decompression "
+                             "(default: %(default)s)")
     parser.add_argument("--target-file-mb", type=float, default=DEFAULT_TARGET_FILE_MB,
                         help="target text MiB per lane file: files_per_lane = max(1, ceil(total text bytes "
                              "/ num_lanes / target)); also bounds a writer's memory (default: %(default)s)")
@@ -204,6 +215,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
         num_lanes=known.num_lanes,
         seed=known.seed,
         tokenizer=known.tokenizer,
+        token_compression=known.token_compression,
         target_file_mb=known.target_file_mb,
         overwrite=known.overwrite,
         max_reject_fraction=known.max_reject_fraction,
@@ -251,7 +263,7 @@ class ShardDataset(beam.PTransform):
             | "GroupByLaneFile" >> beam.GroupByKey()
             | "WriteLaneFiles" >> beam.ParDo(WriteLaneFileFn(
                 opts.output, opts.keep_fields, opts.tokenizer,
-                self.tokenizer_info["fingerprint"] if pretokenized else None))
+                self.tokenizer_info["fingerprint"] if pretokenized else None, opts.token_compression))
         )
         rejected_files = (
             rejections

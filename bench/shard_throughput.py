@@ -59,7 +59,8 @@ def run_baseline(input_dir: str, output: str, tokenize: bool) -> dict:
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
-    from beam_jobs.lane_files import PARQUET_WRITE_OPTIONS, ROW_GROUP_MAX_ROWS, ROW_GROUP_TEXT_BYTES
+    from beam_jobs.lane_files import (INPUT_IDS_TYPE, ROW_GROUP_MAX_ROWS, ROW_GROUP_TEXT_BYTES,
+                                      parquet_write_options, tokenize_texts)
     from loader.hashing import file_bucket, lane_of_key, order_key_of
 
     tokenizer = Tokenizer.from_file(tokenizer_path()) if tokenize else None
@@ -85,10 +86,9 @@ def run_baseline(input_dir: str, output: str, tokenize: bool) -> dict:
 
     fields = [pa.field("key", pa.string()), pa.field("order_key", pa.uint64()), pa.field("text", pa.string())]
     if tokenize:
-        fields += [pa.field("input_ids", pa.list_(pa.int32())), pa.field("num_tokens", pa.int32())]
+        fields += [pa.field("input_ids", INPUT_IDS_TYPE), pa.field("num_tokens", pa.int32())]
     schema = pa.schema(fields)
-    options = dict(PARQUET_WRITE_OPTIONS, write_statistics=[c for c in ("key", "order_key", "num_tokens") if c in schema.names],
-                   sorting_columns=[pq.SortingColumn(1)])
+    options = parquet_write_options(schema)
     checksums = {}
     for (lane, part), rows in sorted(groups.items()):
         rows.sort()
@@ -108,8 +108,8 @@ def run_baseline(input_dir: str, output: str, tokenize: bool) -> dict:
                 arrays = [pa.array([r[1] for r in chunk], pa.string()),
                           pa.array(np.array([r[0] for r in chunk], dtype=np.uint64)), pa.array(texts, pa.string())]
                 if tokenize:
-                    ids = [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
-                    arrays += [pa.array(ids, pa.list_(pa.int32())), pa.array([len(i) for i in ids], pa.int32())]
+                    input_ids, num_tokens = tokenize_texts(tokenizer, texts)
+                    arrays += [input_ids, pa.array(num_tokens)]
                 writer.write_table(pa.Table.from_arrays(arrays, schema=schema), row_group_size=stop - start)
         data = sink.getvalue().to_pybytes()
         relative = f"lane={lane:05d}/part-{part:05d}.parquet"

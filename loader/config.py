@@ -16,6 +16,11 @@ from typing import Any, Optional
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
 EXHAUSTION_POLICIES = ("repeat", "stop")
+# Per-token tensors a micro-batch can hold. ``input_ids`` is always there; the rest cost the
+# batch builder a pass over the batch each, so a trainer that derives them itself (or does
+# not use them) can leave them out. Per-sequence entries (source_ids, global_indices, step,
+# micro_step) are always there.
+BATCH_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_source_ids")
 
 
 class ConfigError(ValueError):
@@ -82,6 +87,7 @@ class LoaderConfig:
     storage: dict[str, Any] = field(default_factory=dict)  # advanced StorageOptions: retries, timeouts, read-ahead
     worker_timeout_s: float = 300.0
     read_ahead: bool = True
+    batch_fields: tuple[str, ...] = BATCH_FIELDS
 
     def __post_init__(self) -> None:
         datasets = tuple(
@@ -94,6 +100,8 @@ class LoaderConfig:
             for s in (self.schedule or ())
         )
         object.__setattr__(self, "schedule", schedule)
+        if isinstance(self.batch_fields, (list, tuple)):
+            object.__setattr__(self, "batch_fields", tuple(self.batch_fields))
         self._validate()
 
     def storage_options(self):
@@ -135,6 +143,13 @@ class LoaderConfig:
             raise ConfigError(f"prefetch must be an integer >= 1 (got prefetch={self.prefetch!r})")
         if not isinstance(self.read_ahead, bool):
             raise ConfigError(f"read_ahead must be true or false (got read_ahead={self.read_ahead!r})")
+        if (not isinstance(self.batch_fields, tuple) or "input_ids" not in self.batch_fields
+                or not set(self.batch_fields) <= set(BATCH_FIELDS)):
+            unknown = sorted(set(self.batch_fields) - set(BATCH_FIELDS)) if isinstance(self.batch_fields, tuple) else []
+            raise ConfigError(
+                f"batch_fields must be a list of names from {list(BATCH_FIELDS)} that includes 'input_ids' "
+                f"(got batch_fields={self.batch_fields!r}" + (f"; unknown: {unknown})" if unknown else ")")
+            )
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise ConfigError("tokenizer: path to a tokenizer.json is required (it also names the EOS/BOS ids)")
         if not (self.add_eos or self.add_bos) and self.packing == "concat":

@@ -59,6 +59,8 @@ def collect_fingerprints(
     Without ``load_state`` the loaders start at step 0 and steps before ``start_step`` are
     consumed but not printed.
     """
+    if "labels" not in config.batch_fields:  # the fingerprint hashes labels too
+        config = config.replace(batch_fields=config.batch_fields + ("labels",))
     loaders = [ZephonLoader(config, rank=r, world_size=world_size) for r in range(world_size)]
     saved: Optional[dict] = None
     results: list[StepFingerprint] = []

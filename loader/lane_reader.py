@@ -186,13 +186,14 @@ class DocumentsView:
         return self.block_index + 1, position - first
 
 
-def _token_rows(values: pa.Array, where: str, row_group: int) -> tuple[np.ndarray, np.ndarray]:
+def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``(flat int32 ids, lengths)`` of an ``input_ids`` column chunk, in either encoding.
 
     ``binary`` (what the Beam job writes): each row holds its ids as little-endian int32
     bytes, so the values buffer *is* the flat id array (zero-copy; Parquet decodes it ~2x
     faster than a list column). ``list<int32>`` (older datasets, hand-made ones) is flattened.
-    Null rows are empty documents in both.
+    Null rows are empty documents in both. ``wrap_ids``: ids per row already added around
+    each document (only named in the error for a malformed row).
     """
     if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
         if values.null_count:
@@ -203,7 +204,7 @@ def _token_rows(values: pa.Array, where: str, row_group: int) -> tuple[np.ndarra
         if len(byte_lengths) and (byte_lengths % 4).any():
             bad = int(np.flatnonzero(byte_lengths % 4)[0])
             raise LaneDataError(
-                f"{where}: row group {row_group}, row {bad}: input_ids holds {int(byte_lengths[bad])} bytes, "
+                f"{where}: row group {row_group}, row {bad}: input_ids holds {int(byte_lengths[bad]) - 4 * wrap_ids} bytes, "
                 "not a whole number of int32 ids; the file was not written by the Beam job (re-run it)"
             )
         data = values.buffers()[2]
@@ -216,6 +217,30 @@ def _token_rows(values: pa.Array, where: str, row_group: int) -> tuple[np.ndarra
     if values.offset != 0 or values.null_count:
         lengths = pc.list_value_length(values).fill_null(0).to_numpy().astype(np.int64)
     return flat, lengths
+
+
+def pretokenized_block(values: pa.Array, fmt: TokenFormat, where: str, row_group: int) -> Block:
+    """A row group's ``input_ids`` column (rows in replay order) as a wrapped :class:`Block`.
+
+    For the binary encoding BOS/EOS are joined onto every row by an Arrow kernel, which
+    runs without the GIL: on the read-ahead thread a numpy pass would stall the trainer's
+    thread for its whole length. The joined values buffer is the block's token array.
+    """
+    if fmt.extra and (pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type)):
+        if values.null_count:
+            values = pc.fill_null(values, b"")
+        parts = [values]
+        if fmt.bos_id is not None:
+            parts.insert(0, pa.scalar(np.array([fmt.bos_id], "<i4").tobytes(), values.type))
+        if fmt.eos_id is not None:
+            parts.append(pa.scalar(np.array([fmt.eos_id], "<i4").tobytes(), values.type))
+        flat, lengths = _token_rows(pc.binary_join_element_wise(*parts, pa.scalar(b"", values.type)),
+                                    where, row_group, wrap_ids=fmt.extra)
+        doc_starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=doc_starts[1:])
+        return Block(tokens=flat, doc_starts=doc_starts)
+    flat, lengths = _token_rows(values, where, row_group)
+    return wrap_documents(flat, lengths, fmt)
 
 
 def wrap_documents(flat_ids: np.ndarray, lengths: np.ndarray, fmt: TokenFormat) -> Block:
@@ -432,7 +457,9 @@ class LaneTokenStream:
                 f"{storage.join(self.dataset_path, entry.path)}: row group {row_group} cannot be read "
                 f"({exc}); the file is corrupt: re-run the Beam job or restore the file"
             ) from exc
-        values = table.column(0).combine_chunks()
+        column_chunks = table.column(0)
+        # combine_chunks copies even a single chunk
+        values = column_chunks.chunk(0) if column_chunks.num_chunks == 1 else column_chunks.combine_chunks()
         if epoch > 0:
             order = stable_permutation(
                 len(values), self.seed, "rows", self.source_name, self.lane_id, epoch, file_ordinal, row_group
@@ -443,8 +470,7 @@ class LaneTokenStream:
             # second on the first call, paid by a restore's first batch.
             values = pc.take(values, pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)]))
         if self.pretokenized:
-            flat, lengths = _token_rows(values, storage.join(self.dataset_path, entry.path), row_group)
-            block = wrap_documents(flat, lengths, self.token_format)
+            block = pretokenized_block(values, self.token_format, storage.join(self.dataset_path, entry.path), row_group)
         else:
             block = TextBlock(values.to_pylist(), self.tokenizer, self.token_format)
         return block

@@ -335,44 +335,48 @@ class ZephonLoader:
 
     def _collate(self, items: list[Item]) -> dict[str, Any]:
         seq_len = self.config.seq_len
+        fields = self.config.batch_fields
         rows = len(items)
         sequences = [it.sequence for it in items]
         # One call per tensor, converting int32 -> int64 while copying (not stack + astype);
         # the per-call overhead, not the bytes, is what costs at these sizes.
         input_ids = np.concatenate([s.input_ids for s in sequences], dtype=np.int64).reshape(rows, seq_len)
-        if all(type(s) is ConcatRow for s in sequences):
-            # Labels from the input ids just written (still in cache), not from per-row copies.
-            labels = input_ids.copy()
-            labels.reshape(-1)[_flat_positions([s.doc_starts for s in sequences], seq_len)] = IGNORE_INDEX
-        else:
-            labels = np.concatenate([s.labels for s in sequences], dtype=np.int64).reshape(rows, seq_len)
-        # Segment starts of the whole micro-batch as one flat array (row r's shifted by
-        # r * seq_len) plus the end: that is cu_seqlens. Every row starts with a segment, so
-        # position ids restart at row boundaries without a per-row loop.
-        cu = np.append(_flat_positions([s.segment_starts for s in sequences], seq_len), rows * seq_len)
-        # position = index - start of its segment; the subtraction runs in place on the
-        # repeated starts, against an arange built once per loader.
-        if self._positions is None or len(self._positions) != rows * seq_len:
-            self._positions = np.arange(rows * seq_len, dtype=np.int64)
-        position_ids = np.repeat(cu[:-1], np.diff(cu))
-        np.subtract(self._positions, position_ids, out=position_ids)
         first_index = items[0].global_index
-        step = first_index // self.config.global_batch_size
-        micro_step = ((self.rank_position - len(items)) % self.topology.per_rank_batch) // self.config.micro_batch_size
         batch = {
             "input_ids": torch.from_numpy(input_ids),
-            "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(position_ids.reshape(rows, seq_len)),
-            "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
             # via numpy: torch.tensor(list) costs ~30 us per call, from_numpy ~1 us
             "source_ids": torch.from_numpy(np.array([it.source_id for it in items], dtype=np.int64)),
             "global_indices": torch.from_numpy(np.array([it.global_index for it in items], dtype=np.int64)),
-            "step": step,
-            "micro_step": micro_step,
+            "step": first_index // self.config.global_batch_size,
+            "micro_step": ((self.rank_position - len(items)) % self.topology.per_rank_batch)
+            // self.config.micro_batch_size,
         }
-        if any(it.sequence.token_sources is not None for it in items):
+        if "labels" in fields:
+            if all(type(s) is ConcatRow for s in sequences):
+                # From the input ids just written (still in cache), not from per-row copies.
+                labels = input_ids.copy()
+                labels.reshape(-1)[_flat_positions([s.doc_starts for s in sequences], seq_len)] = IGNORE_INDEX
+            else:
+                labels = np.concatenate([s.labels for s in sequences], dtype=np.int64).reshape(rows, seq_len)
+            batch["labels"] = torch.from_numpy(labels)
+        if "position_ids" in fields or "cu_seqlens" in fields:
+            # Segment starts of the whole micro-batch as one flat array (row r's shifted by
+            # r * seq_len) plus the end: that is cu_seqlens. Every row starts with a segment,
+            # so position ids restart at row boundaries without a per-row loop.
+            cu = np.append(_flat_positions([s.segment_starts for s in sequences], seq_len), rows * seq_len)
+            if "position_ids" in fields:
+                # position = index - start of its segment; the subtraction runs in place on
+                # the repeated starts, against an arange built once per loader.
+                if self._positions is None or len(self._positions) != rows * seq_len:
+                    self._positions = np.arange(rows * seq_len, dtype=np.int64)
+                position_ids = np.repeat(cu[:-1], np.diff(cu))
+                np.subtract(self._positions, position_ids, out=position_ids)
+                batch["position_ids"] = torch.from_numpy(position_ids.reshape(rows, seq_len))
+            if "cu_seqlens" in fields:
+                batch["cu_seqlens"] = torch.from_numpy(cu.astype(np.int32))
+        if "token_source_ids" in fields and any(s.token_sources is not None for s in sequences):
             batch["token_source_ids"] = torch.from_numpy(
-                np.concatenate([it.sequence.token_sources for it in items], dtype=np.int64).reshape(rows, seq_len)
+                np.concatenate([s.token_sources for s in sequences], dtype=np.int64).reshape(rows, seq_len)
             )
         return batch
 

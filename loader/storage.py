@@ -9,6 +9,8 @@ paths use ``google-cloud-storage`` (see :mod:`loader.gcs`), which honours
 from __future__ import annotations
 
 import os
+
+import pyarrow as pa
 from typing import BinaryIO
 
 
@@ -45,7 +47,12 @@ def open_input(path: str) -> BinaryIO:
         from loader import gcs
 
         return gcs.open_input(path)
-    return open(path, "rb")
+    # A memory map, not a Python file: pyarrow reads it without calling back into Python,
+    # so the read-ahead thread decodes without waiting for the GIL the trainer's thread
+    # holds (bench/RESULTS.md, "Token column codec and file access"). Lane files are never
+    # rewritten in place (the Beam job writes a new file and renames it over the old one),
+    # so the mapping cannot shrink under the reader.
+    return pa.memory_map(path, "r")
 
 
 # ---------------------------------------------------------------------------------------
@@ -134,4 +141,9 @@ def open_lane_file(dataset_path: str, entry, options: StorageOptions = StorageOp
             f"{path} has {size} bytes but the manifest says {entry.bytes}: the file is truncated "
             "or was replaced; re-run the Beam job or restore the file"
         )
-    return open(path, "rb")
+    # A memory map, not a Python file: pyarrow reads it without calling back into Python,
+    # so the read-ahead thread decodes without waiting for the GIL the trainer's thread
+    # holds (bench/RESULTS.md, "Token column codec and file access"). Lane files are never
+    # rewritten in place (the Beam job writes a new file and renames it over the old one),
+    # so the mapping cannot shrink under the reader.
+    return pa.memory_map(path, "r")

@@ -72,7 +72,9 @@ def write_dataset(
             tokens = sum(len(i) for i in ids)
         table = pa.table(columns)
         sink = io.BytesIO()
-        pq.write_table(table, sink, compression="zstd", row_group_size=row_group_rows, write_page_checksum=True)
+        # As the Beam job: lz4 for the token column, zstd for the rest.
+        codecs = {name: ("lz4" if name == "input_ids" else "zstd") for name in table.column_names}
+        pq.write_table(table, sink, compression=codecs, row_group_size=row_group_rows, write_page_checksum=True)
         data = sink.getvalue()
         rel = lane_file_path(lane, part)
         os.makedirs(os.path.join(out_dir, os.path.dirname(rel)), exist_ok=True)

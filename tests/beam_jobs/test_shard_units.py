@@ -238,10 +238,10 @@ def test_help_documents_every_option_with_defaults(capsys):
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for option in ("--input", "--format", "--text-field", "--id-field", "--keep-fields", "--source-name",
-                   "--num-lanes", "--seed", "--tokenizer", "--target-file-mb", "--output", "--overwrite",
-                   "--max-reject-fraction"):
+                   "--num-lanes", "--seed", "--tokenizer", "--token-compression", "--target-file-mb", "--output",
+                   "--overwrite", "--max-reject-fraction"):
         assert option in text
-    assert text.count("(default") == 11 and text.count("(required)") == 2  # the other 11 options
+    assert text.count("(default") == 12 and text.count("(required)") == 2  # the other 12 options
 
 
 def test_parse_args_splits_job_and_pipeline_options():
@@ -261,6 +261,7 @@ def test_parse_args_splits_job_and_pipeline_options():
     ({"max_reject_fraction": 1.5}, "--max-reject-fraction must be in"),
     ({"target_file_mb": 0}, "--target-file-mb"),
     ({"format": "csv"}, "--format must be one of"),
+    ({"token_compression": "gzip"}, "--token-compression must be one of lz4, zstd, none"),
 ])
 def test_bad_options_are_named(changes, message):
     with pytest.raises(shard.ShardConfigError, match=message):

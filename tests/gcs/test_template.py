@@ -81,7 +81,7 @@ EXAMPLE = {
     "output": "gs://my-bucket/datasets/web-v1",
     "format": "jsonl", "text_field": "body", "id_field": "id", "keep_fields": "url,lang",
     "source_name": "web", "num_lanes": "256", "seed": "7", "tokenizer": "gs://my-bucket/tok/tokenizer.json",
-    "target_file_mb": "128", "overwrite": "true", "max_reject_fraction": "0.05",
+    "token_compression": "zstd", "target_file_mb": "128", "overwrite": "true", "max_reject_fraction": "0.05",
 }
 
 
@@ -99,6 +99,7 @@ def test_launcher_arguments_reach_the_job(monkeypatch):
     assert options.inputs == ("gs://my-bucket/raw/a-*.jsonl", "gs://my-bucket/raw/b-*.jsonl.gz")
     assert (options.num_lanes, options.seed, options.overwrite, options.keep_fields) == (256, 7, True, ("url", "lang"))
     assert (options.text_field, options.id_field, options.target_file_mb) == ("body", "id", 128.0)
+    assert options.token_compression == "zstd"
     assert pipeline_args == ["--project=p", "--region=europe-west4", "--runner=DataflowRunner"]
     options, _ = shard.parse_args(main.to_job_argv(["--input=gs://b/x", "--output=gs://b/y", "--overwrite=false"]))
     assert options.overwrite is False and options.num_lanes == shard.DEFAULT_NUM_LANES

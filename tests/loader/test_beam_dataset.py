@@ -3,13 +3,18 @@
 The suite's corpus is sharded by ``beam_jobs.shard`` (FnApiRunner, in memory) twice, with
 and without ``--tokenizer``, with the same keys, seed and lane count as the test corpus.
 Fingerprints over several epochs must be equal between the two (and across W), and the
-first epoch must equal the fast test-dataset writer's, which only shares the hashing.
+first epoch must equal the fast test-dataset writer's, which only shares the hashing. A third
+run stores the token column with ``--token-compression zstd`` instead of the default lz4:
+other bytes on disk, the same batches.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 
+import pyarrow.parquet as pq
 import pytest
 
 from beam_jobs import shard
@@ -28,7 +33,8 @@ def beam_datasets(tmp_path_factory, corpus, tokenizer_path) -> dict[str, str]:
     source.write_text("".join(json.dumps({"id": k, "text": t}, ensure_ascii=False) + "\n"
                               for k, t in zip(corpus.keys, corpus.texts)))
     outputs = {}
-    for name, extra in (("text", []), ("pretokenized", ["--tokenizer", tokenizer_path])):
+    for name, extra in (("text", []), ("pretokenized", ["--tokenizer", tokenizer_path]),
+                        ("pretokenized_zstd", ["--tokenizer", tokenizer_path, "--token-compression", "zstd"])):
         out = base / name
         shard.run(["--input", str(source), "--output", str(out), "--id-field", "id", "--source-name", "synthetic",
                    "--num-lanes", str(NUM_LANES), "--seed", str(DATA_SEED), "--target-file-mb", "0.002",
@@ -57,3 +63,30 @@ def test_beam_text_and_pretokenized_lanes_give_identical_fingerprints(beam_datas
     # Beam lanes must hold what the hashing says, like the test writer's lanes.
     first_edge = epoch_edges(packing)[0]
     assert expected[: first_edge - 1] == baseline(packing, STEPS)[: first_edge - 1]
+
+
+def _codecs(dataset: str) -> set[tuple[str, str]]:
+    found = set()
+    for path in glob.glob(os.path.join(dataset, "lane=*", "*.parquet")):
+        metadata = pq.ParquetFile(path).metadata
+        for g in range(metadata.num_row_groups):
+            for c in range(metadata.num_columns):
+                column = metadata.row_group(g).column(c)
+                found.add((column.path_in_schema, column.compression))
+    return found
+
+
+@pytest.mark.beam
+def test_token_compression_changes_the_codec_of_input_ids_only_and_no_batch(beam_datasets, make_config):
+    default, zstd = _codecs(beam_datasets["pretokenized"]), _codecs(beam_datasets["pretokenized_zstd"])
+    assert {codec for column, codec in default if column == "input_ids"} == {"LZ4"}
+    assert {codec for column, codec in zstd if column == "input_ids"} == {"ZSTD"}
+    assert {codec for column, codec in default | zstd if column != "input_ids"} == {"ZSTD"}
+    assert _codecs(beam_datasets["text"]) == {(c, "ZSTD") for c in ("key", "order_key", "text")}
+
+    lz4_lines, zstd_lines = (
+        [r.line() for r in collect_fingerprints(make_config("concat", datasets=[{"path": beam_datasets[name]}]),
+                                                end_step=STEPS)[0]]
+        for name in ("pretokenized", "pretokenized_zstd")
+    )
+    assert lz4_lines == zstd_lines

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from loader.fingerprints import collect_fingerprints
-from loader.lane_reader import LaneDataError, LaneTokenStream, TokenFormat
+from loader.lane_reader import LaneDataError, LaneTokenStream, TokenFormat, pretokenized_block, wrap_documents
 from loader.manifest import read_manifest
 from loader.packing import ConcatPacker
 from loader.pipeline import ZephonLoader
@@ -157,3 +157,17 @@ def test_a_read_ahead_that_is_never_used_cannot_fail_the_stream(tmp_path, corpus
     failing.set_state({"epoch": 1, "block": 0, "offset": 0})  # elsewhere: the pending read is not wanted
     assert len(failing.take(4).tokens) == 4
     failing.close()
+
+
+@pytest.mark.parametrize("bos_id,eos_id", [(None, 0), (1, 0), (1, None), (None, None)])
+def test_bos_eos_joined_by_arrow_equal_the_numpy_wrapping(bos_id, eos_id):
+    documents = [[5, 6, 7], [], None, [8], list(range(100, 140))]  # None: a null row, an empty document
+    values = pa.array([None if d is None else np.asarray(d, "<i4").tobytes() for d in documents], pa.binary())
+    fmt = TokenFormat(bos_id, eos_id)
+    got = pretokenized_block(values.slice(1), fmt, "f.parquet", 0)  # a slice: offsets not starting at 0
+    kept = [d or [] for d in documents[1:]]
+    expected = wrap_documents(np.asarray([t for d in kept for t in d], np.int32),
+                              np.asarray([len(d) for d in kept]), fmt)
+    assert got.tokens.dtype == np.int32
+    np.testing.assert_array_equal(got.tokens, expected.tokens)
+    np.testing.assert_array_equal(got.doc_starts, expected.doc_starts)
