@@ -36,9 +36,15 @@ from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Zephon vs peer loaders (issue 6)"
-LOADERS = ("zephon", "streaming", "litdata", "grain", "energon", "torchdata", "hf_datasets")
+LOADERS = ("zephon", "zephon_full", "streaming", "litdata", "grain", "energon", "torchdata", "hf_datasets")
+# Zephon twice: delivering what the consuming loop reads (input_ids, as every peer delivers)
+# and delivering the full trainer batch. The second reads the first's data and is measured
+# for throughput only: its stream, state and resume are the first's.
+ZEPHON_LOADERS = ("zephon", "zephon_full")
+THROUGHPUT_ONLY = ("zephon_full",)
 PEER_LABELS = {
     "zephon": "Zephon",
+    "zephon_full": "Zephon, full batch",
     "streaming": "MosaicML Streaming",
     "litdata": "LitData",
     "grain": "Grain",
@@ -148,6 +154,8 @@ def prepare_data(r: Runner, work: str, prof: dict, loaders: list[str], tokenizer
             raise SystemExit(f"corpus generation failed:\n{proc.stderr[-3000:]}")
         status["corpus"] = {"seconds": round(time.perf_counter() - t0, 1)}
     for name in loaders:
+        if name in THROUGHPUT_ONLY:
+            continue  # reads zephon's datasets
         if prepared.get(name, {}).get("ok"):
             status[name] = prepared[name]
             continue
@@ -362,7 +370,10 @@ def render(results: dict, prof: dict, loaders: list[str], command: str, versions
         f"- Same for every loader: seq_len {prof['seq_len']}, global batch {prof['global_batch']} rows, "
         f"{prof['num_workers']} worker processes (FIELD-NOTES: on 2 cores workers are slower for every peer), "
         "world size 1, seed 0, documents shuffled by each loader's own shuffle. Consuming loop: take the batch, view it "
-        "as an int64 array [batch, seq_len], count its tokens (mix: also measure its source share); nothing else.")
+        "as an int64 array [batch, seq_len], count its tokens (mix: also measure its source share); nothing else. "
+        "The peers deliver token ids only, and so does the 'Zephon' row (`batch_fields=[\"input_ids\"]`); "
+        "'Zephon, full batch' also builds labels, position ids and cu_seqlens (the default), "
+        "which the loop does not read.")
     lines.append(
         f"- Each number is the median of {prof['repeats']} runs of {prof['seconds']} s (after the first batch and 3 "
         "warm-up batches), each run in a fresh process of the peers venv. 'End to end' divides every token "
@@ -374,7 +385,7 @@ def render(results: dict, prof: dict, loaders: list[str], command: str, versions
                  "a summary is under the tables.")
     lines.append("")
 
-    peers = [n for n in loaders if n != "zephon"]
+    peers = [n for n in loaders if n not in ZEPHON_LOADERS]
 
     def best_peer(mode: str) -> Optional[float]:
         vals = [tp[(n, mode)]["tokens_per_s"] for n in peers if "error" not in tp.get((n, mode), {"error": 1})]
@@ -433,7 +444,7 @@ def render(results: dict, prof: dict, loaders: list[str], command: str, versions
     lines.append("")
     head = "| loader | " + " | ".join(f"step {s:,}: state bytes (pickle / JSON) | restore to 1st / 10th batch s | exact" for s in steps) + " |"
     lines += [head, "|---|" + "---:|---:|---|" * len(steps)]
-    for name in loaders:
+    for name in [n for n in loaders if n not in THROUGHPUT_ONLY]:
         per = results["resume"].get(name, {})
         cells = []
         for s in steps:
@@ -460,7 +471,7 @@ def render(results: dict, prof: dict, loaders: list[str], command: str, versions
     lines.append("")
     lines += ["| loader | world 2 -> 1: same stream | same rows | workers 2 -> 0: same stream | same rows |",
               "|---|---|---|---|---|"]
-    for name in loaders:
+    for name in [n for n in loaders if n not in THROUGHPUT_ONLY]:
         e = results["elastic"].get(name, {"error": "not run"})
         if "error" in e:
             lines.append(f"| {PEER_LABELS[name]} | {cell_error(e)} | | | |")
@@ -502,7 +513,9 @@ PACKING_NOTE = (
 SETUP_NOTES = {
     "zephon": "lane-sharded Parquet from `python -m beam_jobs.shard --num-lanes 16 --seed 0 --id-field id` (offline "
               "tokenization for `web-ids`/`caps-ids`, none for `web-text`); `ZephonLoader(LoaderConfig(packing=\"concat\", "
-              "micro_batch_size=global batch / world size, prefetch=4))`; mixing by dataset weights.",
+              "micro_batch_size=global batch / world size, prefetch=4, batch_fields=[\"input_ids\"]))`; mixing by "
+              "dataset weights.",
+    "zephon_full": "as Zephon, with the default `batch_fields` (input_ids, labels, position_ids, cu_seqlens).",
     "streaming": "MDS shards (`MDSWriter`, 8 MB, `ndarray:int32` / `str` columns); `StreamingDataset(shuffle=True, "
                  "num_canonical_nodes=1, batch_size=documents per packed batch, predownload=4096)` iterated through a torch "
                  "`DataLoader(batch_size=None)`; state `StreamingDataset.state_dict(documents consumed x world, False)` "
@@ -624,10 +637,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict = {"out": a.out}
     print("[compare] preparing data", flush=True)
     results["prepare"] = prepare_data(r, work, prof, loaders, a.tokenizer, a.beam_python or default_beam_python())
-    ok = [n for n in loaders if not results["prepare"].get(n, {}).get("error")]
+    ok = [n for n in loaders
+          if not results["prepare"].get("zephon" if n in THROUGHPUT_ONLY else n, {}).get("error")]
     for n in loaders:
         if n not in ok:
-            err = {"error": "data preparation failed: " + results["prepare"][n]["error"]}
+            err = {"error": "data preparation failed: "
+                   + results["prepare"]["zephon" if n in THROUGHPUT_ONLY else n]["error"]}
             results.setdefault("throughput", {}).update({(n, m): err for m in MODES})
     print("[compare] floors", flush=True)
     results["floors"] = measure_floors(r, work, prof)
@@ -635,14 +650,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "throughput" in only:
         print("[compare] throughput", flush=True)
         results["throughput"].update(measure_throughput(r, work, prof, ok))
+    stream_loaders = [n for n in ok if n not in THROUGHPUT_ONLY]
     results["resume"] = {n: {s: {"error": "data preparation failed"} for s in prof["resume_steps"]} for n in loaders if n not in ok}
     if "resume" in only:
         print("[compare] resume", flush=True)
-        results["resume"].update(measure_resume(r, work, prof, ok))
+        results["resume"].update(measure_resume(r, work, prof, stream_loaders))
     results["elastic"] = {n: {"error": "data preparation failed"} for n in loaders if n not in ok}
     if "elastic" in only:
         print("[compare] elasticity", flush=True)
-        results["elastic"].update(measure_elasticity(r, work, prof, ok))
+        results["elastic"].update(measure_elasticity(r, work, prof, stream_loaders))
     rows = [{"loader": PEER_LABELS[n], **{m: results["throughput"].get((n, m), {}).get("tokens_per_s") for m in MODES}}
             for n in loaders]
     title = (f"tokens/s per loader, seq_len {prof['seq_len']}, global batch {prof['global_batch']}, "

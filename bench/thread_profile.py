@@ -25,6 +25,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--loader", default="zephon", choices=("zephon", "zephon_full"),
+                        help="zephon: input_ids only, as in the comparison's 'Zephon' row; zephon_full: "
+                             "the default full batch")
     parser.add_argument("--work", default=str(REPO_ROOT / "bench" / "_work" / "compare-quick"))
     args = parser.parse_args(argv)
 
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
     pipeline.ZephonLoader._collate = timed_collate
 
     layout = Layout(args.work)
-    spec = Spec(loader="zephon", mode="pretok", data_dir=layout.root, seq_len=1024, global_batch=16)
+    spec = Spec(loader=args.loader, mode="pretok", data_dir=layout.root, seq_len=1024, global_batch=16)
     session = zephon.open_session(spec, layout)
     batches = iter(session)
     for _ in range(50):  # start-up: every lane has read its first blocks
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
 
     per_step = 1e6 / args.steps
     mean = lambda rs, k: sum(r[k] for r in rs) / max(1, len(rs)) * 1e3  # noqa: E731  ms
-    print(f"python bench/thread_profile.py --steps {args.steps}")
+    print(f"python bench/thread_profile.py --steps {args.steps} --loader {args.loader}")
     print(f"nproc {os.cpu_count()}, {cpu_model()}; load average {load_average()}")
     print(f"per global step (16 x 1024 tokens): wall {wall * per_step:.0f} us; trainer thread CPU "
           f"{main_cpu * per_step:.0f} us (batch builder {collate_cpu[0] * per_step:.0f} us); other threads CPU "

@@ -186,6 +186,15 @@ class DocumentsView:
         return self.block_index + 1, position - first
 
 
+def _binary_scalar(data: bytes, binary_type: pa.DataType) -> pa.Scalar:
+    """A binary scalar built from buffers: ``pa.scalar(bytes)`` (and Python bytes passed to a
+    compute function) import pandas when it is installed, ~0.2 s that a restore's first batch
+    would wait for."""
+    offset_type = np.int64 if pa.types.is_large_binary(binary_type) else np.int32
+    offsets = pa.py_buffer(np.array([0, len(data)], dtype=offset_type))
+    return pa.Array.from_buffers(binary_type, 1, [None, offsets, pa.py_buffer(data)])[0]
+
+
 def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``(flat int32 ids, lengths)`` of an ``input_ids`` column chunk, in either encoding.
 
@@ -197,7 +206,7 @@ def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0)
     """
     if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
         if values.null_count:
-            values = pc.fill_null(values, b"")
+            values = pc.fill_null(values, _binary_scalar(b"", values.type))
         offset_type = np.int64 if pa.types.is_large_binary(values.type) else np.int32
         offsets = np.frombuffer(values.buffers()[1], dtype=offset_type)[values.offset : values.offset + len(values) + 1]
         byte_lengths = np.diff(offsets).astype(np.int64)
@@ -212,11 +221,29 @@ def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0)
         flat = np.frombuffer(data, dtype="<i4", count=int(offsets[-1] - start) // 4 if len(offsets) else 0,
                              offset=start) if data is not None else np.zeros(0, np.int32)
         return flat.astype(np.int32, copy=False), byte_lengths // 4
-    flat = values.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-    lengths = np.diff(values.offsets.to_numpy()) if len(values) else np.zeros(0, np.int64)
-    if values.offset != 0 or values.null_count:
-        lengths = pc.list_value_length(values).fill_null(0).to_numpy().astype(np.int64)
-    return flat, lengths
+    if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)) or not pa.types.is_integer(
+            values.type.value_type):
+        raise LaneDataError(f"{where}: input_ids has type {values.type}; expected binary (what the Beam job "
+                            "writes) or a list of integer ids: re-run the Beam job")
+    ids = values.flatten()  # skips the sub-lists behind null rows, and the slice offset
+    if ids.null_count:
+        raise LaneDataError(f"{where}: row group {row_group}: input_ids holds null token ids; "
+                            "the file was not written by the Beam job (re-run it)")
+    lengths = np.diff(_numpy_view(values.offsets)).astype(np.int64)
+    if values.null_count:  # null rows are empty documents
+        valid = np.unpackbits(np.frombuffer(values.buffers()[0], np.uint8), bitorder="little")
+        lengths[valid[values.offset : values.offset + len(values)] == 0] = 0
+    return _numpy_view(ids).astype(np.int32, copy=False), lengths
+
+
+def _numpy_view(array: pa.Array) -> np.ndarray:
+    """Zero-copy numpy view of an integer array without nulls. Not ``Array.to_numpy``: that
+    imports pandas when it is installed (see :func:`_binary_scalar`)."""
+    dtype = np.dtype(str(array.type))  # int8 ... uint64 name numpy dtypes too
+    data = array.buffers()[1]
+    if data is None or not len(array):
+        return np.zeros(0, dtype)
+    return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
 
 
 def pretokenized_block(values: pa.Array, fmt: TokenFormat, where: str, row_group: int) -> Block:
@@ -228,13 +255,13 @@ def pretokenized_block(values: pa.Array, fmt: TokenFormat, where: str, row_group
     """
     if fmt.extra and (pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type)):
         if values.null_count:
-            values = pc.fill_null(values, b"")
+            values = pc.fill_null(values, _binary_scalar(b"", values.type))
         parts = [values]
         if fmt.bos_id is not None:
-            parts.insert(0, pa.scalar(np.array([fmt.bos_id], "<i4").tobytes(), values.type))
+            parts.insert(0, _binary_scalar(np.array([fmt.bos_id], "<i4").tobytes(), values.type))
         if fmt.eos_id is not None:
-            parts.append(pa.scalar(np.array([fmt.eos_id], "<i4").tobytes(), values.type))
-        flat, lengths = _token_rows(pc.binary_join_element_wise(*parts, pa.scalar(b"", values.type)),
+            parts.append(_binary_scalar(np.array([fmt.eos_id], "<i4").tobytes(), values.type))
+        flat, lengths = _token_rows(pc.binary_join_element_wise(*parts, _binary_scalar(b"", values.type)),
                                     where, row_group, wrap_ids=fmt.extra)
         doc_starts = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=doc_starts[1:])

@@ -33,6 +33,7 @@ from bench.peers.common import Layout, ShareMeter, Spec, batch_fingerprint
 
 ADAPTERS = {
     "zephon": "bench.peers.zephon",
+    "zephon_full": "bench.peers.zephon",  # the full trainer batch (throughput only)
     "streaming": "bench.peers.streaming_mds",
     "litdata": "bench.peers.litdata_peer",
     "grain": "bench.peers.grain_peer",

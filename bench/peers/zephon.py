@@ -3,7 +3,8 @@
 Formats (``formats/zephon``): ``web-ids`` and ``caps-ids`` (tokenized offline by the Beam job
 with the benchmark tokenizer), ``web-text`` (text only: the loader tokenizes online). All
 with 16 lanes and seed 0. Packing is Zephon's own ``packing="concat"`` (EOS after each doc),
-mixing its per-sequence schedule over two datasets.
+mixing its per-sequence schedule over two datasets. ``zephon`` delivers ``input_ids`` only
+(``batch_fields``), as the peers do; ``zephon_full`` the default full batch.
 """
 
 from __future__ import annotations
@@ -60,9 +61,12 @@ def _repo_root() -> str:
 
 class Session:
     def __init__(self, spec: Spec, layout: Layout) -> None:
-        from loader.config import LoaderConfig
+        from loader.config import BATCH_FIELDS, LoaderConfig
         from loader.pipeline import ZephonLoader
 
+        # "zephon": the token ids, which is all any peer delivers and all the loop reads;
+        # "zephon_full": also labels, position ids and cu_seqlens, as a trainer gets them.
+        batch_fields = BATCH_FIELDS if spec.loader == "zephon_full" else ("input_ids",)
         root = layout.formats("zephon")
         if spec.mode == "pretok":
             datasets = [{"path": os.path.join(root, "web-ids"), "weight": 1.0}]
@@ -74,7 +78,7 @@ class Session:
         self.cfg = LoaderConfig(datasets=datasets, seq_len=spec.seq_len, global_batch_size=spec.global_batch,
                                 micro_batch_size=spec.rank_batch, seed=spec.seed,
                                 tokenizer=layout.info()["tokenizer"], packing="concat",
-                                num_workers=spec.num_workers, prefetch=4)
+                                num_workers=spec.num_workers, prefetch=4, batch_fields=batch_fields)
         self.loader = ZephonLoader(self.cfg, rank=spec.rank, world_size=spec.world_size)
         self._it = None
 

@@ -171,3 +171,56 @@ def test_bos_eos_joined_by_arrow_equal_the_numpy_wrapping(bos_id, eos_id):
     assert got.tokens.dtype == np.int32
     np.testing.assert_array_equal(got.tokens, expected.tokens)
     np.testing.assert_array_equal(got.doc_starts, expected.doc_starts)
+
+
+_NO_PANDAS_SCRIPT = r"""
+import json, sys
+import numpy as np, pyarrow as pa
+from loader.config import LoaderConfig
+from loader.lane_reader import TokenFormat, pretokenized_block
+from loader.pipeline import ZephonLoader
+
+config = LoaderConfig(**json.loads(sys.argv[1]))
+with ZephonLoader(config) as loader:
+    for _ in range(30):  # into epoch 1: permuted row groups
+        next(loader)
+    state = loader.state_dict()
+with ZephonLoader(config) as resumed:
+    resumed.load_state_dict(state)
+    next(resumed)
+# Arrays with a null row, built from buffers (pa.array would import pandas itself).
+buf = lambda a: pa.py_buffer(np.asarray(a))
+validity = buf(np.packbits([1, 0], bitorder="little"))
+binary = pa.Array.from_buffers(pa.binary(), 2, [validity, buf(np.array([0, 12, 12], np.int32)),
+                                                buf(np.arange(3, dtype="<i4"))])
+lists = pa.ListArray.from_buffers(pa.list_(pa.int32()), 2, [validity, buf(np.array([0, 2, 2], np.int32))],
+                                  children=[pa.Array.from_buffers(pa.int32(), 2, [None, buf(np.array([1, 2], np.int32))])])
+for values in (binary, lists):
+    assert values.null_count == 1
+    for fmt in (TokenFormat(1, 0), TokenFormat(None, None)):
+        pretokenized_block(values, fmt, "f.parquet", 0)
+"""
+
+
+def test_reading_and_restoring_never_import_pandas(tmp_path, make_config):
+    """pyarrow imports pandas, when installed, for some conversions from Python objects
+    (``pa.scalar(bytes)``, ``pa.array(ndarray)``): ~0.2 s that a restore's first batch
+    would wait for. A stand-in ``pandas`` package records any attempt to import it."""
+    import json
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake" / "pandas"
+    fake.mkdir(parents=True)
+    marker = tmp_path / "pandas-imported"
+    (fake / "__init__.py").write_text(
+        f"import traceback\nopen({str(marker)!r}, 'w').write(''.join(traceback.format_stack()))\n"
+        "raise ImportError('stand-in pandas')\n")
+    config = make_config("concat", pretokenized=True)
+    fields = {k: v for k, v in config.to_dict().items() if k in ("seq_len", "global_batch_size", "micro_batch_size",
+                                                                  "seed", "tokenizer", "packing")}
+    fields["datasets"] = [{"path": d.path} for d in config.datasets]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake.parent), os.getcwd()]))
+    subprocess.run([sys.executable, "-c", _NO_PANDAS_SCRIPT, json.dumps(fields)], env=env, check=True,
+                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert not marker.exists(), "reading or restoring imported pandas, from:\n" + marker.read_text()
