@@ -144,12 +144,14 @@ class Chunk:
     """Tokens taken from a stream: ``doc_starts`` are offsets in ``tokens`` where a document begins.
 
     ``token_sources`` (int8 per token) is set only by token-unit mixing, where one chunk can
-    hold documents of several sources.
+    hold documents of several sources; with it, a chunk of whole rows cut in bulk carries
+    ``row_majority``, each row's majority source (most tokens, lowest id on ties).
     """
 
     tokens: np.ndarray
     doc_starts: np.ndarray
     token_sources: Optional[np.ndarray] = None
+    row_majority: Optional[list[int]] = None
 
 
 @dataclass

@@ -189,11 +189,7 @@ class ConcatPacker:
         self._token_sources = self._majority = None
         if chunk.token_sources is not None:
             self._token_sources = chunk.token_sources.reshape(rows, seq_len)
-            # Per-row token counts of every source (one comparison pass each: a handful of
-            # sources); argmax takes the lowest id on ties.
-            counts = np.stack([np.count_nonzero(self._token_sources == s, axis=1)
-                               for s in range(int(chunk.token_sources.max()) + 1)], axis=1)
-            self._majority = counts.argmax(axis=1).tolist()
+            self._majority = chunk.row_majority
         # Segment starts: the document starts plus every row start that is not one. Concat
         # packing always wraps documents (BOS or EOS), so document starts are distinct;
         # np.unique covers the general case, as _sequence_from_pieces does.
