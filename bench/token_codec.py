@@ -11,10 +11,11 @@ default), zstd and none; cached under ``bench/_work/token_codec/``. For each cod
   verified, as the loader reads (best of 3 passes, one thread), in ns per token;
 * loader: tokens/s of ``ZephonLoader`` (concat, seq_len 1024, global batch 16, 0 workers,
   read-ahead on) for ``--seconds`` after 50 warm-up steps, delivering ``input_ids`` only
-  and the full batch, with lane files memory-mapped (what ``loader.storage`` does) or opened
-  as Python file objects (what it did before; patched in for the comparison). Every loader
+  and the full batch, with lane files opened as native Arrow files (``pa.OSFile``, what
+  ``loader.storage`` does), as Python file objects (what it did before) or memory-mapped
+  (both patched in for the comparison; lz4 only). Every loader
   run is a fresh process; the runs of one repeat go round-robin over all setups and the
-  table gives the median and each ratio to the lz4 + memory map setup of the same repeat.
+  table gives the median and each ratio to the lz4 + native file setup of the same repeat.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WORK_DIR = REPO_ROOT / "bench" / "_work" / "token_codec"
 TOKENIZER = str(REPO_ROOT / "beam_jobs" / "assets" / "tokenizer.json")
 CODECS = ("lz4", "zstd", "none")
-FILE_ACCESS = ("mmap", "python_file")
+FILE_ACCESS = ("native", "python_file", "mmap")
 FIELDS = ("input_ids", "full")
+ACCESS_LABELS = {"native": "pa.OSFile (loader)", "python_file": "Python file", "mmap": "pa.memory_map"}
 
 
 def build(docs: int) -> dict[str, Path]:
@@ -86,14 +88,17 @@ def child(spec: dict) -> dict:
     from loader.config import BATCH_FIELDS, LoaderConfig
     from loader.pipeline import ZephonLoader
 
-    if spec["access"] == "python_file":
-        mapped = storage.open_lane_file
+    if spec["access"] != "native":
+        import pyarrow as pa
 
-        def python_file(dataset_path, entry, options=storage.StorageOptions()):
-            mapped(dataset_path, entry, options).close()  # the same checks, then a plain file
-            return open(storage.join(dataset_path, entry.path), "rb")
+        native = storage.open_lane_file
+        reopen = (lambda path: open(path, "rb")) if spec["access"] == "python_file" else pa.memory_map
 
-        storage.open_lane_file = python_file
+        def patched(dataset_path, entry, options=storage.StorageOptions()):
+            native(dataset_path, entry, options).close()  # the same checks, then the other kind
+            return reopen(storage.join(dataset_path, entry.path))
+
+        storage.open_lane_file = patched
     config = LoaderConfig(datasets=[{"path": spec["dataset"]}], seq_len=1024, global_batch_size=16,
                           micro_batch_size=16, seed=0, tokenizer=TOKENIZER, packing="concat",
                           batch_fields=BATCH_FIELDS if spec["fields"] == "full" else ("input_ids",))
@@ -130,7 +135,7 @@ def main(argv=None) -> int:
     datasets = build(args.docs)
     static = {codec: storage_and_decode(path) for codec, path in datasets.items()}
     setups = [(codec, access, fields) for fields in FIELDS for codec in CODECS for access in FILE_ACCESS
-              if access == "mmap" or codec == "lz4"]
+              if access == "native" or codec == "lz4"]
     runs: dict[tuple, list[float]] = {s: [] for s in setups}
     ratios: dict[tuple, list[float]] = {s: [] for s in setups}
     wall = time.perf_counter()
@@ -142,7 +147,7 @@ def main(argv=None) -> int:
             print(f"repeat {repeat}: {codec:4s} {access:11s} {fields:9s} {runs[setup][-1] / 1e6:6.1f} M tok/s",
                   flush=True)
         for setup in setups:
-            ratios[setup].append(runs[setup][-1] / runs[("lz4", "mmap", setup[2])][-1])
+            ratios[setup].append(runs[setup][-1] / runs[("lz4", "native", setup[2])][-1])
 
     command = "python bench/token_codec.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     lines = [f"Command: `{command}` ({(time.perf_counter() - wall) / 60:.1f} min of loader runs). nproc {os.cpu_count()}, {cpu_model()}, Python {sys.version.split()[0]}; "
@@ -153,12 +158,12 @@ def main(argv=None) -> int:
         s = static[codec]
         lines.append(f"| {codec} | {s['bytes_per_token']:.2f} | {s['decode_ns_per_token']:.2f} "
                      f"({s['decode_ns_per_token'] / static['lz4']['decode_ns_per_token']:.2f}x) |")
-    lines += ["", "| batch | codec | lane files | loader tokens/s (median) | runs (M tok/s) | vs lz4 + mmap (median of same-repeat ratios) |",
+    lines += ["", "| batch | codec | lane files | loader tokens/s (median) | runs (M tok/s) | vs lz4 + native file (median of same-repeat ratios) |",
               "|---|---|---|---:|---|---:|"]
     for setup in setups:
         codec, access, fields = setup
         label = "input_ids only" if fields == "input_ids" else "full (labels, position ids, cu_seqlens)"
-        lines.append(f"| {label} | {codec} | {'memory map' if access == 'mmap' else 'Python file'} | "
+        lines.append(f"| {label} | {codec} | {ACCESS_LABELS[access]} | "
                      f"{statistics.median(runs[setup]) / 1e6:.1f} M | "
                      f"{' / '.join(f'{x / 1e6:.1f}' for x in runs[setup])} | {statistics.median(ratios[setup]):.2f} |")
     print("\n".join(lines))

@@ -47,12 +47,12 @@ def open_input(path: str) -> BinaryIO:
         from loader import gcs
 
         return gcs.open_input(path)
-    # A memory map, not a Python file: pyarrow reads it without calling back into Python,
-    # so the read-ahead thread decodes without waiting for the GIL the trainer's thread
-    # holds (bench/RESULTS.md, "Token column codec and file access"). Lane files are never
-    # rewritten in place (the Beam job writes a new file and renames it over the old one),
-    # so the mapping cannot shrink under the reader.
-    return pa.memory_map(path, "r")
+    # A native Arrow file, not a Python file object: pyarrow then reads without calling back
+    # into Python, so the read-ahead thread does not queue for the GIL the trainer's thread
+    # holds (bench/RESULTS.md, "Token column codec and lane file access"). Not a memory map:
+    # mapped pages of every open lane file would count in the process's RSS as it reads,
+    # which looks like a leak on a long run.
+    return pa.OSFile(path, "r")
 
 
 # ---------------------------------------------------------------------------------------
@@ -141,9 +141,9 @@ def open_lane_file(dataset_path: str, entry, options: StorageOptions = StorageOp
             f"{path} has {size} bytes but the manifest says {entry.bytes}: the file is truncated "
             "or was replaced; re-run the Beam job or restore the file"
         )
-    # A memory map, not a Python file: pyarrow reads it without calling back into Python,
-    # so the read-ahead thread decodes without waiting for the GIL the trainer's thread
-    # holds (bench/RESULTS.md, "Token column codec and file access"). Lane files are never
-    # rewritten in place (the Beam job writes a new file and renames it over the old one),
-    # so the mapping cannot shrink under the reader.
-    return pa.memory_map(path, "r")
+    # A native Arrow file, not a Python file object: pyarrow then reads without calling back
+    # into Python, so the read-ahead thread does not queue for the GIL the trainer's thread
+    # holds (bench/RESULTS.md, "Token column codec and lane file access"). Not a memory map:
+    # mapped pages of every open lane file would count in the process's RSS as it reads,
+    # which looks like a leak on a long run.
+    return pa.OSFile(path, "r")

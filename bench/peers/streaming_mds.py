@@ -33,6 +33,12 @@ def version() -> str:
     return v("mosaicml-streaming")
 
 
+def imports() -> None:
+    stub_streaming_vision()
+    import streaming  # noqa: F401
+    from torch.utils.data import DataLoader  # noqa: F401
+
+
 def prepare(layout: Layout) -> dict:
     stub_streaming_vision()
     from streaming import MDSWriter

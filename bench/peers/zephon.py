@@ -29,6 +29,11 @@ def version() -> str:
         return "working tree"
 
 
+def imports() -> None:
+    """What the loader imports (torch, pyarrow, tokenizers), outside the timed construction."""
+    import loader.pipeline  # noqa: F401
+
+
 def prepare(layout: Layout, beam_python: str = "python3") -> dict:
     out_root = layout.formats("zephon")
     os.makedirs(out_root, exist_ok=True)
