@@ -9,9 +9,9 @@ paths use ``google-cloud-storage`` (see :mod:`loader.gcs`), which honours
 from __future__ import annotations
 
 import os
+from typing import BinaryIO
 
 import pyarrow as pa
-from typing import BinaryIO
 
 
 def is_gcs(path: str) -> bool:
@@ -47,12 +47,7 @@ def open_input(path: str) -> BinaryIO:
         from loader import gcs
 
         return gcs.open_input(path)
-    # A native Arrow file, not a Python file object: pyarrow then reads without calling back
-    # into Python, so the read-ahead thread does not queue for the GIL the trainer's thread
-    # holds (bench/RESULTS.md, "Token column codec and lane file access"). Not a memory map:
-    # mapped pages of every open lane file would count in the process's RSS as it reads,
-    # which looks like a leak on a long run.
-    return pa.OSFile(path, "r")
+    return open(path, "rb")
 
 
 # ---------------------------------------------------------------------------------------
