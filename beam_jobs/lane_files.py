@@ -60,10 +60,10 @@ PARQUET_WRITE_OPTIONS: dict[str, Any] = {
 # the flat id array without a copy. ``np.frombuffer(value, "<i4")`` gives one row's ids.
 INPUT_IDS_TYPE = pa.binary()
 # Codec of the input_ids column (every other column is zstd). The loader decodes this column
-# on every epoch and is CPU-bound there: lz4 decodes about 1.4x faster than zstd level 3
-# (bench/RESULTS.md, "Token column codec"); zstd stores fewer bytes, which matters more when
-# reads are network-bound and no local cache is used; none skips decompression but makes the
-# page checksums run over 4 bytes per token.
+# on every epoch and is CPU-bound there: lz4 decodes 1.4-1.6x faster than zstd level 3
+# (bench/RESULTS.md, "Token column codec and lane file access"); zstd stores fewer bytes,
+# which matters more when reads are network-bound and no local cache is used; none skips
+# decompression but makes the page checksums run over 4 bytes per token.
 TOKEN_COMPRESSIONS = ("lz4", "zstd", "none")
 DEFAULT_TOKEN_COMPRESSION = "lz4"
 STATISTICS_COLUMNS = ("key", "order_key", "num_tokens")

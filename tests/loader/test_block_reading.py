@@ -159,10 +159,11 @@ def test_a_read_ahead_that_is_never_used_cannot_fail_the_stream(tmp_path, corpus
     failing.close()
 
 
+@pytest.mark.parametrize("binary_type", [pa.binary(), pa.large_binary()], ids=["binary", "large_binary"])
 @pytest.mark.parametrize("bos_id,eos_id", [(None, 0), (1, 0), (1, None), (None, None)])
-def test_bos_eos_joined_by_arrow_equal_the_numpy_wrapping(bos_id, eos_id):
+def test_bos_eos_joined_by_arrow_equal_the_numpy_wrapping(bos_id, eos_id, binary_type):
     documents = [[5, 6, 7], [], None, [8], list(range(100, 140))]  # None: a null row, an empty document
-    values = pa.array([None if d is None else np.asarray(d, "<i4").tobytes() for d in documents], pa.binary())
+    values = pa.array([None if d is None else np.asarray(d, "<i4").tobytes() for d in documents], binary_type)
     fmt = TokenFormat(bos_id, eos_id)
     got = pretokenized_block(values.slice(1), fmt, "f.parquet", 0)  # a slice: offsets not starting at 0
     kept = [d or [] for d in documents[1:]]
