@@ -200,7 +200,8 @@ def _scan_pass(dataset: str, page_checksums: bool) -> int:
 
     tokens = 0
     for path in _lane_files(dataset):
-        parquet = pq.ParquetFile(path, page_checksum_verification=page_checksums)
+        # pre_buffer=False and use_threads=False below: how the loader reads local files
+        parquet = pq.ParquetFile(path, page_checksum_verification=page_checksums, pre_buffer=False)
         for group in range(parquet.metadata.num_row_groups):
             # use_threads=False as the loader reads: for one column it is the faster setting
             table = parquet.read_row_group(group, columns=["input_ids"], use_threads=False)
