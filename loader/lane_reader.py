@@ -397,9 +397,9 @@ class LaneTokenStream:
             handle = storage.open_lane_file(self.dataset_path, entry, self.storage_options)
             try:
                 # pre_buffer (pyarrow's default) sends every local row-group read through
-                # Arrow's I/O thread pool with an fadvise first: ~130-170 us per read for
-                # nothing when the file is in the page cache (bench/RESULTS.md, "Row-group
-                # reads"). Remote files keep it: it coalesces the ranged reads.
+                # Arrow's I/O thread pool with an fadvise first: 150-350 us per read for
+                # nothing when the file is in the page cache (bench/RESULTS.md, "Token column
+                # codec and lane file access"). Remote files keep it: it coalesces ranged reads.
                 parquet = pq.ParquetFile(handle, page_checksum_verification=True,
                                          pre_buffer=storage.is_gcs(self.dataset_path))
             except storage.StorageError:
