@@ -41,7 +41,8 @@ LOADERS = ("zephon", "zephon_full", "streaming", "litdata", "grain", "energon", 
 # and delivering the full trainer batch. The second reads the first's data and is measured
 # for throughput only: its stream, state and resume are the first's.
 ZEPHON_LOADERS = ("zephon", "zephon_full")
-THROUGHPUT_ONLY = ("zephon_full",)
+DATA_OF = {"zephon_full": "zephon"}  # throughput-only variants -> the loader whose data they read
+THROUGHPUT_ONLY = tuple(DATA_OF)
 PEER_LABELS = {
     "zephon": "Zephon",
     "zephon_full": "Zephon, full batch",
@@ -155,7 +156,7 @@ def prepare_data(r: Runner, work: str, prof: dict, loaders: list[str], tokenizer
         status["corpus"] = {"seconds": round(time.perf_counter() - t0, 1)}
     for name in loaders:
         if name in THROUGHPUT_ONLY:
-            continue  # reads zephon's datasets
+            continue  # reads the datasets of DATA_OF[name]
         if prepared.get(name, {}).get("ok"):
             status[name] = prepared[name]
             continue
@@ -637,12 +638,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict = {"out": a.out}
     print("[compare] preparing data", flush=True)
     results["prepare"] = prepare_data(r, work, prof, loaders, a.tokenizer, a.beam_python or default_beam_python())
-    ok = [n for n in loaders
-          if not results["prepare"].get("zephon" if n in THROUGHPUT_ONLY else n, {}).get("error")]
+    ok = [n for n in loaders if not results["prepare"].get(DATA_OF.get(n, n), {}).get("error")]
     for n in loaders:
         if n not in ok:
-            err = {"error": "data preparation failed: "
-                   + results["prepare"]["zephon" if n in THROUGHPUT_ONLY else n]["error"]}
+            err = {"error": "data preparation failed: " + results["prepare"][DATA_OF.get(n, n)]["error"]}
             results.setdefault("throughput", {}).update({(n, m): err for m in MODES})
     print("[compare] floors", flush=True)
     results["floors"] = measure_floors(r, work, prof)

@@ -204,10 +204,11 @@ class MixedTokenStream:
         cut = int(cumulative[last]) - need  # tokens of the last piece left for later
         ends[-1] -= cut
         lengths = ends - starts
+        out_ends = np.cumsum(lengths)  # where each piece ends in the output
         first_is_rest = self.current >= 0
         self._bulk = _BulkRows(
             state_before=self.get_state(), views=views, sources=sources, starts=starts, ends=ends,
-            out_ends=np.cumsum(lengths), row_len=row_len, rows=rows,
+            out_ends=out_ends, row_len=row_len, rows=rows,
         )
         # Advance: every source's cursor to the end of its last piece, counters, current.
         for s in alive:
@@ -225,11 +226,11 @@ class MixedTokenStream:
             if len(mine):
                 stretch = views[s].slices(int(starts[mine[0]]), int(ends[mine[-1]]))
                 tokens[token_sources == s] = stretch[0] if len(stretch) == 1 else np.concatenate(stretch)
-        doc_starts = np.cumsum(lengths) - lengths
+        doc_starts = out_ends - lengths
         if first_is_rest:  # the first piece continues a document begun earlier
             doc_starts = doc_starts[1:]
         return Chunk(tokens=tokens, doc_starts=doc_starts, token_sources=token_sources,
-                     row_majority=_row_majority(sources, lengths, alive, rows, row_len))
+                     row_majority=_row_majority(sources, lengths, out_ends, alive, rows, row_len))
 
     def rewound_state(self, rows: int, row_len: int) -> dict:
         """The state before the last ``rows`` rows of the last ``take_rows``."""
@@ -253,15 +254,14 @@ class MixedTokenStream:
         self.phase_start = int(state["phase_start"])
 
 
-def _row_majority(sources: np.ndarray, lengths: np.ndarray, alive: tuple[int, ...], rows: int,
-                  row_len: int) -> list[int]:
+def _row_majority(sources: np.ndarray, lengths: np.ndarray, ends: np.ndarray, alive: tuple[int, ...],
+                  rows: int, row_len: int) -> list[int]:
     """Each row's majority source (most tokens, lowest id on ties), from the pieces rather
     than per token: a row holds few pieces, so counting its tokens one comparison pass per
     source cost more than the rest of a bulk cut. ``C_s(x)``, the tokens of source ``s``
     before position ``x``, is the length of ``s``'s pieces before the piece holding ``x``
     plus the part of that piece before ``x`` if it is ``s``'s; a row's count is the
-    difference of ``C_s`` at its two ends."""
-    ends = np.cumsum(lengths)
+    difference of ``C_s`` at its two ends. ``ends``: the pieces' cumulative lengths."""
     starts = ends - lengths
     bounds = np.arange(rows + 1, dtype=np.int64) * row_len
     piece = np.minimum(np.searchsorted(ends, bounds, side="right"), len(ends) - 1)
