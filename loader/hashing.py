@@ -95,7 +95,26 @@ def stable_permutation(n: int, *seed_parts: HashPart) -> np.ndarray:
     Built by sorting the indices by a keyed SplitMix64 of each index, so it costs
     O(n log n) time and O(n) memory and is identical on every platform.
     """
+    if n <= _SMALL_PERMUTATION:
+        # The same keys and the same stable sort in Python ints: numpy's fixed cost per call
+        # (~40 us) dominated the per-epoch file and row-group orders of every lane.
+        if n < 0:
+            raise ValueError(f"n must be >= 0 (got {n=})")
+        base = stable_hash64("perm", *seed_parts)
+        keys = [_splitmix64_int(i ^ base) for i in range(n)]
+        return np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
     return stable_permutations(n, [seed_parts])[0]
+
+
+_SMALL_PERMUTATION = 16  # up to this n the pure-Python path is faster (~6-14 us against ~20)
+
+
+def _splitmix64_int(value: int) -> int:
+    """:func:`_splitmix64` of one value, in Python ints."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def stable_permutations(n: int, seed_parts_per_row: list[tuple[HashPart, ...]]) -> np.ndarray:

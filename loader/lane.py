@@ -102,8 +102,8 @@ class Lane:
     def next_sequence(self, global_index: int) -> tuple[int, PackedSequence]:
         """``(source_id, sequence)`` for the lane's next output; raises :class:`LaneExhausted`."""
         schedule = self.spec.schedule
-        step = global_index // self.spec.global_batch_size
         if self.token_mixing:
+            step = global_index // self.spec.global_batch_size
             phase = schedule.phase_at(step)
             end = schedule.phase_end(step)
             rows_left = None if end is None else (
@@ -128,6 +128,7 @@ class Lane:
                     return source_id, sequence
                 self.stopped[source_id] = True
                 self._warn_stopped(source_id)
+            step = global_index // self.spec.global_batch_size
             source_id = schedule.fallback_source(global_index, [not s for s in self.stopped], step)
             if source_id < 0:
                 raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")

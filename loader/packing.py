@@ -43,21 +43,60 @@ class PackedSequence:
     majority_source: int = -1  # token-unit mixing: the source with most tokens, if counted already
 
 
-class ConcatRow(PackedSequence):
-    """A full concat row whose ``labels`` are derived on demand: ``input_ids`` with
-    ``IGNORE_INDEX`` at ``doc_starts`` (a full row has no padding).
+class _ConcatFill:
+    """Rows cut in bulk from one block (see :meth:`ConcatPacker._fill`): a ``[rows, seq_len]``
+    view of the block's tokens. Where documents start in each row is worked out on first
+    request: a batch of ``input_ids`` alone never asks."""
 
-    The batch builder (``ZephonLoader._collate``) derives the labels of a whole micro-batch
-    of such rows from its ``input_ids`` in one pass instead of copying per-row label arrays.
+    __slots__ = ("input_ids", "token_sources", "majority", "_fill_doc_starts", "_doc_starts", "_doc_bounds")
+
+    def __init__(self, chunk: Chunk, rows: int, seq_len: int) -> None:
+        self.input_ids = chunk.tokens.reshape(rows, seq_len)
+        self.token_sources = None if chunk.token_sources is None else chunk.token_sources.reshape(rows, seq_len)
+        self.majority = None if chunk.token_sources is None else chunk.row_majority
+        self._fill_doc_starts = chunk.doc_starts  # int64, offsets in the fill
+        self._doc_starts: Optional[np.ndarray] = None
+        self._doc_bounds: list[int] = []
+
+    def row_doc_starts(self, row: int) -> np.ndarray:
+        if self._doc_starts is None:
+            rows, seq_len = self.input_ids.shape
+            starts = self._fill_doc_starts
+            self._doc_bounds = starts.searchsorted(np.arange(0, (rows + 1) * seq_len, seq_len)).tolist()
+            self._doc_starts = (starts % seq_len).astype(np.int32)
+        return self._doc_starts[self._doc_bounds[row] : self._doc_bounds[row + 1]]
+
+
+class ConcatRow(PackedSequence):
+    """A full concat row of a :class:`_ConcatFill`: ``labels`` and ``segment_starts`` are
+    derived on demand from where its documents start (a full row has no padding).
+
+    The batch builder (``ZephonLoader._collate``) derives labels, position ids and
+    cu_seqlens of a whole micro-batch of such rows from ``doc_starts`` in one pass instead
+    of building per-row arrays.
     """
 
-    def __init__(self, input_ids: np.ndarray, segment_starts: np.ndarray, doc_starts: np.ndarray,
-                 token_sources: Optional[np.ndarray] = None, majority_source: int = -1) -> None:
-        self.input_ids = input_ids
-        self.segment_starts = segment_starts
-        self.doc_starts = doc_starts  # int32 offsets in the row where a document begins
-        self.token_sources = token_sources
-        self.majority_source = majority_source
+    def __init__(self, fill: _ConcatFill, row: int) -> None:
+        self.input_ids = fill.input_ids[row]
+        self.token_sources = None if fill.token_sources is None else fill.token_sources[row]
+        self.majority_source = -1 if fill.majority is None else fill.majority[row]
+        self._fill, self._row = fill, row
+
+    @property
+    def doc_starts(self) -> np.ndarray:
+        """int32 offsets in the row where a document begins."""
+        return self._fill.row_doc_starts(self._row)
+
+    @property
+    def segment_starts(self) -> np.ndarray:  # type: ignore[override]
+        # The row start and every document start; concat wraps documents (BOS or EOS), so the
+        # document starts are distinct, and np.unique covers the general case.
+        starts = self.doc_starts
+        if len(starts) > 1 and not (starts[1:] > starts[:-1]).all():
+            starts = np.unique(starts)
+        if len(starts) and starts[0] == 0:
+            return starts
+        return np.concatenate((_ZERO, starts), dtype=np.int32)
 
     @property
     def labels(self) -> np.ndarray:  # type: ignore[override]
@@ -139,8 +178,8 @@ class ConcatPacker:
     """State keys: ``stream`` (the stream cursor). Holds no tokens.
 
     Rows that lie inside one block are cut in bulk (:meth:`_fill`: up to ``FILL_TOKENS``
-    tokens, one reshape and one label pass for all of them) and handed out one by one; the
-    per-sequence work was what capped pre-tokenized replay. Rows cut but not handed out yet
+    tokens, one reshape, views of the block) and handed out one by one as :class:`ConcatRow`;
+    the per-sequence work was what capped pre-tokenized replay. Rows cut but not handed out yet
     are not part of the state: ``get_state`` moves the cursor back over them, so a
     checkpoint is the same whether or not a fill was in flight.
     """
@@ -156,23 +195,13 @@ class ConcatPacker:
         self._bulk = True  # cut rows in bulk where the stream can (take_rows); tests switch it off to compare
         # The current fill: rows ``_next_row .. _fill_rows - 1`` are not handed out yet.
         self._fill_rows = self._next_row = 0
-        self._input_ids = self._segments = self._doc_starts = self._token_sources = None
-        self._majority: Optional[list[int]] = None
-        self._bounds: list[int] = []
-        self._doc_bounds: list[int] = []
+        self._rows: Optional[_ConcatFill] = None
 
     def next_sequence(self) -> Optional[PackedSequence]:
         """The next ``seq_len`` tokens; a short final sequence is padded; None when exhausted."""
         if self._next_row < self._fill_rows or (self._bulk and self._fill()):
-            row = self._next_row
             self._next_row += 1
-            return ConcatRow(
-                self._input_ids[row],
-                self._segments[self._bounds[row] : self._bounds[row + 1]],
-                self._doc_starts[self._doc_bounds[row] : self._doc_bounds[row + 1]],
-                None if self._token_sources is None else self._token_sources[row],
-                -1 if self._majority is None else self._majority[row],
-            )
+            return ConcatRow(self._rows, self._next_row - 1)
         chunk = self.stream.take(self.seq_len)
         if chunk is None:
             return None
@@ -184,28 +213,7 @@ class ConcatPacker:
         if chunk is None:
             return False
         rows = len(chunk.tokens) // seq_len
-        doc_starts = chunk.doc_starts
-        self._input_ids = chunk.tokens.reshape(rows, seq_len)
-        self._token_sources = self._majority = None
-        if chunk.token_sources is not None:
-            self._token_sources = chunk.token_sources.reshape(rows, seq_len)
-            self._majority = chunk.row_majority
-        # Segment starts: the document starts plus every row start that is not one. Concat
-        # packing always wraps documents (BOS or EOS), so document starts are distinct;
-        # np.unique covers the general case, as _sequence_from_pieces does.
-        row_starts = np.arange(0, rows * seq_len, seq_len, dtype=np.int64)
-        opens_document = np.zeros(rows, dtype=bool)
-        at_row_start = doc_starts[doc_starts % seq_len == 0]
-        opens_document[at_row_start // seq_len] = True
-        starts = np.concatenate([doc_starts, row_starts[~opens_document]])
-        starts.sort()
-        if len(starts) > 1 and not (starts[1:] > starts[:-1]).all():
-            starts = np.unique(starts)
-        row_bounds = np.append(row_starts, rows * seq_len)
-        self._segments = (starts % seq_len).astype(np.int32)
-        self._bounds = starts.searchsorted(row_bounds).tolist()
-        self._doc_starts = (doc_starts % seq_len).astype(np.int32)
-        self._doc_bounds = doc_starts.searchsorted(row_bounds).tolist()
+        self._rows = _ConcatFill(chunk, rows, seq_len)
         self._fill_rows, self._next_row = rows, 0
         return True
 
@@ -217,7 +225,7 @@ class ConcatPacker:
 
     def set_state(self, state: dict) -> None:
         self._fill_rows = self._next_row = 0
-        self._input_ids = self._segments = self._doc_starts = self._token_sources = None
+        self._rows = None
         self.stream.set_state(state["stream"])
 
 

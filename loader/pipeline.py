@@ -282,9 +282,11 @@ class ZephonLoader:
                 self._step_items = None
         else:
             items = []
+            global_index, stride = self.next_global_index, self.topology.world_size
             for _ in range(self.config.micro_batch_size):
-                items.append(self._run.next_item(self.next_global_index))
-                self.rank_position += 1
+                items.append(self._run.next_item(global_index))
+                self.rank_position += 1  # per item: a failing lane leaves the position at it
+                global_index += stride
         for item in items:
             if item.lane_state is not None:
                 self.lane_states[item.global_index % self.num_lanes] = item.lane_state
@@ -351,19 +353,28 @@ class ZephonLoader:
             "micro_step": ((self.rank_position - len(items)) % self.topology.per_rank_batch)
             // self.config.micro_batch_size,
         }
+        wants_segments = "position_ids" in fields or "cu_seqlens" in fields
+        # Rows of concat fills: labels and segments both come from where documents start.
+        doc_flat = None
+        if ("labels" in fields or wants_segments) and all(type(s) is ConcatRow for s in sequences):
+            doc_flat = _flat_positions([s.doc_starts for s in sequences], seq_len)
         if "labels" in fields:
-            if all(type(s) is ConcatRow for s in sequences):
+            if doc_flat is not None:
                 # From the input ids just written (still in cache), not from per-row copies.
                 labels = input_ids.copy()
-                labels.reshape(-1)[_flat_positions([s.doc_starts for s in sequences], seq_len)] = IGNORE_INDEX
+                labels.reshape(-1)[doc_flat] = IGNORE_INDEX
             else:
                 labels = np.concatenate([s.labels for s in sequences], dtype=np.int64).reshape(rows, seq_len)
             batch["labels"] = torch.from_numpy(labels)
-        if "position_ids" in fields or "cu_seqlens" in fields:
+        if wants_segments:
             # Segment starts of the whole micro-batch as one flat array (row r's shifted by
             # r * seq_len) plus the end: that is cu_seqlens. Every row starts with a segment,
             # so position ids restart at row boundaries without a per-row loop.
-            cu = np.append(_flat_positions([s.segment_starts for s in sequences], seq_len), rows * seq_len)
+            if doc_flat is not None:  # a full concat row's segments: its start and its documents
+                starts = np.union1d(doc_flat, np.arange(0, rows * seq_len, seq_len, dtype=np.int64))
+            else:
+                starts = _flat_positions([s.segment_starts for s in sequences], seq_len)
+            cu = np.append(starts, rows * seq_len)
             if "position_ids" in fields:
                 # position = index - start of its segment; the subtraction runs in place on
                 # the repeated starts, against an arange built once per loader.
