@@ -354,27 +354,38 @@ class ZephonLoader:
             // self.config.micro_batch_size,
         }
         wants_segments = "position_ids" in fields or "cu_seqlens" in fields
-        # Rows of concat fills: labels and segments both come from where documents start.
-        doc_flat = None
-        if ("labels" in fields or wants_segments) and all(type(s) is ConcatRow for s in sequences):
-            doc_flat = _flat_positions([s.doc_starts for s in sequences], seq_len)
+        if "labels" in fields or wants_segments:
+            # Rows of concat fills (nearly all rows of concat packing) carry only where their
+            # documents start: labels and segments of all of them come from one flat array.
+            # Other rows (best fit, rows across a block boundary) bring their own arrays.
+            concat_rows = [r for r, s in enumerate(sequences) if type(s) is ConcatRow]
+            other_rows = [r for r, s in enumerate(sequences) if type(s) is not ConcatRow]
+            doc_flat = _flat_positions([sequences[r].doc_starts for r in concat_rows], seq_len, concat_rows)
         if "labels" in fields:
-            if doc_flat is not None:
+            if not concat_rows:
+                labels = np.concatenate([s.labels for s in sequences], dtype=np.int64).reshape(rows, seq_len)
+            else:
                 # From the input ids just written (still in cache), not from per-row copies.
                 labels = input_ids.copy()
                 labels.reshape(-1)[doc_flat] = IGNORE_INDEX
-            else:
-                labels = np.concatenate([s.labels for s in sequences], dtype=np.int64).reshape(rows, seq_len)
+                for r in other_rows:
+                    labels[r] = sequences[r].labels
             batch["labels"] = torch.from_numpy(labels)
         if wants_segments:
-            # Segment starts of the whole micro-batch as one flat array (row r's shifted by
-            # r * seq_len) plus the end: that is cu_seqlens. Every row starts with a segment,
-            # so position ids restart at row boundaries without a per-row loop.
-            if doc_flat is not None:  # a full concat row's segments: its start and its documents
-                starts = np.union1d(doc_flat, np.arange(0, rows * seq_len, seq_len, dtype=np.int64))
+            # Segment starts of the whole micro-batch (row r's shifted by r * seq_len) plus the
+            # end: that is cu_seqlens. Every row starts a segment, so position ids restart at
+            # row boundaries without a per-row loop. A concat row's segments start at the row
+            # start and at its documents' starts, which may coincide: marks on a flag array
+            # merge them without a sort.
+            if not concat_rows:
+                cu = np.append(_flat_positions([s.segment_starts for s in sequences], seq_len), rows * seq_len)
             else:
-                starts = _flat_positions([s.segment_starts for s in sequences], seq_len)
-            cu = np.append(starts, rows * seq_len)
+                is_start = np.zeros(rows * seq_len + 1, dtype=bool)
+                is_start[doc_flat] = True
+                is_start[::seq_len] = True  # row starts, and the end
+                if other_rows:
+                    is_start[_flat_positions([sequences[r].segment_starts for r in other_rows], seq_len, other_rows)] = True
+                cu = np.flatnonzero(is_start)
             if "position_ids" in fields:
                 # position = index - start of its segment; the subtraction runs in place on
                 # the repeated starts, against an arange built once per loader.
@@ -410,11 +421,16 @@ class ZephonLoader:
         self.close()
 
 
-def _flat_positions(per_row: list[np.ndarray], seq_len: int) -> np.ndarray:
-    """Offsets inside each row of a micro-batch, as positions in the flattened batch
-    (row ``r``'s shifted by ``r * seq_len``), int64."""
+def _flat_positions(per_row: list[np.ndarray], seq_len: int, row_ids: Optional[list[int]] = None) -> np.ndarray:
+    """Offsets inside rows of a micro-batch, as positions in the flattened batch (row ``r``'s
+    shifted by ``r * seq_len``), int64. ``per_row[k]`` belongs to row ``row_ids[k]``
+    (default: row ``k``)."""
+    if not per_row:
+        return np.zeros(0, dtype=np.int64)
     flat = np.concatenate(per_row, dtype=np.int64)
-    flat += np.repeat(np.arange(0, len(per_row) * seq_len, seq_len, dtype=np.int64), [len(p) for p in per_row])
+    row_starts = (np.arange(0, len(per_row) * seq_len, seq_len, dtype=np.int64) if row_ids is None
+                  else np.array(row_ids, dtype=np.int64) * seq_len)
+    flat += np.repeat(row_starts, [len(p) for p in per_row])
     return flat
 
 

@@ -20,7 +20,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from loader.packing import IGNORE_INDEX
+from loader.packing import IGNORE_INDEX, ConcatRow
 from loader.pipeline import ZephonLoader
 from tests.loader.settings import (
     GLOBAL_BATCH, NUM_LANES, SEQ_LEN, eos_id_of, expected_lane_documents, make_packer, make_stream,
@@ -82,9 +82,21 @@ def loader_rows(config, steps: int) -> dict[int, tuple[np.ndarray, np.ndarray, n
 
 
 @pytest.mark.parametrize("pretokenized", [False, True])
-def test_concat_lane_streams_are_the_documents_in_lane_order(make_config, lane_docs, tokenizer, pretokenized):
+def test_concat_lane_streams_are_the_documents_in_lane_order(make_config, lane_docs, tokenizer, pretokenized,
+                                                             monkeypatch):
     eos = eos_id_of(tokenizer)
+    # The batch builder has two paths per row (rows cut in bulk, which carry only their
+    # document starts, and rows across a block boundary): the run must mix them in a batch.
+    kinds_per_batch = []
+    collate = ZephonLoader._collate
+
+    def spy(self, items):
+        kinds_per_batch.append({type(item.sequence) is ConcatRow for item in items})
+        return collate(self, items)
+
+    monkeypatch.setattr(ZephonLoader, "_collate", spy)
     rows = loader_rows(make_config("concat", pretokenized=pretokenized), STEPS)
+    assert {True, False} in kinds_per_batch
     for lane in range(NUM_LANES):
         seqs = [rows[i] for i in sorted(rows) if i % NUM_LANES == lane]
         stream = np.concatenate([ids for ids, _, _ in seqs])
