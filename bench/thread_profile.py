@@ -1,11 +1,13 @@
 """Where Zephon's pre-tokenized replay spends its CPU (issue 6 profile), per thread.
 
-    python bench/thread_profile.py [--steps 5000] [--work bench/_work/compare-quick]
+    python bench/thread_profile.py [--steps 5000] [--loader zephon|zephon_full] [--mode pretok|mix]
+        [--read-ahead-threads N] [--work bench/_work/compare-quick]
 
 Uses the Zephon datasets of ``python -m bench.compare --quick`` (run that first) and the
-same loader setup as its measurement (1): seq_len 1024, global batch 16, 0 workers. Prints,
+same loader setup as its measurement (1) (``--mode mix``: (3)): seq_len 1024, global batch
+16, 0 workers. Prints,
 per global step, the wall time, the CPU time of the trainer's thread (and of it the batch
-builder, ``ZephonLoader._collate``), the CPU time of the read-ahead thread, the time the
+builder, ``ZephonLoader._collate``), the CPU time of the read-ahead threads, the time the
 trainer's thread waited for a block, and the wall / CPU time of one block read on the
 read-ahead thread compared with the same reads on an otherwise idle thread.
 """
@@ -28,6 +30,10 @@ def main(argv=None) -> int:
     parser.add_argument("--loader", default="zephon", choices=("zephon", "zephon_full"),
                         help="zephon: input_ids only, as in the comparison's 'Zephon' row; zephon_full: "
                              "the default full batch")
+    parser.add_argument("--mode", default="pretok", choices=("pretok", "mix"),
+                        help="pretok: measurement (1) of the comparison; mix: (3), the 0.7/0.3 two-source mix")
+    parser.add_argument("--read-ahead-threads", type=int, default=None,
+                        help="LoaderConfig.read_ahead_threads (default: the loader's default)")
     parser.add_argument("--work", default=str(REPO_ROOT / "bench" / "_work" / "compare-quick"))
     args = parser.parse_args(argv)
 
@@ -67,8 +73,10 @@ def main(argv=None) -> int:
     pipeline.ZephonLoader._collate = timed_collate
 
     layout = Layout(args.work)
-    spec = Spec(loader=args.loader, mode="pretok", data_dir=layout.root, seq_len=1024, global_batch=16)
-    session = zephon.open_session(spec, layout)
+    spec = Spec(loader=args.loader, mode=args.mode, data_dir=layout.root, seq_len=1024, global_batch=16)
+    overrides = {} if args.read_ahead_threads is None else {"read_ahead_threads": args.read_ahead_threads}
+    session = zephon.open_session(spec, layout, **overrides)
+    threads = session.cfg.read_ahead_threads
     batches = iter(session)
     for _ in range(50):  # start-up: every lane has read its first blocks
         next(batches)
@@ -100,7 +108,9 @@ def main(argv=None) -> int:
 
     per_step = 1e6 / args.steps
     mean = lambda rs, k: sum(r[k] for r in rs) / max(1, len(rs)) * 1e3  # noqa: E731  ms
-    print(f"python bench/thread_profile.py --steps {args.steps} --loader {args.loader}")
+    print(f"python bench/thread_profile.py --steps {args.steps} --loader {args.loader} --mode {args.mode}"
+          + ("" if args.read_ahead_threads is None else f" --read-ahead-threads {args.read_ahead_threads}")
+          + f"  (read_ahead_threads={threads})")
     print(f"nproc {os.cpu_count()}, {cpu_model()}; load average {load_average()}")
     print(f"per global step (16 x 1024 tokens): wall {wall * per_step:.0f} us; trainer thread CPU "
           f"{main_cpu * per_step:.0f} us (batch builder {collate_cpu[0] * per_step:.0f} us); other threads CPU "

@@ -87,6 +87,7 @@ class LoaderConfig:
     storage: dict[str, Any] = field(default_factory=dict)  # advanced StorageOptions: retries, timeouts, read-ahead
     worker_timeout_s: float = 300.0
     read_ahead: bool = True
+    read_ahead_threads: int = 2
     batch_fields: tuple[str, ...] = BATCH_FIELDS
 
     def __post_init__(self) -> None:
@@ -143,6 +144,10 @@ class LoaderConfig:
             raise ConfigError(f"prefetch must be an integer >= 1 (got prefetch={self.prefetch!r})")
         if not isinstance(self.read_ahead, bool):
             raise ConfigError(f"read_ahead must be true or false (got read_ahead={self.read_ahead!r})")
+        if not isinstance(self.read_ahead_threads, int) or isinstance(self.read_ahead_threads, bool) \
+                or self.read_ahead_threads < 1:
+            raise ConfigError(f"read_ahead_threads must be an integer >= 1 (got read_ahead_threads="
+                              f"{self.read_ahead_threads!r}); set read_ahead = false to read on demand")
         if (not isinstance(self.batch_fields, tuple) or "input_ids" not in self.batch_fields
                 or not set(self.batch_fields) <= set(BATCH_FIELDS)):
             unknown = sorted(set(self.batch_fields) - set(BATCH_FIELDS)) if isinstance(self.batch_fields, tuple) else []

@@ -56,6 +56,7 @@ class LaneSpec:
     global_batch_size: int
     mixing_unit: str = "sequence"
     read_ahead: bool = False
+    read_ahead_threads: int = 1
 
 
 class LaneExhausted(Exception):
@@ -85,6 +86,7 @@ class Lane:
                 max_epochs=max_epochs,
                 storage_options=spec.storage_options,
                 read_ahead=spec.read_ahead,
+                read_ahead_threads=spec.read_ahead_threads,
             )
             streams.append(stream)
         self.token_mixing = spec.mixing_unit == "token" and len(streams) > 1

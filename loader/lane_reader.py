@@ -68,22 +68,27 @@ class TokenFormat:
 TOKENIZE_CHARS = 64 * 1024
 
 
-# Read-ahead: one background thread per process reads and decodes every stream's next row
-# group while the current one is consumed (pyarrow and numpy release the GIL for this work, so
-# on two or more cores it overlaps the packing and collation on the calling thread). One
-# thread, so blocks arrive in the order lanes asked for them; the pool is rebuilt after a
-# fork, whose child would inherit the pool object but not its thread.
+# Read-ahead: background threads read and decode every stream's next row groups while the
+# current one is consumed (pyarrow and numpy release the GIL for this work, so on two or more
+# cores it overlaps the packing and collation on the calling thread). The threads are shared by
+# all streams of the process; each stream's reads run one after another, in its order (a
+# stream's Parquet file is not read by two threads at once). With one thread the reads were
+# the bound of pre-tokenized replay on two cores (bench/RESULTS.md, issue 6 profile). The pools
+# are rebuilt after a fork, whose child would inherit the pool objects but not their threads.
 READ_AHEAD_BLOCKS = 2  # per stream: one is not enough when every lane changes block at once
 _pool_lock = threading.Lock()
-_pool: Optional[tuple[int, ThreadPoolExecutor]] = None
+_pools: tuple[int, dict[int, ThreadPoolExecutor]] = (os.getpid(), {})
 
 
-def _read_ahead_pool() -> ThreadPoolExecutor:
-    global _pool
+def _read_ahead_pool(threads: int) -> ThreadPoolExecutor:
+    global _pools
     with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-read-ahead"))
-        return _pool[1]
+        if _pools[0] != os.getpid():
+            _pools = (os.getpid(), {})
+        pool = _pools[1].get(threads)
+        if pool is None:
+            pool = _pools[1][threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zephon-read-ahead")
+        return pool
 
 
 @dataclass
@@ -333,6 +338,7 @@ class LaneTokenStream:
         max_epochs: Optional[int] = None,
         storage_options: storage.StorageOptions = storage.StorageOptions(),
         read_ahead: bool = False,
+        read_ahead_threads: int = 1,
     ) -> None:
         self.dataset_path = dataset_path
         self.source_name = source_name
@@ -362,9 +368,15 @@ class LaneTokenStream:
         self.offset = 0
         self.exhausted = False
         self.read_ahead = read_ahead
+        self.read_ahead_threads = read_ahead_threads
         # Blocks being read in the background, in stream order: ((epoch, block), future).
         # While any is pending only the read-ahead thread touches the open Parquet file.
         self._ahead: collections.deque[tuple[tuple[int, int], Future]] = collections.deque()
+        # Reads queued for this stream's drain task (at most one runs at a time), with where
+        # each block lives; guarded by _unread_lock, as is _draining.
+        self._unread: collections.deque[tuple[tuple[int, int], Future, tuple[int, int]]] = collections.deque()
+        self._unread_lock = threading.Lock()
+        self._draining = False
         # The next block, read early by documents_ahead: ((epoch, block), Block).
         self._peeked: Optional[tuple[tuple[int, int], Block]] = None
 
@@ -478,8 +490,29 @@ class LaneTokenStream:
             if any(pending == key for pending, _ in self._ahead):
                 continue
             # The epoch layout is looked up on this thread: the reader gets file and row group.
-            where = self.blocks_of_epoch(key[0])[key[1]]
-            self._ahead.append((key, _read_ahead_pool().submit(self._read_block, key[0], *where)))
+            future: Future = Future()
+            self._ahead.append((key, future))
+            with self._unread_lock:
+                self._unread.append((key, future, self.blocks_of_epoch(key[0])[key[1]]))
+                start = not self._draining
+                self._draining = True
+            if start:
+                _read_ahead_pool(self.read_ahead_threads).submit(self._drain_reads)
+
+    def _drain_reads(self) -> None:
+        """On a read-ahead thread: this stream's queued reads, in order, until none is left."""
+        while True:
+            with self._unread_lock:
+                if not self._unread:
+                    self._draining = False
+                    return
+                (epoch, _), future, where = self._unread.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue  # dropped by _settle_read_ahead before it started
+            try:
+                future.set_result(self._read_block(epoch, *where))
+            except BaseException as exc:  # handed to whoever waits for the block
+                future.set_exception(exc)
 
     def _settle_read_ahead(self, wanted: Optional[tuple[int, int]] = None) -> Optional[Block]:
         """The block ``wanted`` if it is the next one read ahead, else None (all reads dropped).

@@ -124,6 +124,7 @@ class ZephonLoader:
             global_batch_size=config.global_batch_size,
             mixing_unit=config.mixing_unit,
             read_ahead=config.read_ahead,
+            read_ahead_threads=config.read_ahead_threads,
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far

@@ -65,7 +65,7 @@ def _repo_root() -> str:
 
 
 class Session:
-    def __init__(self, spec: Spec, layout: Layout) -> None:
+    def __init__(self, spec: Spec, layout: Layout, **config_overrides) -> None:
         from loader.config import BATCH_FIELDS, LoaderConfig
         from loader.pipeline import ZephonLoader
 
@@ -83,7 +83,8 @@ class Session:
         self.cfg = LoaderConfig(datasets=datasets, seq_len=spec.seq_len, global_batch_size=spec.global_batch,
                                 micro_batch_size=spec.rank_batch, seed=spec.seed,
                                 tokenizer=layout.info()["tokenizer"], packing="concat",
-                                num_workers=spec.num_workers, prefetch=4, batch_fields=batch_fields)
+                                num_workers=spec.num_workers, prefetch=4, batch_fields=batch_fields,
+                                **config_overrides)
         self.loader = ZephonLoader(self.cfg, rank=spec.rank, world_size=spec.world_size)
         self._it = None
 
@@ -106,8 +107,9 @@ class Session:
         self.loader.close()
 
 
-def open_session(spec: Spec, layout: Layout) -> Session:
-    return Session(spec, layout)
+def open_session(spec: Spec, layout: Layout, **config_overrides) -> Session:
+    """``config_overrides``: LoaderConfig fields for profiling runs (the comparison passes none)."""
+    return Session(spec, layout, **config_overrides)
 
 
 def merge_ranks(per_rank: list[np.ndarray]) -> np.ndarray:

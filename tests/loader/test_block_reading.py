@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -18,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from loader.config import ConfigError
 from loader.fingerprints import collect_fingerprints
 from loader.lane_reader import LaneDataError, LaneTokenStream, TokenFormat, pretokenized_block, wrap_documents
 from loader.manifest import read_manifest
@@ -57,9 +60,46 @@ def test_binary_and_list_token_encodings_give_the_online_batches(make_config, ba
 @pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("pretokenized", [False, True], ids=["text", "pretokenized"])
 def test_read_ahead_does_not_change_batches(make_config, baseline, packing, pretokenized):
-    on = lines(make_config(packing, pretokenized=pretokenized, read_ahead=True))
+    one = lines(make_config(packing, pretokenized=pretokenized, read_ahead=True, read_ahead_threads=1))
+    three = lines(make_config(packing, pretokenized=pretokenized, read_ahead=True, read_ahead_threads=3))
     off = lines(make_config(packing, pretokenized=pretokenized, read_ahead=False))
-    assert on == off == baseline(packing, STEPS)
+    assert one == three == off == baseline(packing, STEPS)
+
+
+def test_read_ahead_threads_never_read_one_stream_at_once(make_config, monkeypatch):
+    """Streams share the read-ahead threads, but one stream's Parquet file is read by one
+    thread at a time (and the reads of several streams do overlap)."""
+    active: dict[int, int] = {}
+    most_per_stream = [0]
+    most_overall = [0]
+    lock = threading.Lock()
+    read_block = LaneTokenStream._read_block
+
+    def watched(self, *args):
+        with lock:
+            active[id(self)] = active.get(id(self), 0) + 1
+            most_per_stream[0] = max(most_per_stream[0], active[id(self)])
+            most_overall[0] = max(most_overall[0], sum(active.values()))
+        try:
+            time.sleep(0.002)  # long enough for other threads to start their reads meanwhile
+            return read_block(self, *args)
+        finally:
+            with lock:
+                active[id(self)] -= 1
+
+    monkeypatch.setattr(LaneTokenStream, "_read_block", watched)
+    config = make_config("concat", pretokenized=True, read_ahead_threads=4)
+    expected = lines(config)
+    monkeypatch.setattr(LaneTokenStream, "_read_block", read_block)
+    assert expected == lines(config)
+    assert most_per_stream[0] == 1
+    assert most_overall[0] >= 2
+
+
+@pytest.mark.parametrize("threads", [0, -1, True, 1.5])
+def test_bad_read_ahead_threads_are_named(make_config, threads):
+    with pytest.raises(ConfigError, match=r"read_ahead_threads must be an integer >= 1 .*read_ahead = false"):
+        make_config("concat", read_ahead_threads=threads)
 
 
 def test_checkpoint_with_bulk_cut_rows_waiting_resumes_exactly(make_config, tokenizer, corpus):
