@@ -16,6 +16,7 @@ needs a new ``FORMAT_VERSION`` in :mod:`loader.manifest`).
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 from typing import Union
 
 import numpy as np
@@ -122,9 +123,27 @@ def stable_permutations(n: int, seed_parts_per_row: list[tuple[HashPart, ...]]) 
     rows of one int64 array: one pass of numpy calls for all of them."""
     if n < 0:
         raise ValueError(f"n must be >= 0 (got {n=})")
-    bases = np.array([stable_hash64("perm", *parts) for parts in seed_parts_per_row], dtype=np.uint64)
+    bases = np.array([_permutation_base(tuple(parts)) for parts in seed_parts_per_row], dtype=np.uint64)
     keys = _splitmix64(np.arange(n, dtype=np.uint64)[None, :] ^ bases[:, None])
     return np.argsort(keys, axis=1, kind="stable").astype(np.int64)
+
+
+def _permutation_base(parts: tuple[HashPart, ...]) -> int:
+    """``stable_hash64("perm", *parts)``, continuing a cached hash of all parts but the last
+    (callers vary the last part: the step, the epoch's row group): the same bytes are hashed."""
+    if not parts:
+        return stable_hash64("perm")
+    h = _hash_of_prefix(parts[:-1]).copy()
+    h.update(_encode_part(parts[-1]))
+    return int.from_bytes(h.digest(), "big")
+
+
+@lru_cache(maxsize=256, typed=True)  # typed: True == 1, but a bool part must still be refused
+def _hash_of_prefix(parts: tuple[HashPart, ...]) -> "hashlib._Hash":
+    h = hashlib.blake2b(digest_size=8, person=_PERSON)
+    for part in ("perm",) + parts:
+        h.update(_encode_part(part))
+    return h
 
 
 def sha256_hex(data: bytes) -> str:

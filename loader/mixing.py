@@ -64,17 +64,28 @@ def batch_source_counts(weights: tuple[Fraction, ...], batch_size: int, step: in
     ``1 / (d * 2^64)``, which gives the same answer as the rational definition in the module
     docstring (tests/mixing/test_mix_decisions.py checks them against each other).
     """
+    return _counts_of_plan(_count_plan(weights, batch_size), batch_size, step)
+
+
+def _count_plan(weights: tuple[Fraction, ...], batch_size: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """What the counts of a phase's steps share: the common denominator ``d``, the floors of
+    ``w_s * B`` and their fractional parts in units of ``1 / (d * 2^64)``."""
     denominator = math.lcm(*(w.denominator for w in weights))
     quotas = [w.numerator * (denominator // w.denominator) * batch_size for w in weights]  # w_s*B*d
-    counts = [q // denominator for q in quotas]  # floor: quotas are >= 0
+    floors = tuple(q // denominator for q in quotas)  # quotas are >= 0
+    return denominator, floors, tuple((q % denominator) << 64 for q in quotas)
+
+
+def _counts_of_plan(plan: tuple[int, tuple[int, ...], tuple[int, ...]], batch_size: int, step: int) -> list[int]:
+    denominator, floors, fractions = plan
+    counts = list(floors)
     remainder = batch_size - sum(counts)
     if remainder == 0:
         return counts
     unit = denominator << 64  # 1 in the scaled units
     offset = (((step + 1) * _GOLDEN_64) % _TWO_64) * denominator  # u_t
     lower = 0
-    for s, q in enumerate(quotas):
-        frac = (q % denominator) << 64  # fractional part of w_s*B
+    for s, frac in enumerate(fractions):
         upper = lower + frac
         # A point u + k lies in [lower, upper) for some integer k >= 0.
         k = -((offset - upper) // unit) - 1  # largest k with u + k < upper
@@ -93,7 +104,13 @@ def batch_assignments(weights: Sequence[tuple[Fraction, ...]], batch_size: int, 
     (``stable_permutations``), so a block of steps costs little more than one.
     """
     steps = range(first_step, first_step + len(weights))
-    counts = np.array([batch_source_counts(w, batch_size, t) for w, t in zip(weights, steps)])
+    # One plan per phase: a block's steps share their phase's weights object (keyed by
+    # identity, which is cheap; hashing a tuple of Fractions is not).
+    plans: dict[int, tuple] = {}
+    for w in weights:
+        if id(w) not in plans:
+            plans[id(w)] = _count_plan(w, batch_size)
+    counts = np.array([_counts_of_plan(plans[id(w)], batch_size, t) for w, t in zip(weights, steps)])
     # Slots in source order: position p holds the number of sources whose slots end at or before p.
     positions = np.arange(batch_size)
     slots = (positions[None, :, None] >= counts.cumsum(axis=1)[:, None, :]).sum(axis=2)
