@@ -143,8 +143,9 @@ class MixingSchedule:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.num_sources = len(phases[0].weights)
-        self._first_step = 0  # self._block[k] is the assignment (a list) of step _first_step + k
-        self._block: list[list[int]] = []
+        # The decided block: _block[i] is the source of global index _block_start + i (whole steps).
+        self._block_start = 0
+        self._block: list[int] = []
 
     def phase_at(self, step: int) -> MixturePhase:
         current = self.phases[0]
@@ -168,14 +169,16 @@ class MixingSchedule:
     def source_of(self, global_index: int) -> int:
         if self.num_sources == 1:
             return 0
-        step, position = divmod(global_index, self.global_batch_size)
-        k = step - self._first_step
-        if not 0 <= k < len(self._block):
+        # Called once per sequence: a flat list indexed by the offset into the decided block.
+        offset = global_index - self._block_start
+        if not 0 <= offset < len(self._block):
+            step = global_index // self.global_batch_size
             steps = range(step, step + max(1, min(64, self.BLOCK_POSITIONS // self.global_batch_size)))
             weights = [self.weights_at(t) for t in steps]
-            self._block = batch_assignments(weights, self.global_batch_size, step, self.seed).tolist()
-            self._first_step, k = step, 0
-        return self._block[k][position]
+            self._block = batch_assignments(weights, self.global_batch_size, step, self.seed).reshape(-1).tolist()
+            self._block_start = step * self.global_batch_size
+            offset = global_index - self._block_start
+        return self._block[offset]
 
     def fallback_source(self, global_index: int, alive: Sequence[bool], step: int) -> int:
         """When the decided source has stopped in this lane: a renormalised draw among the rest."""
