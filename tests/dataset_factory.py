@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from beam_jobs.lane_files import parquet_write_options
 from loader.hashing import file_bucket, lane_of_key, order_key_of, sha256_hex
 from loader.manifest import FileEntry, Manifest, lane_file_path
 from loader.tokenizer import describe
@@ -72,9 +73,9 @@ def write_dataset(
             tokens = sum(len(i) for i in ids)
         table = pa.table(columns)
         sink = io.BytesIO()
-        # As the Beam job: lz4 for the token column, zstd for the rest.
-        codecs = {name: ("lz4" if name == "input_ids" else "zstd") for name in table.column_names}
-        pq.write_table(table, sink, compression=codecs, row_group_size=row_group_rows, write_page_checksum=True)
+        # The Beam job's writer settings (lz4 token column, no dictionary, statistics only on
+        # the small columns, page checksums): a factory file reads like a job's file.
+        pq.write_table(table, sink, row_group_size=row_group_rows, **parquet_write_options(table.schema))
         data = sink.getvalue()
         rel = lane_file_path(lane, part)
         os.makedirs(os.path.join(out_dir, os.path.dirname(rel)), exist_ok=True)
