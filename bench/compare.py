@@ -371,9 +371,9 @@ def render(results: dict, prof: dict, loaders: list[str], command: str, versions
         f"- Same for every loader: seq_len {prof['seq_len']}, global batch {prof['global_batch']} rows, "
         f"{prof['num_workers']} worker processes (FIELD-NOTES: on 2 cores workers are slower for every peer), "
         "world size 1, seed 0, documents shuffled by each loader's own shuffle. Consuming loop: take the batch, view it "
-        "as an int64 array [batch, seq_len], count its tokens (mix: also measure its source share, whose time is "
-        "not charged to the loader: it is the measurement, not the loop's work, and the floor does not do it); "
-        "nothing else. "
+        "as an int64 array [batch, seq_len], count its tokens; nothing else (the floors do the same). Mix: the source share is read back from "
+        "the batches after the timed window (as many as it held, up to 2,000), so the measurement's own work is "
+        "not charged to the loader. "
         "The peers deliver token ids only, and so does the 'Zephon' row (`batch_fields=[\"input_ids\"]`); "
         "'Zephon, full batch' also builds labels, position ids and cu_seqlens (the default), "
         "which the loop does not read.")
