@@ -195,13 +195,13 @@ class ConcatPacker:
         self._bulk = True  # cut rows in bulk where the stream can (take_rows); tests switch it off to compare
         # The current fill: rows ``_next_row .. _fill_rows - 1`` are not handed out yet.
         self._fill_rows = self._next_row = 0
-        self._rows: Optional[_ConcatFill] = None
+        self._cut_rows: Optional[_ConcatFill] = None  # the current fill
 
     def next_sequence(self) -> Optional[PackedSequence]:
         """The next ``seq_len`` tokens; a short final sequence is padded; None when exhausted."""
         if self._next_row < self._fill_rows or (self._bulk and self._fill()):
             self._next_row += 1
-            return ConcatRow(self._rows, self._next_row - 1)
+            return ConcatRow(self._cut_rows, self._next_row - 1)
         chunk = self.stream.take(self.seq_len)
         if chunk is None:
             return None
@@ -213,7 +213,7 @@ class ConcatPacker:
         if chunk is None:
             return False
         rows = len(chunk.tokens) // seq_len
-        self._rows = _ConcatFill(chunk, rows, seq_len)
+        self._cut_rows = _ConcatFill(chunk, rows, seq_len)
         self._fill_rows, self._next_row = rows, 0
         return True
 
@@ -225,7 +225,7 @@ class ConcatPacker:
 
     def set_state(self, state: dict) -> None:
         self._fill_rows = self._next_row = 0
-        self._rows = None
+        self._cut_rows = None
         self.stream.set_state(state["stream"])
 
 
