@@ -359,6 +359,9 @@ class LaneTokenStream:
                 "re-shard it with fewer lanes (--num-lanes) so that every lane holds data."
             )
         self._row_groups: dict[int, int] = {}
+        # Rows of each (file, row group) read so far (dict writes are atomic): lets the reads
+        # of later epochs get their row order computed on the thread that queues them.
+        self._group_rows: dict[tuple[int, int], int] = {}
         self._epoch_blocks: dict[int, list[tuple[int, int]]] = {}
         self._open_file: tuple[int, pq.ParquetFile, object] | None = None
         self._block_key: tuple[int, int] | None = None
@@ -374,7 +377,8 @@ class LaneTokenStream:
         self._ahead: collections.deque[tuple[tuple[int, int], Future]] = collections.deque()
         # Reads queued for this stream's drain task (at most one runs at a time), with where
         # each block lives; guarded by _unread_lock, as is _draining.
-        self._unread: collections.deque[tuple[tuple[int, int], Future, tuple[int, int]]] = collections.deque()
+        self._unread: collections.deque[
+            tuple[tuple[int, int], Future, tuple[int, int], Optional[np.ndarray]]] = collections.deque()
         self._unread_lock = threading.Lock()
         self._draining = False
         # The next block, read early by documents_ahead: ((epoch, block), Block).
@@ -492,8 +496,13 @@ class LaneTokenStream:
             # The epoch layout is looked up on this thread: the reader gets file and row group.
             future: Future = Future()
             self._ahead.append((key, future))
+            where = self.blocks_of_epoch(key[0])[key[1]]
+            # The row order is ~a dozen NumPy calls: on the read-ahead thread each is a GIL
+            # hand-off with this thread, so it is computed here when the size is known.
+            rows = self._group_rows.get(where)
+            order = self._row_order(key[0], *where, rows) if key[0] > 0 and rows is not None else None
             with self._unread_lock:
-                self._unread.append((key, future, self.blocks_of_epoch(key[0])[key[1]]))
+                self._unread.append((key, future, where, order))
                 start = not self._draining
                 self._draining = True
             if start:
@@ -506,11 +515,11 @@ class LaneTokenStream:
                 if not self._unread:
                     self._draining = False
                     return
-                (epoch, _), future, where = self._unread.popleft()
+                (epoch, _), future, where, order = self._unread.popleft()
             if not future.set_running_or_notify_cancel():
                 continue  # dropped by _settle_read_ahead before it started
             try:
-                future.set_result(self._read_block(epoch, *where))
+                future.set_result(self._read_block(epoch, *where, order=order))
             except BaseException as exc:  # handed to whoever waits for the block
                 future.set_exception(exc)
 
@@ -528,7 +537,12 @@ class LaneTokenStream:
                 future.exception()
         return None
 
-    def _read_block(self, epoch: int, file_ordinal: int, row_group: int) -> Block:
+    def _row_order(self, epoch: int, file_ordinal: int, row_group: int, rows: int) -> np.ndarray:
+        """The order epoch ``epoch`` replays the rows of a row group in (int64)."""
+        return stable_permutation(rows, self.seed, "rows", self.source_name, self.lane_id, epoch, file_ordinal, row_group)
+
+    def _read_block(self, epoch: int, file_ordinal: int, row_group: int, order: Optional[np.ndarray] = None) -> Block:
+        """``order``: the row order of ``epoch`` > 0 if already computed (else computed here)."""
         entry = self.files[file_ordinal]
         column = "input_ids" if self.pretokenized else "text"
         try:
@@ -547,10 +561,10 @@ class LaneTokenStream:
         column_chunks = table.column(0)
         # combine_chunks copies even a single chunk
         values = column_chunks.chunk(0) if column_chunks.num_chunks == 1 else column_chunks.combine_chunks()
+        self._group_rows[(file_ordinal, row_group)] = len(values)
         if epoch > 0:
-            order = stable_permutation(
-                len(values), self.seed, "rows", self.source_name, self.lane_id, epoch, file_ordinal, row_group
-            )
+            if order is None or len(order) != len(values):
+                order = self._row_order(epoch, file_ordinal, row_group, len(values))
             # Arrow's take copies the rows in C++ without the GIL (on the read-ahead thread a
             # Python loop over the rows would stall the trainer's thread). Indices from the
             # buffer: pa.array(ndarray) imports pandas when it is installed, a fraction of a

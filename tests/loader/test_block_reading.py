@@ -75,14 +75,14 @@ def test_read_ahead_threads_never_read_one_stream_at_once(make_config, monkeypat
     lock = threading.Lock()
     read_block = LaneTokenStream._read_block
 
-    def watched(self, *args):
+    def watched(self, *args, **kwargs):
         with lock:
             active[id(self)] = active.get(id(self), 0) + 1
             most_per_stream[0] = max(most_per_stream[0], active[id(self)])
             most_overall[0] = max(most_overall[0], sum(active.values()))
         try:
             time.sleep(0.002)  # long enough for other threads to start their reads meanwhile
-            return read_block(self, *args)
+            return read_block(self, *args, **kwargs)
         finally:
             with lock:
                 active[id(self)] -= 1
@@ -94,6 +94,37 @@ def test_read_ahead_threads_never_read_one_stream_at_once(make_config, monkeypat
     assert expected == lines(config)
     assert most_per_stream[0] == 1
     assert most_overall[0] >= 2
+
+
+def test_later_epochs_get_their_row_order_where_the_read_is_queued(corpus, monkeypatch):
+    """After epoch 0 a row group's size is known, so its next epoch's row order is computed
+    by the thread that queues the read (not on the read-ahead thread); the tokens are those
+    of a stream that reads on demand."""
+    manifest = read_manifest(corpus.pretokenized_path)
+    fmt = TokenFormat(bos_id=None, eos_id=0)
+    threads_computing: list[str] = []
+    row_order = LaneTokenStream._row_order
+
+    def watched(self, *args):
+        threads_computing.append(threading.current_thread().name)
+        return row_order(self, *args)
+
+    monkeypatch.setattr(LaneTokenStream, "_row_order", watched)
+
+    def drain(read_ahead: bool) -> np.ndarray:
+        stream = LaneTokenStream(dataset_path=corpus.pretokenized_path, manifest=manifest, source_name="s",
+                                 lane_id=0, seed=5, token_format=fmt, read_ahead=read_ahead, max_epochs=3)
+        pieces = []
+        while (chunk := stream.take(64)) is not None:
+            pieces.append(chunk.tokens)
+        stream.close()
+        return np.concatenate(pieces)
+
+    expected = drain(read_ahead=False)
+    assert threads_computing and set(threads_computing) == {"MainThread"}
+    threads_computing.clear()
+    assert np.array_equal(drain(read_ahead=True), expected)
+    assert "MainThread" in threads_computing  # queued with the order
 
 
 @pytest.mark.parametrize("threads", [0, -1, True, 1.5])
