@@ -218,11 +218,7 @@ def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0)
         offsets = np.frombuffer(values.buffers()[1], dtype=offset_type)[values.offset : values.offset + len(values) + 1]
         byte_lengths = np.diff(offsets).astype(np.int64)
         if len(byte_lengths) and (byte_lengths % 4).any():
-            bad = int(np.flatnonzero(byte_lengths % 4)[0])
-            raise LaneDataError(
-                f"{where}: row group {row_group}, row {bad}: input_ids holds {int(byte_lengths[bad]) - 4 * wrap_ids} bytes, "
-                "not a whole number of int32 ids; the file was not written by the Beam job (re-run it)"
-            )
+            raise _partial_ids_error(byte_lengths, where, row_group, wrap_ids)
         data = values.buffers()[2]
         start = int(offsets[0]) if len(offsets) else 0
         flat = np.frombuffer(data, dtype="<i4", count=int(offsets[-1] - start) // 4 if len(offsets) else 0,
@@ -241,6 +237,15 @@ def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0)
         valid = np.unpackbits(np.frombuffer(values.buffers()[0], np.uint8), bitorder="little")
         lengths[valid[values.offset : values.offset + len(values)] == 0] = 0
     return _numpy_view(ids).astype(np.int32, copy=False), lengths
+
+
+def _partial_ids_error(byte_lengths: np.ndarray, where: str, row_group: int, wrap_ids: int) -> LaneDataError:
+    """The error for the first row whose ``input_ids`` bytes are not whole int32 ids."""
+    bad = int(np.flatnonzero(byte_lengths % 4)[0])
+    return LaneDataError(
+        f"{where}: row group {row_group}, row {bad}: input_ids holds {int(byte_lengths[bad]) - 4 * wrap_ids} bytes, "
+        "not a whole number of int32 ids; the file was not written by the Beam job (re-run it)"
+    )
 
 
 def _numpy_view(array: pa.Array) -> np.ndarray:
@@ -284,12 +289,7 @@ def _joined_block(joined: pa.Array, where: str, row_group: int, wrap_ids: int) -
     offset_type = np.int64 if pa.types.is_large_binary(joined.type) else np.int32
     offsets = np.frombuffer(joined.buffers()[1], dtype=offset_type, count=len(joined) + 1)
     if np.bitwise_or.reduce(offsets) & 3:  # offsets[0] == 0: every row is whole int32 ids
-        byte_lengths = np.diff(offsets)
-        bad = int(np.flatnonzero(byte_lengths % 4)[0])
-        raise LaneDataError(
-            f"{where}: row group {row_group}, row {bad}: input_ids holds {int(byte_lengths[bad]) - 4 * wrap_ids} bytes, "
-            "not a whole number of int32 ids; the file was not written by the Beam job (re-run it)"
-        )
+        raise _partial_ids_error(np.diff(offsets), where, row_group, wrap_ids)
     doc_starts = offsets.astype(np.int64)
     doc_starts >>= 2
     data = joined.buffers()[2]
@@ -493,9 +493,9 @@ class LaneTokenStream:
                 return
             if any(pending == key for pending, _ in self._ahead):
                 continue
-            # The epoch layout is looked up on this thread: the reader gets file and row group.
             future: Future = Future()
             self._ahead.append((key, future))
+            # The epoch layout is looked up on this thread: the reader gets file and row group.
             where = self.blocks_of_epoch(key[0])[key[1]]
             # The row order is ~a dozen NumPy calls: on the read-ahead thread each is a GIL
             # hand-off with this thread, so it is computed here when the size is known.

@@ -11,8 +11,8 @@ Tasks:
 ``resume_load``  construct, ``load_state_dict`` a saved state, time until the 1st and 10th batch
 
 The consuming loop is the same for every loader: take the batch, view it as an int64 numpy
-array of shape [rank_batch, seq_len], count its tokens (and, for the mix, measure its
-source share). Nothing is copied to a device.
+array of shape [rank_batch, seq_len], count its tokens. For the mix, the source share is
+measured on the batches after the timed window. Nothing is copied to a device.
 """
 
 from __future__ import annotations
