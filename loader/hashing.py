@@ -125,7 +125,10 @@ def stable_permutations(n: int, seed_parts_per_row: list[tuple[HashPart, ...]]) 
         raise ValueError(f"n must be >= 0 (got {n=})")
     bases = np.array([_permutation_base(tuple(parts)) for parts in seed_parts_per_row], dtype=np.uint64)
     keys = _splitmix64(np.arange(n, dtype=np.uint64)[None, :] ^ bases[:, None])
-    return np.argsort(keys, axis=1, kind="stable").astype(np.int64)
+    # The keys of a row are distinct (SplitMix64 is a bijection and ``i ^ base`` differs for
+    # every i), so every sort orders them alike: the default (unstable) kind gives the same
+    # permutation as a stable one, ~3.5x faster at n = 512 (the mixing decisions per step).
+    return np.argsort(keys, axis=1).astype(np.int64)
 
 
 def _permutation_base(parts: tuple[HashPart, ...]) -> int:

@@ -90,6 +90,10 @@ class Lane:
             )
             streams.append(stream)
         self.token_mixing = spec.mixing_unit == "token" and len(streams) > 1
+        # Token mixing: the phase of the last step asked for, (start step, weights, the lane's
+        # output count at the phase's end or None), as ``next_sequence`` needs it per sequence.
+        self._phase_step = -1
+        self._phase: tuple = ()
         if self.token_mixing:
             self.mixed_stream = MixedTokenStream(streams)
             self.packers = [self._packer(self.mixed_stream)]
@@ -106,12 +110,15 @@ class Lane:
         schedule = self.spec.schedule
         if self.token_mixing:
             step = global_index // self.spec.global_batch_size
-            phase = schedule.phase_at(step)
-            end = schedule.phase_end(step)
-            rows_left = None if end is None else (
-                lane_outputs_before(end * self.spec.global_batch_size, self.lane_id, self.num_lanes) - self.outputs
-            )
-            self.mixed_stream.set_phase(phase.start_step, phase.weights, rows_left)
+            if step != self._phase_step:  # the phase's lookups once per step, not per sequence
+                phase = schedule.phase_at(step)
+                end = schedule.phase_end(step)
+                outputs_at_end = None if end is None else lane_outputs_before(
+                    end * self.spec.global_batch_size, self.lane_id, self.num_lanes)
+                self._phase_step, self._phase = step, (phase.start_step, phase.weights, outputs_at_end)
+            start_step, weights, outputs_at_end = self._phase
+            rows_left = None if outputs_at_end is None else outputs_at_end - self.outputs
+            self.mixed_stream.set_phase(start_step, weights, rows_left)
             sequence = self.packers[0].next_sequence()
             if sequence is None:
                 raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")

@@ -193,44 +193,45 @@ class MixedTokenStream:
             return None
         sources, starts, ends = plan  # documents (or the current one's rest) in stream order
         lengths = ends - starts
-        cumulative = np.cumsum(lengths)
-        rows = min(max_rows, int(cumulative[-1]) // row_len)  # max_rows >= 1 here
+        out_ends = np.cumsum(lengths)  # where each piece ends in the output
+        rows = min(max_rows, int(out_ends[-1]) // row_len)  # max_rows >= 1 here
         if rows < 1:  # the certain documents do not fill a row
             self._no_rows_at = where
             return None
         need = rows * row_len
-        last = int(cumulative.searchsorted(need))  # the piece holding the last token taken
-        sources, starts, ends = sources[: last + 1], starts[: last + 1], ends[: last + 1].copy()
-        cut = int(cumulative[last]) - need  # tokens of the last piece left for later
+        pieces = int(out_ends.searchsorted(need)) + 1  # up to the piece holding the last token taken
+        cut = int(out_ends[pieces - 1]) - need  # tokens of the last piece left for later
+        sources, starts = sources[:pieces], starts[:pieces]
+        ends, lengths, out_ends = ends[:pieces].copy(), lengths[:pieces].copy(), out_ends[:pieces].copy()
         ends[-1] -= cut
-        lengths = ends - starts
-        out_ends = np.cumsum(lengths)  # where each piece ends in the output
+        lengths[-1] -= cut
+        out_ends[-1] = need
+        out_starts = out_ends - lengths
         first_is_rest = self.current >= 0
         self._bulk = _BulkRows(
             state_before=self.get_state(), views=views, sources=sources, starts=starts, ends=ends,
             out_ends=out_ends, row_len=row_len, rows=rows,
         )
-        # Advance: every source's cursor to the end of its last piece, counters, current.
-        for s in alive:
-            mine = sources == s
-            if mine.any():
-                self.streams[s].move_to(views[s], int(ends[mine][-1]))
-                self.tokens[s] += int(lengths[mine].sum())
-        self.current = int(sources[-1]) if cut else -1
+        split = _SourcePieces(sources, lengths, alive)
         # The pieces of one source are consecutive in its view, so its tokens in the output
-        # are one stretch of the view: one masked copy per source, not one slice per piece.
+        # are one stretch of the view: one masked copy per source, not one slice per piece;
+        # and its cursor moves to the stretch's end.
         token_sources = np.repeat(sources.astype(np.int8), lengths)
         tokens = np.empty(need, dtype=np.int32)
-        for s in alive:
-            mine = np.flatnonzero(sources == s)
-            if len(mine):
-                stretch = views[s].slices(int(starts[mine[0]]), int(ends[mine[-1]]))
-                tokens[token_sources == s] = stretch[0] if len(stretch) == 1 else np.concatenate(stretch)
-        doc_starts = out_ends - lengths
-        if first_is_rest:  # the first piece continues a document begun earlier
-            doc_starts = doc_starts[1:]
+        for k, s in enumerate(alive):
+            first = split.first_piece[k]
+            if first < 0:
+                continue
+            begin = int(starts[first])
+            end = begin + split.totals[k]
+            self.streams[s].move_to(views[s], end)
+            self.tokens[s] += split.totals[k]
+            stretch = views[s].slices(begin, end)
+            tokens[token_sources == s] = stretch[0] if len(stretch) == 1 else np.concatenate(stretch)
+        self.current = int(sources[-1]) if cut else -1
+        doc_starts = out_starts[1:] if first_is_rest else out_starts  # a rest continues an earlier document
         return Chunk(tokens=tokens, doc_starts=doc_starts, token_sources=token_sources,
-                     row_majority=_row_majority(sources, lengths, out_ends, alive, rows, row_len))
+                     row_majority=split.row_majority(out_starts, out_ends, rows, row_len))
 
     def rewound_state(self, rows: int, row_len: int) -> dict:
         """The state before the last ``rows`` rows of the last ``take_rows``."""
@@ -254,24 +255,33 @@ class MixedTokenStream:
         self.phase_start = int(state["phase_start"])
 
 
-def _row_majority(sources: np.ndarray, lengths: np.ndarray, ends: np.ndarray, alive: tuple[int, ...],
-                  rows: int, row_len: int) -> list[int]:
-    """Each row's majority source (most tokens, lowest id on ties), from the pieces rather
-    than per token: a row holds few pieces, so counting its tokens one comparison pass per
-    source cost more than the rest of a bulk cut. ``C_s(x)``, the tokens of source ``s``
-    before position ``x``, is the length of ``s``'s pieces before the piece holding ``x``
-    plus the part of that piece before ``x`` if it is ``s``'s; a row's count is the
-    difference of ``C_s`` at its two ends. ``ends``: the pieces' cumulative lengths."""
-    starts = ends - lengths
-    bounds = np.arange(rows + 1, dtype=np.int64) * row_len
-    piece = np.minimum(np.searchsorted(ends, bounds, side="right"), len(ends) - 1)
-    into_piece = bounds - starts[piece]
-    counts = np.zeros((max(alive) + 1, rows), dtype=np.int64)
-    for s in alive:
-        mine = sources == s
-        before = np.concatenate([[0], np.cumsum(np.where(mine, lengths, 0))])[piece]
-        counts[s] = np.diff(before + np.where(mine[piece], into_piece, 0))
-    return counts.argmax(axis=0).tolist()
+class _SourcePieces:
+    """The pieces of a bulk cut grouped by source, all sources at once (one NumPy call per
+    quantity instead of one per source: the calls' fixed cost, not the arrays, is what
+    these few-hundred-piece cuts pay)."""
+
+    def __init__(self, sources: np.ndarray, lengths: np.ndarray, alive: tuple[int, ...]) -> None:
+        self.alive = np.array(alive, dtype=np.int64)
+        self.mine = sources == self.alive[:, None]  # [source, piece]
+        # own_before[k, p]: tokens of source alive[k] in the pieces before piece p.
+        self.own_before = np.zeros((len(alive), len(sources) + 1), dtype=np.int64)
+        np.cumsum(np.where(self.mine, lengths, 0), axis=1, out=self.own_before[:, 1:])
+        self.totals: list[int] = self.own_before[:, -1].tolist()
+        has = self.mine.any(axis=1)
+        self.first_piece: list[int] = np.where(has, self.mine.argmax(axis=1), -1).tolist()  # -1: none
+
+    def row_majority(self, out_starts: np.ndarray, out_ends: np.ndarray, rows: int, row_len: int) -> list[int]:
+        """Each row's majority source (most tokens, lowest id on ties), from the pieces rather
+        than per token. ``C_s(x)``, the tokens of source ``s`` before output position ``x``,
+        is its tokens in the pieces before the piece holding ``x`` plus the part of that
+        piece before ``x`` if it is ``s``'s; a row's count is the difference of ``C_s`` at
+        its two ends."""
+        bounds = np.arange(0, (rows + 1) * row_len, row_len, dtype=np.int64)
+        piece = np.searchsorted(out_ends, bounds, side="right")
+        np.minimum(piece, len(out_ends) - 1, out=piece)
+        into_piece = bounds - out_starts[piece]
+        before = self.own_before[:, piece] + np.where(self.mine[:, piece], into_piece, 0)
+        return self.alive[np.diff(before, axis=1).argmax(axis=0)].tolist()
 
 
 def _deficit_choice(alive, numerators, denominator: int, tokens) -> int:
@@ -324,51 +334,52 @@ def _plan_documents(mixer: MixedTokenStream, alive: tuple[int, ...], views: dict
     and until ``wanted`` tokens are covered. Positions are the views' (virtual). None if empty.
     """
     tokens = list(mixer.tokens)
-    head_sources: list[int] = []
-    head_starts: list[int] = []
-    head_ends: list[int] = []
+    head: Optional[tuple[int, int, int]] = None  # (source, start, end) of an open document's rest
     docs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for s in alive:
-        cursor, ends = views[s].cursor, views[s].ends
+        cursor, ends = views[s].cursor, views[s].ends.astype(np.int64, copy=False)
         if s == mixer.current:  # the open document's rest comes first, decided earlier
             if not len(ends):
                 return None
-            head_sources.append(s)
-            head_starts.append(cursor)
-            head_ends.append(int(ends[0]))
-            tokens[s] += int(ends[0]) - cursor
-            cursor, ends = int(ends[0]), ends[1:]
-        starts = np.concatenate([[cursor], ends[:-1]]).astype(np.int64) if len(ends) else np.zeros(0, np.int64)
-        docs[s] = (starts, ends.astype(np.int64))
-    if mixer.current >= 0 and mixer.current not in alive:
+            head = (s, cursor, int(ends[0]))
+            tokens[s] += head[2] - cursor
+            cursor, ends = head[2], ends[1:]
+        starts = np.empty(len(ends), dtype=np.int64)
+        if len(ends):
+            starts[0] = cursor
+            starts[1:] = ends[:-1]
+        docs[s] = (starts, ends)
+    if mixer.current >= 0 and head is None:
         return None  # an open document of a source that left the mix: the per-document path
-    covered = sum(head_ends) - sum(head_starts)
+    heads = 0 if head is None else 1
     if len(alive) == 1:
         (s,) = alive
         starts, ends = docs[s]
-        order = np.full(len(starts), s, dtype=np.int64)
-        picked = (order, starts, ends)
+        picked = (np.full(len(starts), s, dtype=np.int64), starts, ends)
     else:
         numerators, denominator = mixer._scaled_weights(alive)
         if len(alive) == 2:
-            picked = _merge_two(alive, numerators, tokens, docs)
+            picked = _merge_two(alive, numerators, tokens, docs, heads)
         else:
+            covered = 0 if head is None else head[2] - head[1]
             picked = _decide_in_turn(alive, numerators, denominator, tokens, docs, wanted - covered)
         if picked is None:
             return None
-    order, starts, ends = picked
-    sources = np.concatenate([np.array(head_sources, np.int64), order])
-    all_starts = np.concatenate([np.array(head_starts, np.int64), starts])
-    all_ends = np.concatenate([np.array(head_ends, np.int64), ends])
+    sources, starts, ends = picked
+    if head is not None:
+        if len(alive) == 2:  # the merge left index 0 for the head
+            sources[0], starts[0], ends[0] = head
+        else:
+            sources, starts, ends = (np.concatenate(([h], a)).astype(np.int64) for h, a in zip(head, picked))
     if not len(sources):
         return None
-    return sources, all_starts, all_ends
+    return sources, starts, ends
 
 
 _SAFE = 1 << 62  # keys beyond this would overflow int64: use the per-document path
 
 
-def _merge_two(alive, numerators, tokens, docs):
+def _merge_two(alive, numerators, tokens, docs, heads: int = 0):
     """Two sources ``a < b`` with shares ``n_a / d``, ``n_b / d`` (``n_a + n_b = d``).
 
     The rule takes ``a`` iff ``n_a (T + 1) - d t_a >= n_b (T + 1) - d t_b`` with ``T = t_a +
@@ -377,6 +388,8 @@ def _merge_two(alive, numerators, tokens, docs):
     ``j``) and ``b``'s document ``i`` the key ``2 n_a`` x (its tokens before ``i``) + ``n_a -
     n_b``; the rule's order is the merge of the two increasing key sequences, ties to
     ``a``. The merge is certain up to the last document of either candidate list.
+
+    The returned arrays start with ``heads`` unset entries for the caller's pieces.
     """
     a, b = alive
     n_a, n_b = numerators
@@ -384,24 +397,33 @@ def _merge_two(alive, numerators, tokens, docs):
     starts_b, ends_b = docs[b]
     if not len(starts_a) or not len(starts_b):
         return None
-    before_a = tokens[a] + np.concatenate([[0], np.cumsum(ends_a - starts_a)[:-1]])
-    before_b = tokens[b] + np.concatenate([[0], np.cumsum(ends_b - starts_b)[:-1]])
-    if max(2 * n_b * int(before_a[-1]), 2 * n_a * int(before_b[-1]) + abs(n_a - n_b)) >= _SAFE:
+    key_a = _tokens_before(tokens[a], ends_a - starts_a)
+    key_b = _tokens_before(tokens[b], ends_b - starts_b)
+    if max(2 * n_b * int(key_a[-1]), 2 * n_a * int(key_b[-1]) + abs(n_a - n_b)) >= _SAFE:
         return None
-    key_a = 2 * n_b * before_a
-    key_b = 2 * n_a * before_b + (n_a - n_b)
-    position_a = np.arange(len(key_a)) + np.searchsorted(key_b, key_a, side="left")
-    position_b = np.arange(len(key_b)) + np.searchsorted(key_a, key_b, side="right")
+    key_a *= 2 * n_b
+    key_b *= 2 * n_a
+    key_b += n_a - n_b
+    position_a = np.searchsorted(key_b, key_a, side="left")
+    position_a += np.arange(heads, heads + len(key_a))
+    position_b = np.searchsorted(key_a, key_b, side="right")
+    position_b += np.arange(heads, heads + len(key_b))
     certain = min(int(position_a[-1]), int(position_b[-1])) + 1
-    total = len(key_a) + len(key_b)
+    total = heads + len(key_a) + len(key_b)
     order = np.empty(total, dtype=np.int64)
-    order[position_a] = a
-    order[position_b] = b
     starts = np.empty(total, dtype=np.int64)
     ends = np.empty(total, dtype=np.int64)
-    starts[position_a], ends[position_a] = starts_a, ends_a
-    starts[position_b], ends[position_b] = starts_b, ends_b
+    order[position_a], starts[position_a], ends[position_a] = a, starts_a, ends_a
+    order[position_b], starts[position_b], ends[position_b] = b, starts_b, ends_b
     return order[:certain], starts[:certain], ends[:certain]
+
+
+def _tokens_before(already: int, lengths: np.ndarray) -> np.ndarray:
+    """``already`` plus the lengths before each document: exclusive prefix sums, int64."""
+    before = np.cumsum(lengths)
+    before -= lengths
+    before += already
+    return before
 
 
 def _decide_in_turn(alive, numerators, denominator, tokens, docs, wanted):
