@@ -25,7 +25,14 @@ one rank, ``num_workers`` 0, for ``--epochs`` (default 0.9) of the corpus's toke
 every source stays in its first epoch; a measurement is ``--passes`` (default 3) such passes
 in one process, each with a new loader. The first ``WARMUP_STEPS`` = 4 global steps of a pass are not
 timed: by then every lane has opened its files and read its first block of every source (a
-mix opens twice the files, a one-off start-up cost that is not throughput). ``_s128``
+mix opens twice the files, a one-off start-up cost that is not throughput). A timed window
+starts and ends with the loader's background reads finished (``wait_for_read_ahead``): the
+reads queued before it are not charged to it, and the blocks it has read ahead when it ends
+are, as many as were ahead when it started, so the window pays for the blocks it consumes.
+Without that, a window of ~150 steps also paid for reads queued in the warm-up (two blocks
+per source of every lane), twice as many for a two-source mix as for its baseline: in an
+ad-hoc count, 231-238 block reads in the mix's window against 209-211 for the baseline's,
+at ~0.5 ms of CPU each, ~4% of the window's CPU. ``_s128``
 cases repeat the pre-tokenized sequence-unit cases at seq_len 128, global batch 512,
 micro-batch 128 (16x more sequences per token: the per-sequence cost of mixing at its most
 visible).
@@ -37,7 +44,8 @@ Python processes (imports and construction not timed):
   alternating order;
 * ``--mode interleaved``: one process per pair holds both loaders and alternates timed slices
   of ``SLICE_STEPS`` = 8 steps between them, so that load from other work on the machine
-  falls on both alike (a steady-state comparison; one pass each).
+  falls on both alike (a steady-state comparison; one pass each). Every slice ends with its
+  loader's background reads finished, so they are not charged to the other loader's slice.
 
 The report gives median tokens/s and the median over pairs of mix / baseline, by wall clock
 and by CPU time of the process (``time.process_time``, all its threads): on a machine shared
@@ -142,8 +150,10 @@ def child_loader(datasets: list[str], unit: str, shape: dict, steps: int, passes
             # Start-up, not timed: the first WARMUP_STEPS global steps, by which every lane
             # has opened its files and read its first block of every source.
             _consume(loader, WARMUP_STEPS * per_step)
+            loader.wait_for_read_ahead()  # see _timed_slice
             start, cpu_start = time.perf_counter(), time.process_time()
             tokens += _consume(loader, (steps - WARMUP_STEPS) * per_step)
+            loader.wait_for_read_ahead()
             seconds += time.perf_counter() - start
             cpu_seconds += time.process_time() - cpu_start
     return {"tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds}
@@ -161,11 +171,14 @@ def child_interleaved(mix: dict, base: dict, slice_steps: int) -> dict:
         _consume(loader, WARMUP_STEPS * per_step)
         runs[name] = {"loader": loader, "per_step": per_step, "tokens": 0, "seconds": 0.0, "cpu_seconds": 0.0}
     steps = min(mix["steps"], base["steps"]) - WARMUP_STEPS
+    for run in runs.values():
+        run["loader"].wait_for_read_ahead()
     for k, done in enumerate(range(0, steps, slice_steps)):
         for name in (("mix", "base") if k % 2 == 0 else ("base", "mix")):
             run = runs[name]
             start, cpu_start = time.perf_counter(), time.process_time()
             run["tokens"] += _consume(run["loader"], min(slice_steps, steps - done) * run["per_step"])
+            run["loader"].wait_for_read_ahead()  # its reads are not charged to the other loader's slice
             run["seconds"] += time.perf_counter() - start
             run["cpu_seconds"] += time.process_time() - cpu_start
     for run in runs.values():

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from loader.lane_reader import LaneTokenStream, TokenFormat
+from loader.lane_reader import LaneTokenStream, TokenFormat, read_ahead_depth
 from loader.mixing import MixingSchedule
 from loader.ordering import lane_outputs_before
 from loader.packing import BestFitPacker, ConcatPacker, PackedSequence
@@ -72,8 +72,10 @@ class Lane:
         self.stopped = [False] * len(spec.sources)
         self.num_lanes = manifests[0].num_lanes
         self._warned: set[int] = set()
+        self.token_mixing = spec.mixing_unit == "token" and len(spec.sources) > 1
         streams = []
-        for source, manifest in zip(spec.sources, manifests):
+        shares = spec.schedule.peak_shares()
+        for source, manifest, share in zip(spec.sources, manifests, shares):
             max_epochs = 1 if source.exhaustion == "stop" else source.max_epochs
             stream = LaneTokenStream(
                 dataset_path=source.dataset_path,
@@ -87,9 +89,9 @@ class Lane:
                 storage_options=spec.storage_options,
                 read_ahead=spec.read_ahead,
                 read_ahead_threads=spec.read_ahead_threads,
+                read_ahead_blocks=read_ahead_depth(share, takes_next_block_early=self.token_mixing),
             )
             streams.append(stream)
-        self.token_mixing = spec.mixing_unit == "token" and len(streams) > 1
         # Token mixing: the phase of the last step asked for, (start step, weights, the lane's
         # output count at the phase's end or None), as ``next_sequence`` needs it per sequence.
         self._phase_step = -1
@@ -142,11 +144,13 @@ class Lane:
             if source_id < 0:
                 raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")
 
+    def source_streams(self) -> list[LaneTokenStream]:
+        """The lane's per-source token streams (under a token-mixing stream too)."""
+        return [s for packer in self.packers for s in getattr(packer.stream, "streams", [packer.stream])]
+
     def close(self) -> None:
-        for packer in self.packers:
-            stream = packer.stream
-            for source_stream in getattr(stream, "streams", [stream]):
-                source_stream.close()
+        for stream in self.source_streams():
+            stream.close()
 
     def _warn_stopped(self, source_id: int) -> None:
         if source_id not in self._warned:

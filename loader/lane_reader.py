@@ -25,10 +25,12 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 import numpy as np
@@ -75,7 +77,23 @@ TOKENIZE_CHARS = 64 * 1024
 # stream's Parquet file is not read by two threads at once). With one thread the reads were
 # the bound of pre-tokenized replay on two cores (bench/RESULTS.md, issue 6 profile). The pools
 # are rebuilt after a fork, whose child would inherit the pool objects but not their threads.
-READ_AHEAD_BLOCKS = 2  # per stream: one is not enough when every lane changes block at once
+READ_AHEAD_BLOCKS = 2  # for a lane's only source: one is not enough when every lane changes block at once
+
+
+def read_ahead_depth(share: Fraction, *, takes_next_block_early: bool = False) -> int:
+    """Blocks read ahead by the stream of a source that gets ``share`` of its lane's output.
+
+    A source consumed at half the rate needs half the blocks to cover the same time, so a
+    lane holds about ``READ_AHEAD_BLOCKS`` blocks ahead however many sources it mixes (with
+    two sources, twice the blocks in memory made every block read and row copy slower:
+    bench/RESULTS.md, issue 4). At least one. ``takes_next_block_early``: the stream feeds
+    a token mix, whose bulk reader takes the next block as soon as the cursor enters a block
+    (:meth:`LaneTokenStream.documents_ahead`), one block earlier than other readers: one
+    more (without it the trainer waited for those reads: 0.8x the wall-clock tokens/s).
+    """
+    return max(1, math.ceil(READ_AHEAD_BLOCKS * share)) + (1 if takes_next_block_early else 0)
+
+
 _pool_lock = threading.Lock()
 _pools: tuple[int, dict[int, ThreadPoolExecutor]] = (os.getpid(), {})
 
@@ -339,6 +357,7 @@ class LaneTokenStream:
         storage_options: storage.StorageOptions = storage.StorageOptions(),
         read_ahead: bool = False,
         read_ahead_threads: int = 1,
+        read_ahead_blocks: int = READ_AHEAD_BLOCKS,
     ) -> None:
         self.dataset_path = dataset_path
         self.source_name = source_name
@@ -372,6 +391,7 @@ class LaneTokenStream:
         self.exhausted = False
         self.read_ahead = read_ahead
         self.read_ahead_threads = read_ahead_threads
+        self.read_ahead_blocks = read_ahead_blocks  # see read_ahead_depth
         # Blocks being read in the background, in stream order: ((epoch, block), future).
         # While any is pending only the read-ahead thread touches the open Parquet file.
         self._ahead: collections.deque[tuple[tuple[int, int], Future]] = collections.deque()
@@ -485,9 +505,9 @@ class LaneTokenStream:
         return epoch + 1, 0
 
     def _start_read_ahead(self, epoch: int, block_index: int) -> None:
-        """Queue reads of the blocks after ``(epoch, block_index)`` up to ``READ_AHEAD_BLOCKS``."""
+        """Queue reads of the blocks after ``(epoch, block_index)``, ``read_ahead_blocks`` of them."""
         key = (epoch, block_index)
-        for _ in range(READ_AHEAD_BLOCKS):
+        for _ in range(self.read_ahead_blocks):
             key = self._next_block_key(*key)
             if key is None:
                 return
@@ -522,6 +542,10 @@ class LaneTokenStream:
                 future.set_result(self._read_block(epoch, *where, order=order))
             except BaseException as exc:  # handed to whoever waits for the block
                 future.set_exception(exc)
+
+    def wait_for_read_ahead(self) -> None:
+        """Block until every read queued ahead has finished (the blocks stay queued)."""
+        wait([future for _, future in self._ahead])
 
     def _settle_read_ahead(self, wanted: Optional[tuple[int, int]] = None) -> Optional[Block]:
         """The block ``wanted`` if it is the next one read ahead, else None (all reads dropped).

@@ -111,11 +111,13 @@ def batch_assignments(weights: Sequence[tuple[Fraction, ...]], batch_size: int, 
         if id(w) not in plans:
             plans[id(w)] = _count_plan(w, batch_size)
     counts = np.array([_counts_of_plan(plans[id(w)], batch_size, t) for w, t in zip(weights, steps)])
-    # Slots in source order: position p holds the number of sources whose slots end at or before p.
-    positions = np.arange(batch_size)
-    slots = (positions[None, :, None] >= counts.cumsum(axis=1)[:, None, :]).sum(axis=2)
+    # Slots in source order (source s repeated counts[s] times), all rows in one call: each
+    # row's counts sum to batch_size.
+    num_sources = counts.shape[1]
+    slots = np.repeat(np.tile(np.arange(num_sources, dtype=np.int8), len(counts)), counts.reshape(-1))
+    slots = slots.reshape(len(counts), batch_size)
     order = stable_permutations(batch_size, [(seed, "mix", t) for t in steps])
-    return np.take_along_axis(slots, order, axis=1).astype(np.int8)
+    return np.take_along_axis(slots, order, axis=1)
 
 
 @lru_cache(maxsize=64)
@@ -144,7 +146,7 @@ class MixingSchedule:
         self.seed = seed
         self.num_sources = len(phases[0].weights)
         # The decided block: _block[i] is the source of global index _block_start + i (whole steps).
-        self._block_start = 0
+        self._block_start = self._block_size = 0
         self._block: list[int] = []
 
     def phase_at(self, step: int) -> MixturePhase:
@@ -163,6 +165,15 @@ class MixingSchedule:
                 return phase.start_step
         return None
 
+    def peak_shares(self) -> list[Fraction]:
+        """Each source's largest share of the output over the phases (weight / phase total)."""
+        shares = [Fraction(0)] * self.num_sources
+        for phase in self.phases:
+            total = sum(phase.weights)
+            if total > 0:
+                shares = [max(share, w / total) for share, w in zip(shares, phase.weights)]
+        return shares
+
     def weights_at(self, step: int) -> tuple[Fraction, ...]:
         return self.phase_at(step).weights
 
@@ -171,12 +182,12 @@ class MixingSchedule:
             return 0
         # Called once per sequence: a flat list indexed by the offset into the decided block.
         offset = global_index - self._block_start
-        if not 0 <= offset < len(self._block):
+        if not 0 <= offset < self._block_size:
             step = global_index // self.global_batch_size
             steps = range(step, step + max(1, min(64, self.BLOCK_POSITIONS // self.global_batch_size)))
             weights = [self.weights_at(t) for t in steps]
             self._block = batch_assignments(weights, self.global_batch_size, step, self.seed).reshape(-1).tolist()
-            self._block_start = step * self.global_batch_size
+            self._block_start, self._block_size = step * self.global_batch_size, len(self._block)
             offset = global_index - self._block_start
         return self._block[offset]
 
