@@ -150,7 +150,7 @@ def child_loader(datasets: list[str], unit: str, shape: dict, steps: int, passes
             # Start-up, not timed: the first WARMUP_STEPS global steps, by which every lane
             # has opened its files and read its first block of every source.
             _consume(loader, WARMUP_STEPS * per_step)
-            loader.wait_for_read_ahead()  # see _timed_slice
+            loader.wait_for_read_ahead()  # windows start and end with the reads finished (docstring)
             start, cpu_start = time.perf_counter(), time.process_time()
             tokens += _consume(loader, (steps - WARMUP_STEPS) * per_step)
             loader.wait_for_read_ahead()

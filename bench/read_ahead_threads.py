@@ -14,6 +14,7 @@ falls on both. Prints every run, the medians and the per-pair ratio 2 / 1.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
             rates[threads].append(float(out.stdout) / 1e6)
     print(f"python bench/read_ahead_threads.py --mode {args.mode} --loader {args.loader} --pairs {args.pairs} "
           f"--seconds {args.seconds}")
-    print(f"nproc 2, {cpu_model()}; load average {load_average()}")
+    print(f"nproc {os.cpu_count()}, {cpu_model()}; load average {load_average()}")
     for threads, runs in rates.items():
         print(f"read_ahead_threads={threads}: median {statistics.median(runs):.1f} M tok/s "
               f"(runs {' / '.join(f'{r:.1f}' for r in runs)})")

@@ -86,10 +86,12 @@ def read_ahead_depth(share: Fraction, *, takes_next_block_early: bool = False) -
     A source consumed at half the rate needs half the blocks to cover the same time, so a
     lane holds about ``READ_AHEAD_BLOCKS`` blocks ahead however many sources it mixes (with
     two blocks per source, the trainer's thread of a two-source mix did 8-13% more CPU for
-    the same rows: bench/RESULTS.md, issue 4). At least one. ``takes_next_block_early``: the stream feeds
-    a token mix, whose bulk reader takes the next block as soon as the cursor enters a block
-    (:meth:`LaneTokenStream.documents_ahead`), one block earlier than other readers: one
-    more (without it the trainer waited for those reads: 0.8x the wall-clock tokens/s).
+    the same rows: bench/RESULTS.md, issue 4). At least one.
+
+    ``takes_next_block_early``: the stream feeds a token mix, whose bulk reader takes the
+    next block as soon as the cursor enters a block (:meth:`LaneTokenStream.documents_ahead`),
+    one block earlier than other readers: one more (without it the trainer waited for those
+    reads: 0.8x the wall-clock tokens/s).
     """
     return max(1, math.ceil(READ_AHEAD_BLOCKS * share)) + (1 if takes_next_block_early else 0)
 
