@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from loader.errors import ZephonError
+
 FORMATS = ("jsonl", "parquet", "text")
 COMPRESSIONS = ("none", "gzip", "zstd")
 
@@ -53,7 +55,7 @@ COMPRESSION_BY_SUFFIX = ((".gz", "gzip"), (".zst", "zstd"), (".zstd", "zstd"))
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
-class InputError(ValueError):
+class InputError(ZephonError, ValueError):
     """An ``--input`` pattern or file that the sharding job cannot use."""
 
 

@@ -23,6 +23,7 @@ from typing import Iterable, Iterator, Optional
 
 import apache_beam as beam
 
+from loader.errors import ZephonError
 from loader.manifest import MANIFEST_NAME, REJECT_REASONS, REJECTED_DIR, FileEntry, Manifest
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ REJECTED_FILE_FORMAT = "rejected-{file_index:05d}.jsonl"
 INPROGRESS_SUFFIX = ".inprogress"
 
 
-class ShardJobError(RuntimeError):
+class ShardJobError(ZephonError, RuntimeError):
     """A failure the job raises on purpose (reject fraction, empty input), with a clear message."""
 
     def __init__(self, message: str):

@@ -55,6 +55,7 @@ from beam_jobs.lane_files import (
 )
 from beam_jobs.outputs import JOB_ERROR_PREFIX, WriteRejectedFn, commit_manifest, prepare_output
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
+from loader.errors import ZephonError
 from loader.manifest import Manifest, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -67,11 +68,11 @@ DEFAULT_RUNNER_ARGS = ("--runner=FnApiRunner",)
 MAX_TARGET_FILE_MB = 1024.0  # Arrow string arrays hold < 2 GiB; a file is built in memory
 
 
-class ShardConfigError(ValueError):
+class ShardConfigError(ZephonError, ValueError):
     """Job options that cannot work together, named with the fix."""
 
 
-class ShardError(RuntimeError):
+class ShardError(ZephonError, RuntimeError):
     """The job ran and failed (too many rejects, no records, a worker error)."""
 
 

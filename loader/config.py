@@ -13,6 +13,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from loader.errors import ZephonError
+
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
 EXHAUSTION_POLICIES = ("repeat", "stop")
@@ -23,7 +25,7 @@ EXHAUSTION_POLICIES = ("repeat", "stop")
 BATCH_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_source_ids")
 
 
-class ConfigError(ValueError):
+class ConfigError(ZephonError, ValueError):
     """A loader configuration value that cannot work; the message names the field."""
 
 

@@ -39,13 +39,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from loader import storage
+from loader.errors import ZephonError
 from loader.hashing import stable_permutation
 from loader.manifest import FileEntry, Manifest
 
 log = logging.getLogger(__name__)
 
 
-class LaneDataError(RuntimeError):
+class LaneDataError(ZephonError, RuntimeError):
     """A lane file whose content cannot be used; the message names the file and the fix."""
 
 

@@ -33,6 +33,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from loader.errors import ZephonError
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 REJECTED_DIR = "_rejected"
@@ -51,7 +53,7 @@ REJECT_REASONS = (
 )
 
 
-class ManifestError(ValueError):
+class ManifestError(ZephonError, ValueError):
     """A manifest that is missing, malformed, or does not match what it is used with."""
 
 

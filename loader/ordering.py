@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loader.errors import ZephonError
 
-class TopologyError(ValueError):
+
+class TopologyError(ZephonError, ValueError):
     """A world size, batch size or micro-batch size that the lane layout cannot serve."""
 
 

@@ -36,6 +36,7 @@ import torch
 
 from loader import state as state_mod
 from loader.config import LoaderConfig
+from loader.errors import ZephonError
 from loader.lane import LaneSpec, SourceSpec
 from loader.lane_reader import TokenFormat
 from loader.manifest import Manifest, ManifestError, read_manifest
@@ -54,7 +55,7 @@ from loader.tokenizer import (
 log = logging.getLogger(__name__)
 
 
-class WorkerError(RuntimeError):
+class WorkerError(ZephonError, RuntimeError):
     """A loader worker process failed; the message carries its traceback."""
 
 

@@ -29,11 +29,13 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from loader.errors import ZephonError
+
 STATE_FORMAT = "zephon.loader_state"
 STATE_VERSION = 1
 
 
-class StateError(ValueError):
+class StateError(ZephonError, ValueError):
     """A checkpoint that cannot be loaded here; the message names what differs."""
 
 

@@ -13,6 +13,8 @@ from typing import BinaryIO
 
 import pyarrow as pa
 
+from loader.errors import ZephonError
+
 
 def is_gcs(path: str) -> bool:
     return path.startswith("gs://")
@@ -57,7 +59,7 @@ from dataclasses import dataclass as _dataclass
 from typing import Optional as _Optional
 
 
-class StorageError(IOError):
+class StorageError(ZephonError, IOError):
     """A lane file that cannot be read correctly; the message names the object."""
 
 

@@ -11,12 +11,14 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
+from loader.errors import ZephonError
+
 # Tried in order when the config does not name the token explicitly.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]", "<|eot_id|>")
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]", "<|startoftext|>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ZephonError, ValueError):
     """A tokenizer file that cannot be loaded or lacks a needed special token."""
 
 
