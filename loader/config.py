@@ -91,6 +91,8 @@ class LoaderConfig:
     read_ahead: bool = True
     read_ahead_threads: int = 2
     batch_fields: tuple[str, ...] = BATCH_FIELDS
+    # Step boundaries whose lane states are kept for state_dict(step=t) (frameworks fetch ahead).
+    step_states_kept: int = 4
 
     def __post_init__(self) -> None:
         datasets = tuple(
@@ -144,6 +146,9 @@ class LoaderConfig:
             raise ConfigError(f"num_workers must be an integer >= 0 (got num_workers={self.num_workers!r})")
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ConfigError(f"prefetch must be an integer >= 1 (got prefetch={self.prefetch!r})")
+        if not isinstance(self.step_states_kept, int) or isinstance(self.step_states_kept, bool) \
+                or self.step_states_kept < 0:
+            raise ConfigError(f"step_states_kept must be an integer >= 0 (got step_states_kept={self.step_states_kept!r})")
         if not isinstance(self.read_ahead, bool):
             raise ConfigError(f"read_ahead must be true or false (got read_ahead={self.read_ahead!r})")
         if not isinstance(self.read_ahead_threads, int) or isinstance(self.read_ahead_threads, bool) \

@@ -6,16 +6,24 @@ every world size, worker count, micro-batch size, prefetch depth and resume poin
 
 Lifecycle::
 
-    loader = ZephonLoader(config, rank=r, world_size=W)   # or RANK / WORLD_SIZE from torchrun
+    loader = ZephonLoader(config, dp_rank=r, dp_world_size=W)  # data-parallel rank/size (see below)
     loader.load_state_dict(state)                          # optional, before iterating
     for batch in loader: ...                               # micro-batches, forever (repeat)
     state = loader.state_dict()                            # exactly what was consumed
+    state = loader.state_dict(step=t)                      # as of step boundary t (frameworks fetch ahead)
+    state = loader.global_state_dict(step=t)               # merged over ranks: any world size resumes
     loader.close()                                         # also on GC, exit and Ctrl-C
 
 Worker processes (``num_workers > 0``) each own ``rank_lanes[w::K]`` and run ahead by up to
 ``prefetch`` messages; the main process merges their items by global index and records each
 lane's state as the item is *handed to the trainer*, so a checkpoint never includes
 prefetched work.
+
+``rank`` / ``world_size`` (alias ``dp_rank`` / ``dp_world_size``, or a ``DeviceMesh`` and its
+data-parallel dimension) are the *data-parallel* rank and size: tensor- and
+pipeline-parallel peers of one data-parallel rank pass the same ``dp_rank`` and get the
+same micro-batches. Without any of them ``RANK`` / ``WORLD_SIZE`` are used, which is only
+right for pure data parallelism (:mod:`loader.data_parallel`).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch
 
 from loader import state as state_mod
 from loader.config import LoaderConfig
+from loader.data_parallel import resolve_data_parallel
 from loader.errors import ZephonError
 from loader.lane import LaneSpec, SourceSpec
 from loader.lane_reader import TokenFormat
@@ -44,6 +53,7 @@ from loader.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.packing import IGNORE_INDEX, ConcatRow
 from loader.ordering import Topology, lanes_of_worker, lane_outputs_before
 from loader.producer import End, Item, build_lanes, produce_one, unpack_items, worker_main, write_worker_input
+from loader.step_states import StepStateHistory
 from loader.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
@@ -59,20 +69,26 @@ class WorkerError(ZephonError, RuntimeError):
     """A loader worker process failed; the message carries its traceback."""
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return default if value is None else int(value)
-
-
 class ZephonLoader:
     """An iterator of micro-batches (dicts of torch tensors) for one rank."""
 
     def __init__(
-        self, config: LoaderConfig, *, rank: Optional[int] = None, world_size: Optional[int] = None
+        self,
+        config: LoaderConfig,
+        *,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        dp_rank: Optional[int] = None,
+        dp_world_size: Optional[int] = None,
+        device_mesh: Any = None,
+        dp_mesh_dim: Optional[str] = None,
     ) -> None:
         self.config = config
-        rank = _env_int("RANK", 0) if rank is None else rank
-        world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        identity = resolve_data_parallel(rank=rank, world_size=world_size, dp_rank=dp_rank,
+                                         dp_world_size=dp_world_size, device_mesh=device_mesh,
+                                         dp_mesh_dim=dp_mesh_dim)
+        rank, world_size = identity.rank, identity.world_size
+        self.dp_group = identity.group  # the DP process group of a DeviceMesh (None: the default group)
         storage_options = config.storage_options()
         self.manifests: list[Manifest] = [read_manifest(d.path, storage_options) for d in config.datasets]
         self.source_names = [d.name or m.source_name for d, m in zip(config.datasets, self.manifests)]
@@ -136,6 +152,9 @@ class ZephonLoader:
         self._step_complete = True
         self._end_group = None
         self.lane_states: dict[int, dict] = {}
+        self._step_states = StepStateHistory(config.step_states_kept)
+        self._step_states.reset(0, {})
+        self._lanes_in_step: set[int] = set()  # lanes that produced since the last step boundary
         self._positions: Optional[np.ndarray] = None  # arange(micro_batch_size * seq_len) for _collate
         self._run: Optional[_Run] = None
         self._finalizer = None
@@ -185,24 +204,93 @@ class ZephonLoader:
             "schedule": [p.to_dict(self.source_names) for p in self.phases],
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """Rank-local state (this rank's lanes), exactly as consumed. JSON-serialisable."""
-        if self._run is not None and self._run.reads_lanes_directly:
-            for lane_id, lane in self._run.in_process_lanes.items():
-                self.lane_states[lane_id] = lane.get_state()
-        fresh = [l for l in self.rank_lanes if l not in self.lane_states]
+    def state_dict(self, step: Optional[int] = None) -> dict[str, Any]:
+        """Rank-local state (this rank's lanes), JSON-serialisable.
+
+        Without ``step``: exactly what was handed out so far, mid-step included. With
+        ``step=t``: the state at the boundary before step ``t`` (steps ``0..t-1`` consumed,
+        nothing of step ``t``), as a trainer whose framework fetched ahead needs it; the
+        newest ``step_states_kept`` boundaries handed out are kept, an older or future
+        step is a :class:`~loader.state.StateError`.
+        """
+        if step is None:
+            lane_states, position = self._current_lane_states(), self.rank_position
+        else:
+            lane_states, position = self._boundary_lane_states(step), step * self.topology.per_rank_batch
+        fresh = [l for l in self.rank_lanes if l not in lane_states]
         if fresh:  # lanes not reached yet: their state is the fresh lane's
             for lane_id, lane in build_lanes(self.spec, fresh, {}).items():
-                self.lane_states[lane_id] = lane.get_state()
+                lane_states[lane_id] = lane.get_state()
+                if step is None:
+                    self.lane_states[lane_id] = lane_states[lane_id]
         state = self._expected_header()
         state.update(
             rank=self.topology.rank,
             world_size=self.topology.world_size,
-            rank_position=self.rank_position,
-            next_global_index=self.next_global_index,
-            lanes={state_mod.lane_key(l): self.lane_states[l] for l in self.rank_lanes},
+            rank_position=position,
+            next_global_index=self.topology.rank + position * self.topology.world_size,
+            lanes={state_mod.lane_key(l): lane_states[l] for l in self.rank_lanes},
         )
         return state_mod.to_jsonable(state)
+
+    def _current_lane_states(self) -> dict[int, dict]:
+        if self._run is not None and self._run.reads_lanes_directly:
+            for lane_id, lane in self._run.in_process_lanes.items():
+                self.lane_states[lane_id] = lane.get_state()
+        return dict(self.lane_states)
+
+    def _boundary_lane_states(self, step: int) -> dict[int, dict]:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise state_mod.StateError(f"state_dict(step=...) takes a step number >= 0 (got step={step!r})")
+        kept = self._step_states.get(step)
+        if kept is not None:
+            return dict(kept)
+        at_boundary = self.rank_position % self.topology.per_rank_batch == 0
+        if step == self.step and at_boundary:
+            return self._current_lane_states()
+        steps = self._step_states.steps()
+        raise state_mod.StateError(
+            f"no state is kept for the boundary before step {step}: this rank has handed out "
+            f"{self.rank_position} sequences (step {self.step}"
+            f"{'' if at_boundary else ', mid-step'}) and keeps the boundaries of steps {steps}. "
+            + ("A state can only be taken for a step already reached. " if step > self.step else
+               "Take the state right after the optimizer step (or raise step_states_kept, "
+               f"now {self.config.step_states_kept}). ")
+        )
+
+    def global_state_dict(self, step: Optional[int] = None, group: Any = None) -> dict[str, Any]:
+        """The global (topology-free) state at step boundary ``step``, merged over all ranks.
+
+        A collective: every data-parallel rank (and every tensor/pipeline peer) calls it with
+        the same ``step``; each gets the same merged state, which any rank of any world size
+        can load. ``step=None`` means the current step, which must be at a boundary.
+        ``group``: the process group of the data-parallel ranks (default: the device mesh's
+        data-parallel group, else the default group; peers that share a data-parallel rank
+        contribute identical states, which are merged once).
+        """
+        if step is None:
+            if self.rank_position % self.topology.per_rank_batch:
+                raise state_mod.StateError(
+                    f"global_state_dict() called mid-step ({self.rank_position % self.topology.per_rank_batch} "
+                    f"of {self.topology.per_rank_batch} sequences of step {self.step} handed out); pass "
+                    "step= the number of optimizer steps trained, or call it after a whole optimizer step"
+                )
+            step = self.step
+        local = self.state_dict(step=step)
+        if self.topology.world_size == 1:
+            return state_mod.merge_rank_states([local])
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise state_mod.StateError(
+                f"global_state_dict() with world_size={self.topology.world_size} gathers the ranks' states "
+                "through torch.distributed, which is not initialised; gather state_dict(step=t) of every "
+                "rank yourself and merge them with loader.state.merge_rank_states()"
+            )
+        group = self.dp_group if group is None else group
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, state_mod.dumps(local), group=group)
+        return state_mod.merge_rank_states([state_mod.loads(text) for text in gathered])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a rank-local state of this very rank, or a global (merged) state of any topology."""
@@ -242,6 +330,9 @@ class ZephonLoader:
         self.close()
         self.lane_states = lanes
         self.rank_position = position
+        at_boundary = position % self.topology.per_rank_batch == 0
+        self._step_states.reset(position // self.topology.per_rank_batch if at_boundary else None, lanes)
+        self._lanes_in_step = set()
 
     def _adopt_schedule(self, saved: list[dict], resume_step: int) -> None:
         """Keep the recorded history before the resume step; the config's schedule applies after."""
@@ -289,10 +380,27 @@ class ZephonLoader:
                 items.append(self._run.next_item(global_index))
                 self.rank_position += 1  # per item: a failing lane leaves the position at it
                 global_index += stride
+        touched = self._lanes_in_step
         for item in items:
+            lane_id = item.global_index % self.num_lanes
+            touched.add(lane_id)
             if item.lane_state is not None:
-                self.lane_states[item.global_index % self.num_lanes] = item.lane_state
+                self.lane_states[lane_id] = item.lane_state
+        if self.rank_position % self.topology.per_rank_batch == 0:
+            self._record_step_boundary()
         return self._collate(items)
+
+    def _record_step_boundary(self) -> None:
+        """The last micro-batch of a step is being handed out: keep the lanes' states as of now."""
+        if self._step_states.capacity == 0:
+            return
+        if self._run.reads_lanes_directly:
+            lanes = self._run.in_process_lanes
+            changed = {l: lanes[l].get_state() for l in self._lanes_in_step}
+        else:
+            changed = {l: self.lane_states[l] for l in self._lanes_in_step}
+        self._step_states.record(self.step, changed)
+        self._lanes_in_step = set()
 
     def step_available(self) -> bool:
         """Whether this rank can deliver the whole next step (call at a step boundary).

@@ -112,6 +112,7 @@ def merge_rank_states(states: Iterable[dict]) -> dict:
         check_header(state)
         if "rank" not in state:
             raise StateError("merge_rank_states takes rank-local states (from ZephonLoader.state_dict())")
+    states = _one_per_rank(states)
     world_size = states[0]["world_size"]
     ranks = sorted(s["rank"] for s in states)
     if ranks != list(range(world_size)):
@@ -143,6 +144,22 @@ def merge_rank_states(states: Iterable[dict]) -> dict:
     merged["next_global_index"] = next_global_index
     merged["lanes"] = dict(sorted(lanes.items()))
     return merged
+
+
+def _one_per_rank(states: list[dict]) -> list[dict]:
+    """Identical states of one rank merged once: tensor/pipeline-parallel peers of a data-parallel
+    rank hold the same lanes. Different states claiming one rank cannot both be right."""
+    by_rank: dict[Any, dict] = {}
+    for state in states:
+        rank = state["rank"]
+        if rank in by_rank and by_rank[rank] != state:
+            raise StateError(
+                f"two different states claim rank {rank}: processes that share a data-parallel rank must "
+                "hold the same lanes. Under tensor/pipeline parallelism construct the loader with "
+                "dp_rank/dp_world_size (or device_mesh=..., dp_mesh_dim=...), not the global RANK"
+            )
+        by_rank.setdefault(rank, state)
+    return list(by_rank.values())
 
 
 def dumps(state: dict) -> str:
