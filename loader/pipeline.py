@@ -65,6 +65,10 @@ from loader.tokenizer import (
 log = logging.getLogger(__name__)
 
 
+# How long close() waits for workers at each step: the stop event, SIGTERM, SIGKILL.
+_SHUTDOWN_GRACE_S = 2.0
+
+
 class WorkerError(ZephonError, RuntimeError):
     """A loader worker process failed; the message carries its traceback."""
 
@@ -670,12 +674,27 @@ class _Run:
 
     @staticmethod
     def shutdown_all(processes, stop_event, input_dir: Optional[str] = None) -> None:
+        """Stop, then SIGTERM, then SIGKILL: every worker is gone (and reaped) when this returns.
+
+        A worker that does not react to the stop event or to SIGTERM (stopped by SIGSTOP, a
+        frozen cgroup, stuck in native code that masks signals) would otherwise outlive the
+        loader, and multiprocessing's exit handler would then wait for it forever. Each
+        escalation waits at most ``_SHUTDOWN_GRACE_S`` for all workers together.
+        """
         if stop_event is not None:
             stop_event.set()
+        for escalate in (None, "terminate", "kill"):
+            alive = [p for p in processes if p.is_alive()]
+            if not alive:
+                break
+            for process in alive:
+                if escalate is not None:
+                    getattr(process, escalate)()
+            deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+            for process in alive:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
         for process in processes:
-            process.join(timeout=2.0)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=2.0)
+            if process.is_alive():  # SIGKILL is not refused: only an unkillable (D-state) process is left
+                log.error("loader worker pid %s did not exit after SIGKILL", process.pid)
         if input_dir is not None:
             shutil.rmtree(input_dir, ignore_errors=True)

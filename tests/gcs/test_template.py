@@ -138,7 +138,7 @@ def test_requirements_are_pinned_within_pyproject():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
         project = {Requirement(r).name: Requirement(r) for r in tomllib.load(fh)["project"]["dependencies"]}
     with open(os.path.join(TEMPLATE, "requirements.txt")) as fh:
-        pinned = [Requirement(line) for line in fh if line.strip() and not line.startswith("#")]
+        pinned = [Requirement(line.strip()) for line in fh if line.strip() and not line.startswith("#")]
     names = {r.name for r in pinned}
     assert "torch" not in names
     assert names == set(project) - {"torch"}
