@@ -112,4 +112,6 @@ def _from_mesh(mesh: Any, dim: Optional[str]) -> DataParallelIdentity:
         raise TopologyError(f"dp_mesh_dim={dim!r} is not a dimension of the device_mesh (dimensions: {list(names)})")
     if dim is None:
         return DataParallelIdentity(mesh.get_local_rank(), mesh.size(), "device_mesh", mesh.get_group())
-    return DataParallelIdentity(mesh.get_local_rank(dim), mesh.size(dim), "device_mesh", mesh.get_group(dim))
+    # DeviceMesh.size takes the dimension's index (a name raises TypeError); the others take names.
+    size = mesh.size(names.index(dim))
+    return DataParallelIdentity(mesh.get_local_rank(dim), size, "device_mesh", mesh.get_group(dim))

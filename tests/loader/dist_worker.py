@@ -1,9 +1,9 @@
 """One rank of the multi-process torch.distributed test (launched by test_distributed.py).
 
 ``python -m tests.loader.dist_worker CONFIG OUT STEPS CHECKPOINT {save,load}`` with the
-torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or :func:`run_rank` in a
-process that sets that environment first (the test forks ranks from a forkserver that has
-imported torch once, instead of importing it in every rank). The rank builds its
+torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or through
+``tests.rank_launcher.launch_ranks`` (ranks forked from a forkserver that has imported torch
+once, instead of importing it in every rank). The rank builds its
 ``ZephonLoader`` from that environment, optionally ``dcp.load``s the loader state, consumes
 ``STEPS`` optimizer steps (mode ``drain``: until the data ends), optionally ``dcp.save``s, and all ranks ``all_gather`` their
 sequences (hex bytes in the fingerprint layout, by global index) to rank 0, which writes
@@ -62,16 +62,6 @@ def main(argv: list[str]) -> int:
     dist.destroy_process_group()
     log("done")
     return 0
-
-
-def run_rank(environment: dict[str, str], argv: list[str]) -> None:
-    """Process target: set the torchrun-style environment, then run :func:`main`."""
-    import os
-
-    os.environ.update(environment)
-    code = main(argv)
-    if code:
-        raise SystemExit(code)
 
 
 if __name__ == "__main__":

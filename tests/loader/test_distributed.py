@@ -9,76 +9,25 @@ fingerprints of one uninterrupted W=1 ``collect_fingerprints`` run.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import multiprocessing as mp
-import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.loader import dist_worker
 from tests.loader.settings import GLOBAL_BATCH
+from tests.rank_launcher import global_fingerprints as rank_fingerprints, launch_ranks
 
 STEPS_PER_LAUNCH = 3
 LAUNCH_TIMEOUT_S = 50
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(world_size: int, args: list[str]) -> None:
-    """Start ``world_size`` ranks with the environment torchrun gives them, and wait for all.
-
-    The ranks are forked from a forkserver that imported torch.distributed.checkpoint and
-    the loader once: importing them in every rank costs more than the whole run.
-    """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed.checkpoint", "loader.pipeline", "tests.loader.dist_worker"])
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        environment = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-        proc = ctx.Process(target=dist_worker.run_rank, args=(environment, args), name=f"rank{rank}-of-{world_size}")
-        proc.start()
-        procs.append(proc)
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for proc in procs:
-        proc.join(timeout=max(0.1, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
-    assert not failed, f"W={world_size} launch: ranks (rank, exit code) {failed} failed or hung (output above)"
+    """Start ``world_size`` ranks of ``dist_worker`` with the environment torchrun gives them, and wait for all."""
+    launch_ranks(world_size, "tests.loader.dist_worker", args, timeout_s=LAUNCH_TIMEOUT_S)
 
 
 def global_fingerprints(result: dict) -> list[str]:
-    """``"STEP SHA256"`` per step, from every rank's sequences; checks each rank got its own indices."""
-    world_size = result["world_size"]
-    rows: dict[int, tuple[int, bytes]] = {}
-    for rank, part in enumerate(result["ranks"]):
-        for index, (owner, step, hex_bytes) in part["rows"].items():
-            index = int(index)
-            assert owner == rank and index % world_size == rank, f"rank {rank} received global index {index}"
-            assert step == index // GLOBAL_BATCH
-            rows[index] = (step, bytes.fromhex(hex_bytes))
-    first = result["ranks"][0]["first_step"]
-    steps = len(rows) // GLOBAL_BATCH
-    assert sorted(rows) == list(range(first * GLOBAL_BATCH, (first + steps) * GLOBAL_BATCH))
-    lines = []
-    for step in range(first, first + steps):
-        digest = hashlib.sha256()
-        for index in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH):
-            digest.update(rows[index][1])
-        lines.append(f"{step} {digest.hexdigest()}")
-    return lines
+    return rank_fingerprints(result, GLOBAL_BATCH)
 
 
 @pytest.mark.distributed

@@ -147,8 +147,8 @@ class _FakeMesh:
     def get_local_rank(self, dim=None):
         return self.coords[dim]
 
-    def size(self, dim=None):
-        return self.sizes[dim]
+    def size(self, dim=None):  # like DeviceMesh.size: the dimension's index, not its name
+        return self.sizes[self.mesh_dim_names[dim]]
 
     def get_group(self, dim=None):
         return f"group-{dim}"

@@ -1,0 +1,1 @@
+"""Small adapters that plug a ZephonLoader into trainer frameworks (optional dependencies)."""
