@@ -58,6 +58,8 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 class InputError(ZephonError, ValueError):
     """An ``--input`` pattern or file that the sharding job cannot use."""
 
+    exit_code = 2  # a usage error of `zephon shard`
+
 
 @dataclass(frozen=True, order=True)
 class InputFile:
@@ -68,9 +70,11 @@ class InputFile:
     file_index: int  # position in the sorted file list; names the _rejected file
     format: str  # one of FORMATS
     compression: str  # one of COMPRESSIONS
+    size_bytes: Optional[int] = None  # as listed in the launcher; not sent to workers
+
 
     def to_tuple(self) -> tuple[str, str, int, str, str]:
-        """Plain tuple for Beam transport (fast coder; no pickling of a class)."""
+        """Plain tuple for Beam transport (fast coder; no pickling of a class); without the size."""
         return (self.path, self.relative_path, self.file_index, self.format, self.compression)
 
     @classmethod
@@ -124,7 +128,7 @@ def infer_compression(path: str) -> str:
     return "none"
 
 
-def _match_pattern(pattern: str) -> list[str]:
+def _match_pattern(pattern: str) -> dict[str, int]:
     from apache_beam.io.filesystems import FileSystems
 
     if not is_remote(pattern) and os.path.isdir(pattern):
@@ -136,19 +140,20 @@ def _match_pattern(pattern: str) -> list[str]:
         (result,) = FileSystems.match([pattern])
     except Exception as exc:  # BeamIOError wraps the per-pattern cause
         raise InputError(f"--input {pattern}: listing failed ({exc})") from exc
-    paths = [m.path for m in result.metadata_list]
+    sizes = {m.path: m.size_in_bytes for m in result.metadata_list}
     if not is_remote(pattern):
-        paths = [p for p in paths if os.path.isfile(p)]
-    if not paths:
+        sizes = {p: size for p, size in sizes.items() if os.path.isfile(p)}
+    if not sizes:
         raise InputError(f"--input {pattern} matches no files; check the path and the glob.")
-    return paths
+    return sizes
 
 
 def expand_inputs(patterns: Sequence[str], explicit_format: Optional[str] = None) -> list[InputFile]:
     """Every file matched by the patterns, sorted by path, each at most once.
 
-    Raises :class:`InputError` naming the pattern when one matches nothing, and naming the
-    file when its format cannot be inferred.
+    Raises :class:`InputError` naming the pattern when one matches nothing or only empty
+    (0-byte) files, and naming the file when its format cannot be inferred. A single empty
+    file among others is fine: it holds no records.
     """
     if not patterns:
         raise InputError("--input needs at least one path or glob")
@@ -156,7 +161,11 @@ def expand_inputs(patterns: Sequence[str], explicit_format: Optional[str] = None
         raise InputError(f"--format must be one of {', '.join(FORMATS)} (got {explicit_format!r})")
     normalized = [normalize_pattern(p) for p in patterns]
     root = input_root(normalized)
-    paths = sorted({path for pattern in normalized for path in _match_pattern(pattern)})
+    sizes = {path: size for pattern in normalized for path, size in _match_pattern(pattern).items()}
+    paths = sorted(sizes)
+    if all(size == 0 for size in sizes.values()):
+        raise InputError(f"--input {' '.join(patterns)} matches only empty files ({len(paths)}, e.g. {paths[0]}): "
+                         "there is nothing to shard.")
     files = []
     for file_index, path in enumerate(paths):
         relative = path[len(root):] if path.startswith(root) else path
@@ -167,6 +176,28 @@ def expand_inputs(patterns: Sequence[str], explicit_format: Optional[str] = None
                 file_index=file_index,
                 format=infer_format(path, explicit_format),
                 compression=infer_compression(path),
+                size_bytes=sizes[path],
             )
         )
     return files
+
+
+def most_documents(files: Sequence[InputFile], text_field: str) -> Optional[int]:
+    """An upper bound on the documents in ``files``, or None when one file's count has no bound.
+
+    A text file is at most one document. An uncompressed JSONL file holds at most one per
+    ``len('{"<text field>":"x"}') + 1`` bytes (the shortest line with a non-empty text).
+    Parquet and compressed JSONL files can hold any number for their size: no bound.
+    """
+    shortest_line = len(text_field.encode("utf-8")) + len('{"":"x"}') + 1
+    total = 0
+    for input_file in files:
+        if input_file.size_bytes is None:
+            return None
+        if input_file.format == "text":
+            total += 1 if input_file.size_bytes else 0
+        elif input_file.format == "jsonl" and input_file.compression == "none":
+            total += (input_file.size_bytes + 1) // shortest_line
+        else:
+            return None
+    return total

@@ -8,9 +8,10 @@ Order of writes (``manifest.json`` is the commit marker, so it is always last)::
     WriteRejected    _rejected/rejected-FFFFF.jsonl     (FFFFF = input file index)
     CommitManifest   checks the reject fraction, then manifest.json (.inprogress, rename)
 
-When the reject fraction exceeds ``--max-reject-fraction`` the job fails in
-``CommitManifest``: lane files and ``_rejected/`` stay for inspection, but without a
-manifest the directory is not a dataset, and a re-run needs ``--overwrite``.
+When the reject fraction exceeds ``--max-reject-fraction``, or a lane received no document
+(the loader cannot read a dataset with an empty lane), the job fails in ``CommitManifest``:
+lane files and ``_rejected/`` stay for inspection, but without a manifest the directory is
+not a dataset, and a re-run needs ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 JOB_ERROR_PREFIX = "zephon shard: "
 REJECTED_FILE_FORMAT = "rejected-{file_index:05d}.jsonl"
 INPROGRESS_SUFFIX = ".inprogress"
+
+
+class OutputExistsError(ZephonError, FileExistsError):
+    """``--output`` already holds a dataset (or part of one) and ``--overwrite`` was not given."""
 
 
 class ShardJobError(ZephonError, RuntimeError):
@@ -105,7 +110,7 @@ def prepare_output(output: str, overwrite: bool) -> None:
         return
     if not overwrite:
         shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
-        raise FileExistsError(
+        raise OutputExistsError(
             f"--output {output} already holds a dataset or part of one ({shown}); "
             "pass --overwrite to replace it, or choose another --output."
         )
@@ -179,6 +184,33 @@ def check_reject_fraction(documents: int, rejected: dict[str, int], max_reject_f
         )
 
 
+def divisors_descending(number: int) -> list[int]:
+    small = [d for d in range(1, int(number ** 0.5) + 1) if number % d == 0]
+    return sorted(set(small) | {number // d for d in small}, reverse=True)
+
+
+def check_every_lane_has_documents(lanes_with_documents: Iterable[int], num_lanes: int, documents: int) -> None:
+    """Fail unless each of the ``num_lanes`` lanes holds a document, suggesting a lane count that works.
+
+    The loader serves global sequence ``i`` from lane ``i mod L``, so an empty lane can never
+    serve its sequences: it is refused there, and a dataset with one is never committed.
+    The suggestion is exact, not a guess: a document's lane under a divisor ``d`` of ``L`` is
+    ``H mod d = (H mod L) mod d``, so the lanes that would be filled under ``d`` follow from
+    the ones filled under ``L``.
+    """
+    filled = set(lanes_with_documents)
+    if len(filled) == num_lanes:
+        return
+    suggestion = next(d for d in divisors_descending(num_lanes) if len({lane % d for lane in filled}) == d)
+    raise ShardJobError(
+        f"only {len(filled)} of the {num_lanes} lanes received a document ({documents} documents in all), "
+        f"and the loader needs a document in every lane (lane i mod L serves global sequence i). "
+        f"Re-run with --num-lanes {suggestion} --overwrite (the largest divisor of {num_lanes} whose every "
+        "lane gets a document with this input and --seed), or shard more documents. "
+        "No manifest.json was written."
+    )
+
+
 def commit_manifest(
     file_entries: list[dict],
     *,
@@ -206,6 +238,7 @@ def commit_manifest(
     if unknown:
         raise ShardJobError(f"internal error: unknown reject reasons {sorted(unknown)}")
     check_reject_fraction(documents, rejected, max_reject_fraction)
+    check_every_lane_has_documents((f.lane for f in files if f.rows > 0), num_lanes, documents)
     manifest = Manifest(
         seed=seed,
         num_lanes=num_lanes,

@@ -15,36 +15,57 @@ Records by format
 * ``jsonl``: one JSON object per line, read line by line (plain, gzip or zstd). Lines are
   decoded as strict UTF-8 here, not by a text wrapper, so one bad line is one
   ``invalid_utf8`` rejection instead of a failed file. The record index is the 0-based line
-  number; lines holding only whitespace are not records (skipped, not rejected).
-* ``parquet``: one row per record, read in batches of rows; the record index is the row
-  number in the file. ``string`` and ``binary`` text columns are checked for UTF-8 per value.
+  number; lines holding only whitespace are not records (skipped, not rejected). A line
+  ends at ``\\n``; a ``\\r`` before it is dropped (CRLF files). A record nested deeper than
+  :data:`MAX_JSON_DEPTH` arrays/objects is ``malformed_json`` (checked before parsing, so
+  the outcome never depends on the interpreter's stack depth).
+* ``parquet``: one row per record, read row group by row group in batches of rows; the
+  record index is the row number in the file. ``string`` and ``binary`` text columns are
+  checked for UTF-8 per value.
 * ``text``: the whole file is one document (record index 0). Use JSONL for one document
   per line.
 
-A document's text is *empty* when ``text.strip() == ""`` (Python's Unicode whitespace).
-A ``--keep-fields`` value that is missing or null is stored as a Parquet null, any other
-value as its JSON encoding. An ``--id-field`` value that is a string is the key as is, an
-integer is its decimal form, anything else its compact JSON; missing or null is rejected.
+A UTF-8 byte-order mark at the very start of a ``jsonl`` or ``text`` file (after
+decompression) is dropped; anywhere else it is data.
 
-A file that cannot be opened or decoded part-way (corrupt gzip, truncated Parquet) yields
-the documents read before the failure plus one ``unreadable_file`` rejection that carries
-the error: the job cannot know how many records the rest held, so it counts as one.
+Unreadable files (one validation layer for every format)
+--------------------------------------------------------
+A file that cannot be opened or decoded part-way yields the records decoded before the
+failure plus one ``unreadable_file`` rejection whose record index is the first record not
+read and whose detail carries the error: the job cannot know how many records the rest
+held, so it counts as one. "Decoded before the failure" is the same rule for every codec: a
+record is kept only if all its bytes came out of the decoder intact, so the record cut in
+half is never a document. The checks:
+
+* gzip and zstd streams never end silently early (:mod:`beam_jobs.input_streams`); a
+  compressed file whose data is corrupt rather than cut (a checksum, CRC or block error)
+  is decoded once before parsing and keeps nothing, because those codecs check their
+  checksum only after handing out the bytes, so the records before the damage may be
+  altered;
+* jsonl, any codec: a last line without ``\\n`` that is not whole JSON or UTF-8 means the
+  file ends inside a record;
+* parquet: the ``PAR1`` magic at the start (pyarrow checks only the end), a readable
+  footer, page CRCs where the writer stored them, and the rows of every row group against
+  the footer's count (a damaged page header can make a row group decode as zero rows).
+
+A cut exactly between two gzip members or zstd frames, or right after a ``\\n`` of an
+uncompressed file, leaves a valid, shorter file that no reader can tell from an intact one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gzip
-import io
+import codecs
 import json
 import logging
+import re
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
 
 import apache_beam as beam
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
+from beam_jobs.input_streams import check_parquet_magic, find_corruption, open_stream
 from beam_jobs.inputs import InputFile
 
 logger = logging.getLogger(__name__)
@@ -52,6 +73,12 @@ logger = logging.getLogger(__name__)
 REJECTED_TAG = "rejected"
 EXCERPT_CHARS = 200  # raw characters kept in a rejection's excerpt
 PARQUET_BATCH_ROWS = 1024
+UTF8_BOM = codecs.BOM_UTF8
+# Deeper JSON is a malformed_json rejection. Python's parser recurses once per level against
+# the interpreter's recursion limit (1000 by default) shared with the caller's stack, so an
+# explicit limit well below it makes the outcome the same on every runner; real records
+# nest a few levels.
+MAX_JSON_DEPTH = 256
 
 Document = tuple  # (key: str, text: str, text_nbytes: int, kept_values: tuple[str | None, ...])
 Rejection = tuple  # (file_index, input_path, record_index, reason, detail, excerpt)
@@ -202,60 +229,85 @@ class RecordConverter:
 # Per-format readers. Each yields (ok, element) pairs.
 
 
-@contextlib.contextmanager
-def _open_stream(input_file: InputFile) -> Iterator[BinaryIO]:
-    """A buffered binary stream of the file's decompressed bytes (via Beam's FileSystems)."""
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal (unrolled loop)
+_JSON_DECODER = json.JSONDecoder()
 
-    with contextlib.ExitStack() as stack:
-        raw = stack.enter_context(
-            FileSystems.open(input_file.path, compression_type=CompressionTypes.UNCOMPRESSED))
-        # Decompress here rather than through Beam's CompressedFile: the C stream readers
-        # are much faster at line iteration, and behave the same on every filesystem.
-        if input_file.compression == "gzip":
-            stream = stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb"))
-        elif input_file.compression == "zstd":
-            import zstandard
 
-            stream = stack.enter_context(
-                zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
-        else:
-            yield raw
-            return
-        yield stack.enter_context(io.BufferedReader(stream, buffer_size=1 << 20))
+def json_nesting_depth(line: str) -> int:
+    """How many arrays/objects deep ``line`` nests, ignoring brackets inside strings."""
+    import numpy as np
+
+    structure = _JSON_STRING.sub("", line).encode("utf-8", "surrogatepass")
+    codes = np.frombuffer(structure, dtype=np.uint8)
+    steps = np.isin(codes, (0x5B, 0x7B)).astype(np.int64) - np.isin(codes, (0x5D, 0x7D))
+    return int(np.cumsum(steps).max(initial=0))
+
+
+class LineRejection(NamedTuple):
+    """Why a JSONL line is not a record; ``incomplete`` when its bytes are not whole JSON text."""
+
+    reason: str
+    detail: str
+    incomplete: bool
+
+
+def parse_jsonl_line(raw_line: bytes) -> Union[dict, LineRejection]:
+    """The record on one JSONL line (without its newline), or why it is rejected."""
+    try:
+        line = raw_line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return LineRejection("invalid_utf8", f"byte {exc.start}: {exc.reason}", True)
+    # Cheap bound first (two C-speed counts); only a line with many brackets is scanned.
+    if line.count("[") + line.count("{") > MAX_JSON_DEPTH:
+        depth = json_nesting_depth(line)
+        if depth > MAX_JSON_DEPTH:
+            return LineRejection("malformed_json", f"nested {depth} arrays/objects deep, more than the "
+                                 f"limit of {MAX_JSON_DEPTH}", False)
+    try:
+        record = _JSON_DECODER.decode(line)
+    except RecursionError:  # only reachable when the caller's stack is already very deep
+        return LineRejection("malformed_json", f"nested too deeply for the JSON parser (limit {MAX_JSON_DEPTH})", False)
+    except ValueError as exc:
+        return LineRejection("malformed_json", str(exc), True)
+    if not isinstance(record, dict):
+        return LineRejection("malformed_json",
+                             f"a JSONL record must be a JSON object (got {_json_type_name(record)})", False)
+    return record
 
 
 def _read_jsonl(input_file: InputFile, converter: RecordConverter) -> Iterator[tuple[bool, tuple]]:
     def lines() -> Iterator[bytes]:
-        with _open_stream(input_file) as stream:
+        with open_stream(input_file) as stream:
             yield from stream
 
+    corrupt = _corrupt_stream_rejection(input_file, converter)
+    if corrupt is not None:
+        yield False, corrupt
+        return
     record_index = -1
     for item in _guarded(lines()):
         if isinstance(item, _ReadFailure):
             yield False, _unreadable(converter, record_index + 1, item.error)
             return
         record_index += 1
+        # Only the file's last line can lack its newline (a stream hands out whole lines).
+        terminated = item.endswith(b"\n")
         raw_line = item.rstrip(b"\n").rstrip(b"\r")
+        if record_index == 0 and raw_line.startswith(UTF8_BOM):
+            raw_line = raw_line[len(UTF8_BOM):]
         if not raw_line.strip():
             continue
-        try:
-            line = raw_line.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield False, converter.reject(record_index, "invalid_utf8", f"byte {exc.start}: {exc.reason}", raw_line)
+        parsed = parse_jsonl_line(raw_line)
+        if isinstance(parsed, dict):
+            yield converter.convert(parsed, record_index, raw_line)
             continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            yield False, converter.reject(record_index, "malformed_json", str(exc), raw_line)
-            continue
-        if not isinstance(record, dict):
-            yield False, converter.reject(
-                record_index, "malformed_json",
-                f"a JSONL record must be a JSON object (got {type(record).__name__})", raw_line)
-            continue
-        yield converter.convert(record, record_index, raw_line)
+        if not terminated and parsed.incomplete:
+            # The file ends inside a record: it was cut, not written that way.
+            yield False, _unreadable(converter, record_index, EOFError(
+                f"the file ends inside record {record_index} (its last line has no newline and is not "
+                f"whole JSON: {parsed.detail}): the file is truncated"), raw_line)
+            return
+        yield False, converter.reject(record_index, parsed.reason, parsed.detail, raw_line)
 
 
 def _utf8_values(column) -> list:
@@ -291,10 +343,19 @@ def _read_parquet(input_file: InputFile, spec: RecordSpec,
 
     def batches():
         with FileSystems.open(input_file.path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
-            parquet_file = pq.ParquetFile(handle)
+            check_parquet_magic(handle)
+            parquet_file = pq.ParquetFile(handle, page_checksum_verification=True)
             present = [n for n in dict.fromkeys(wanted) if n in parquet_file.schema_arrow.names]
-            for batch in parquet_file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=present):
-                yield batch
+            for group in range(parquet_file.num_row_groups):
+                promised = parquet_file.metadata.row_group(group).num_rows
+                rows = 0
+                for batch in parquet_file.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group],
+                                                       columns=present):
+                    rows += batch.num_rows
+                    yield batch
+                if rows != promised:
+                    raise ValueError(f"row group {group} decoded as {rows} rows but the footer promises "
+                                     f"{promised}: a page is damaged")
 
     record_index = 0
     for batch in _guarded(batches()):
@@ -322,13 +383,19 @@ def _row_excerpt(record: dict) -> str:
 
 def _read_text(input_file: InputFile, converter: RecordConverter) -> Iterator[tuple[bool, tuple]]:
     def whole_file() -> Iterator[bytes]:
-        with _open_stream(input_file) as stream:
+        with open_stream(input_file) as stream:
             yield stream.read()
 
+    corrupt = _corrupt_stream_rejection(input_file, converter)
+    if corrupt is not None:
+        yield False, corrupt
+        return
     for data in _guarded(whole_file()):
         if isinstance(data, _ReadFailure):
             yield False, _unreadable(converter, 0, data.error)
             return
+        if data.startswith(UTF8_BOM):
+            data = data[len(UTF8_BOM):]
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -337,11 +404,23 @@ def _read_text(input_file: InputFile, converter: RecordConverter) -> Iterator[tu
         yield converter.convert({converter.spec.text_field: text}, 0, data)
 
 
-def _unreadable(converter: RecordConverter, record_index: int, error: BaseException) -> Rejection:
-    logger.warning("input file %s is unreadable after %d records: %s: %s",
-                   converter.input_file.path, record_index, type(error).__name__, error)
-    return converter.reject(record_index, "unreadable_file",
-                            f"{type(error).__name__}: {error}"[:1000], b"")
+def _corrupt_stream_rejection(input_file: InputFile, converter: RecordConverter) -> Optional[Rejection]:
+    """The rejection of a compressed file whose data is corrupt: nothing of it is kept."""
+    error = find_corruption(input_file)
+    if error is None:
+        return None
+    return _unreadable(converter, 0, error, note=(
+        " (nothing of the file is kept: its codec checks a checksum only at the end, so which "
+        "records before the damage are intact cannot be told)"))
+
+
+def _unreadable(converter: RecordConverter, record_index: int, error: BaseException,
+                raw: Union[bytes, str] = b"", note: str = "") -> Rejection:
+    """The one rejection of a file that cannot be read from ``record_index`` on."""
+    detail = f"{type(error).__name__}: {error}"[:1000] + note
+    logger.warning("input file %s is unreadable from record %d on: %s",
+                   converter.input_file.path, record_index, detail)
+    return converter.reject(record_index, "unreadable_file", detail, raw)
 
 
 def read_records(input_file: InputFile, spec: RecordSpec) -> Iterator[tuple[bool, tuple]]:
