@@ -16,7 +16,7 @@ import statistics
 import sys
 from typing import Any, Optional, Sequence
 
-from loader.manifest import Manifest, ManifestError, read_manifest
+from loader.manifest import Manifest, read_manifest
 
 
 def _spread(per_lane: list[int]) -> dict[str, Any]:
@@ -121,12 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        manifest = read_manifest(args.dataset)
-    except (ManifestError, OSError) as exc:
-        print(f"zephon inspect: error: {exc}", file=sys.stderr)
-        return 1
+    """``zephon inspect``: errors (a missing or tampered manifest) are reported by :func:`loader.cli.run_command`."""
+    from loader.cli import run_command
+
+    return run_command("inspect", argv)
+
+
+def command(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    manifest = read_manifest(args.dataset)  # ManifestError / OSError: one line, exit 1
     summary = summarize(manifest, args.dataset)
     if args.json:
         print(json.dumps(summary, indent=1))

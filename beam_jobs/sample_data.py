@@ -781,19 +781,29 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_arg_parser().parse_args(argv)
-    try:
-        summary = make_sample(
-            args.out,
-            num_docs=args.docs,
-            seed=args.seed,
-            formats=args.formats,
-            files_per_source=args.files_per_source,
-            with_bad_records=args.with_bad_records,
-        )
-    except (ValueError, FileExistsError) as exc:
-        print(f"zephon make-sample: {exc}", file=sys.stderr)
-        return 2
+    """``zephon make-sample``: errors are reported by :func:`loader.cli.run_command`."""
+    from loader.cli import run_command
+
+    return run_command("make-sample", argv)
+
+
+def command(argv: Sequence[str]) -> int:
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    for option, value, minimum in (("--docs", args.docs, 0), ("--seed", args.seed, 0),
+                                   ("--files-per-source", args.files_per_source, 1)):
+        if value < minimum:
+            parser.error(f"{option} must be >= {minimum} (got {value})")
+    # An output that is a file, or part files of another run: FileExistsError / NotADirectoryError,
+    # reported by the CLI in one line.
+    summary = make_sample(
+        args.out,
+        num_docs=args.docs,
+        seed=args.seed,
+        formats=args.formats,
+        files_per_source=args.files_per_source,
+        with_bad_records=args.with_bad_records,
+    )
     for source_summary in summary.sources.values():
         print(source_summary.describe())
     if summary.bad_records_path:

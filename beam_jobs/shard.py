@@ -17,6 +17,10 @@ Pipeline (step names as they appear in the Beam UI)::
                                                      (side inputs: counts, files written, |    v
                                                       files_per_lane) --------------> CommitManifest
 
+Before the pipeline is built, :func:`preflight` runs every check that needs no record
+(output location, existing dataset, inputs, option combinations, a lane count the input
+cannot fill when its size tells): each failure is one line naming the option and the fix.
+
 Determinism: a document's lane, part file and row position depend only on (seed, key) and
 the total text bytes of all valid documents, so the lane files and the dataset fingerprint
 are the same on every runner and runner mode, and for any split of the same records into
@@ -43,7 +47,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
-from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs
+from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs, is_remote, most_documents
 from beam_jobs.lane_files import (
     DEFAULT_TOKEN_COMPRESSION,
     RESERVED_COLUMNS,
@@ -53,7 +57,13 @@ from beam_jobs.lane_files import (
     files_per_lane_for,
     manifest_schema,
 )
-from beam_jobs.outputs import JOB_ERROR_PREFIX, WriteRejectedFn, commit_manifest, prepare_output
+from beam_jobs.outputs import (
+    JOB_ERROR_PREFIX,
+    OutputExistsError,
+    WriteRejectedFn,
+    commit_manifest,
+    prepare_output,
+)
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from loader.errors import ZephonError
 from loader.manifest import Manifest, read_manifest
@@ -70,6 +80,8 @@ MAX_TARGET_FILE_MB = 1024.0  # Arrow string arrays hold < 2 GiB; a file is built
 
 class ShardConfigError(ZephonError, ValueError):
     """Job options that cannot work together, named with the fix."""
+
+    exit_code = 2  # a usage error of `zephon shard`
 
 
 class ShardError(ZephonError, RuntimeError):
@@ -175,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "directory's name)")
     parser.add_argument("--num-lanes", type=int, default=DEFAULT_NUM_LANES,
                         help="number of lanes L; choose it divisible by every data-parallel world size "
-                             "you will train with (default: %(default)s)")
+                             "you will train with; every lane must receive a document, or the job fails "
+                             "naming a lane count that works (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help="seed of the lane and in-lane order hashes, recorded in the manifest "
                              "(default: %(default)s)")
@@ -192,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="target text MiB per lane file: files_per_lane = max(1, ceil(total text bytes "
                              "/ num_lanes / target)); also bounds a writer's memory (default: %(default)s)")
     parser.add_argument("--output", required=True,
-                        help="(required) dataset directory to write (local or gs://)")
+                        help="(required) dataset directory to write (local or gs://); created if missing, "
+                             "refused if it is a file")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing dataset at --output (manifest first, then lane files and "
                              "_rejected/); without it an existing dataset is an error (default: off)")
@@ -303,12 +317,73 @@ def _keyed_by_input_file(rejection: tuple) -> tuple[int, tuple]:
 def _job_error_message(exc: BaseException) -> Optional[str]:
     """The message of a :class:`ShardJobError` raised on a worker, wherever the runner put it."""
     text = str(exc)
-    match = re.search(re.escape(JOB_ERROR_PREFIX) + r"(.*?)(?: \[while running|\\n|\n|$)", text)
+    # Runners may repeat the prefix when they wrap the error: skip every copy of it.
+    match = re.search(f"(?:{re.escape(JOB_ERROR_PREFIX)})+" + r"(.*?)(?: \[while running|\\n|\n|$)", text)
     return match.group(1) if match else None
 
 
 def _normalize_output(output: str) -> str:
     return output if "://" in output else os.path.abspath(os.path.expanduser(output))
+
+
+def check_output_location(output: str) -> None:
+    """Refuse a local ``--output`` that can never become a dataset folder (remote paths: nothing to check)."""
+    if is_remote(output):
+        return
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ShardConfigError(f"--output {output} is an existing file, not a folder; pass the path of a "
+                               "folder (it is created if missing).")
+    ancestor = output
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ShardConfigError(f"--output {output} cannot be created: {ancestor} is a file; choose another --output.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ShardConfigError(f"--output {output} cannot be written: no write permission on {ancestor}; "
+                               "choose another --output.")
+
+
+def check_inputs_against_options(options: ShardOptions, input_files: Sequence[InputFile]) -> None:
+    """Refuse option/input combinations that can be known to fail before any record is read."""
+    text_files = [f.path for f in input_files if f.format == "text"]
+    if text_files and options.id_field is not None:
+        raise ShardConfigError(
+            f"--id-field {options.id_field!r} cannot apply to text input (e.g. {text_files[0]}): a text file "
+            "is one document without fields; drop --id-field (the key is then the file's relative path) "
+            "or convert the input to JSONL."
+        )
+    output_prefix = options.output.rstrip("/") + "/"
+    inside_output = [f.path for f in input_files if f.path.startswith(output_prefix)]
+    if inside_output:
+        raise ShardConfigError(f"--input matches {len(inside_output)} files inside --output {options.output} "
+                               f"(e.g. {inside_output[0]}); write the dataset outside the input folders.")
+    most = most_documents(input_files, options.text_field)
+    if most is not None and most < options.num_lanes:
+        raise ShardConfigError(
+            f"--num-lanes {options.num_lanes} is more than the at most {most} documents the "
+            f"{len(input_files)} input files can hold, and every lane needs a document; pass a --num-lanes "
+            f"well below {max(most, 1)}.")
+
+
+def preflight(options: ShardOptions) -> tuple[list[InputFile], Optional[dict]]:
+    """Every check that needs no record, before the pipeline starts: ``(input files, tokenizer info)``.
+
+    Each failure is a :class:`ShardConfigError`, :class:`InputError` or
+    :class:`OutputExistsError` with a one-line message naming the option and the fix. A
+    lane count that leaves a lane empty can only be known from the records in general; the
+    job then fails in ``CommitManifest`` (:func:`beam_jobs.outputs.check_every_lane_has_documents`).
+    """
+    check_output_location(options.output)
+    input_files = expand_inputs(options.inputs, options.format)
+    check_inputs_against_options(options, input_files)
+    tokenizer_info = None
+    if options.tokenizer is not None:
+        from loader.tokenizer import describe, load_tokenizer
+
+        tokenizer_info = describe(load_tokenizer(options.tokenizer)).to_dict()
+    if not options.overwrite:
+        prepare_output(options.output, overwrite=False)  # raises OutputExistsError naming what is there
+    return input_files, tokenizer_info
 
 
 def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait: bool = True) -> Optional[Manifest]:
@@ -320,20 +395,9 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
     from dataclasses import replace
 
     options = replace(options, output=_normalize_output(options.output))
-    input_files = expand_inputs(options.inputs, options.format)
-    text_files = [f.path for f in input_files if f.format == "text"]
-    if text_files and options.id_field is not None:
-        raise ShardConfigError(
-            f"--id-field {options.id_field!r} cannot apply to text input (e.g. {text_files[0]}): a text file "
-            "is one document without fields; drop --id-field (the key is then the file's relative path) "
-            "or convert the input to JSONL."
-        )
-    tokenizer_info = None
-    if options.tokenizer is not None:
-        from loader.tokenizer import describe, load_tokenizer
-
-        tokenizer_info = describe(load_tokenizer(options.tokenizer)).to_dict()
-    prepare_output(options.output, options.overwrite)
+    input_files, tokenizer_info = preflight(options)
+    if options.overwrite:
+        prepare_output(options.output, overwrite=True)
     logger.info("sharding %d input files into %d lanes at %s", len(input_files), options.num_lanes, options.output)
 
     pipeline = beam.Pipeline(options=PipelineOptions(with_default_runner(pipeline_args)))
@@ -360,23 +424,21 @@ def run(argv: Union[Sequence[str], ShardOptions]) -> Manifest:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``zephon shard`` / ``python -m beam_jobs.shard``: 0 on success, 1 on failure, 2 on bad options."""
+    """``zephon shard`` / ``python -m beam_jobs.shard``: 0 on success, 1 on failure, 2 on bad options.
+
+    Errors are reported by :func:`loader.cli.run_command`: ShardConfigError, InputError and
+    TokenizerError exit 2; ShardError (the job ran and failed) and OutputExistsError exit 1.
+    """
+    from loader.cli import run_command
+
+    return run_command("shard", argv)
+
+
+def command(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("beam_jobs").setLevel(logging.INFO)
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        options, pipeline_args = parse_args(args)
-    except ShardConfigError as exc:
-        print(f"zephon shard: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        manifest = run_shard(options, pipeline_args)
-    except (ShardConfigError, InputError) as exc:
-        print(f"zephon shard: error: {exc}", file=sys.stderr)
-        return 2
-    except (ShardError, FileExistsError, ValueError, OSError) as exc:
-        print(f"zephon shard: error: {exc}", file=sys.stderr)
-        return 1
+    options, pipeline_args = parse_args(list(argv))
+    manifest = run_shard(options, pipeline_args)
     assert manifest is not None
     tokens = f", {manifest.total_tokens} tokens" if manifest.pretokenized else ""
     rejected = sum(manifest.rejected.values())

@@ -73,18 +73,37 @@ def train(texts: Iterable[str], *, vocab_size: int = DEFAULT_VOCAB_SIZE):
     return tokenizer
 
 
+PROG = "python -m beam_jobs.train_tokenizer"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m beam_jobs.train_tokenizer", description=__doc__.split("\n\n")[0])
+    """Not a ``zephon`` subcommand, but its errors are reported the same way (:func:`loader.cli.run_command`)."""
+    from loader.cli import run_command
+
+    return run_command("beam_jobs.train_tokenizer", argv, prog=PROG)
+
+
+def command(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=sample_data.default_tokenizer_path(), help="where to write tokenizer.json (default: the shipped fixture)")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--docs", type=int, default=DEFAULT_TRAINING_DOCS, help="sample documents to train on")
     parser.add_argument("--check", action="store_true", help="do not write; exit 1 if the trained tokenizer differs from --out")
     args = parser.parse_args(argv)
+    smallest = 256 + len(SPECIAL_TOKENS)
+    if args.vocab_size < smallest:
+        parser.error(f"--vocab-size must cover the 256 bytes and {len(SPECIAL_TOKENS)} special tokens: >= {smallest} "
+                     f"(got {args.vocab_size})")
+    if args.docs < 1:
+        parser.error(f"--docs must be >= 1 (got {args.docs})")
+    existing = None
+    if args.check:  # read first: a missing or unreadable --out fails before a minute of training
+        with open(args.out, "rb") as handle:
+            existing = handle.read()
     tokenizer = train(training_texts(args.docs), vocab_size=args.vocab_size)
     serialised = tokenizer.to_str(pretty=False)
     if args.check:
-        with open(args.out, encoding="utf-8") as existing:
-            same = existing.read() == serialised
+        same = existing == serialised.encode("utf-8")
         print(f"{args.out}: {'up to date' if same else 'DIFFERS from a fresh training run'}")
         return 0 if same else 1
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

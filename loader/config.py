@@ -11,7 +11,12 @@ import json
 import os
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
+
+from loader.validation import (
+    Boolean, FilePath, Integer, ListOf, Names, Number, OrAbsent, Problems, Record, Rule, SubTable, Text, Weights,
+    check_record, fail, validate_instance,
+)
 
 from loader.errors import ZephonError
 
@@ -28,6 +33,8 @@ BATCH_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_sour
 class ConfigError(ZephonError, ValueError):
     """A loader configuration value that cannot work; the message names the field."""
 
+    exit_code = 2  # the CLI's usage-error status
+
 
 @dataclass(frozen=True)
 class SourceConfig:
@@ -39,18 +46,16 @@ class SourceConfig:
     exhaustion: str = "repeat"  # "repeat": next epoch (reshuffled); "stop": drop out of the mix
     max_epochs: Optional[int] = None  # with "repeat": stop after this many epochs
 
+    FIELD_RULES: ClassVar[dict[str, Rule]] = {
+        "path": FilePath(),
+        "weight": Number(minimum=0),
+        "name": OrAbsent(Text()),
+        "exhaustion": Text(choices=EXHAUSTION_POLICIES),
+        "max_epochs": OrAbsent(Integer(minimum=1)),
+    }
+
     def __post_init__(self) -> None:
-        where = f"datasets entry {self.path!r}"
-        if not isinstance(self.path, str) or not self.path:
-            raise ConfigError(f"datasets: every entry needs a non-empty 'path' (got {self.path!r})")
-        if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or self.weight < 0:
-            raise ConfigError(f"{where}: 'weight' must be a number >= 0 (got {self.weight!r})")
-        if self.exhaustion not in EXHAUSTION_POLICIES:
-            raise ConfigError(
-                f"{where}: 'exhaustion' must be one of {EXHAUSTION_POLICIES} (got {self.exhaustion!r})"
-            )
-        if self.max_epochs is not None and (not isinstance(self.max_epochs, int) or self.max_epochs <= 0):
-            raise ConfigError(f"{where}: 'max_epochs' must be a positive integer or absent (got {self.max_epochs!r})")
+        validate_instance(self, ConfigError, "datasets entry")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,28 @@ class ScheduleEntry:
 
     step: int
     weights: dict[str, float]
+
+    FIELD_RULES: ClassVar[dict[str, Rule]] = {"step": Integer(minimum=0), "weights": Weights()}
+
+    def __post_init__(self) -> None:
+        validate_instance(self, ConfigError, "schedule entry")
+
+
+# StorageOptions fields that LoaderConfig sets from its own top-level fields (the rest are
+# the ``storage`` table's), as StorageOptions field -> LoaderConfig field.
+STORAGE_TOP_LEVEL = {"cache_dir": "cache_dir", "cache_max_bytes": "cache_max_bytes",
+                     "verify_checksums": "verify_checksums", "endpoint": "storage_endpoint"}
+
+
+def _storage_options_class() -> type:
+    from loader.storage import StorageOptions  # pyarrow: only when a storage table is checked
+
+    return StorageOptions
+
+
+def _storage_top_level() -> frozenset[str]:
+    shared = {f.name for f in fields(_storage_options_class())} & {f.name for f in fields(LoaderConfig)}
+    return frozenset(STORAGE_TOP_LEVEL) | shared
 
 
 @dataclass(frozen=True)
@@ -85,6 +112,7 @@ class LoaderConfig:
     cache_dir: Optional[str] = None
     cache_max_bytes: int = 10 * 1024**3
     verify_checksums: bool = True
+    verify_local_files: bool = False  # issue 14: sha256 of local lane files (see README "Data integrity")
     storage_endpoint: Optional[str] = None
     storage: dict[str, Any] = field(default_factory=dict)  # advanced StorageOptions: retries, timeouts, read-ahead
     worker_timeout_s: float = 300.0
@@ -94,123 +122,113 @@ class LoaderConfig:
     # Step boundaries whose lane states are kept for state_dict(step=t) (frameworks fetch ahead).
     step_states_kept: int = 4
 
+    FIELD_RULES: ClassVar[dict[str, Rule]] = {
+        "datasets": ListOf(Record(SourceConfig), min_items=1, example='datasets = [{path = "data/web"}]'),
+        "seq_len": Integer(minimum=1),
+        "global_batch_size": Integer(minimum=1),
+        "micro_batch_size": Integer(minimum=1),
+        "seed": Integer(minimum=0, hint="there is no default seed"),
+        "tokenizer": FilePath(),
+        "packing": Text(choices=PACKING_MODES),
+        "best_fit_open_bins": Integer(minimum=1),
+        "add_bos": Boolean(),
+        "add_eos": Boolean(),
+        "eos_token": OrAbsent(Text()),
+        "bos_token": OrAbsent(Text()),
+        "pad_token": OrAbsent(Text()),
+        "num_workers": Integer(minimum=0),
+        "prefetch": Integer(minimum=1),
+        "mixing_unit": Text(choices=MIXING_UNITS),
+        "schedule": ListOf(Record(ScheduleEntry)),
+        "cache_dir": OrAbsent(FilePath()),
+        "cache_max_bytes": Integer(minimum=1),
+        "verify_checksums": Boolean(),
+        "verify_local_files": Boolean(),
+        "storage_endpoint": OrAbsent(Text()),
+        "storage": SubTable(_storage_options_class, _storage_top_level,
+                            note="cache_dir, cache_max_bytes, verify_checksums, verify_local_files and "
+                                 "storage_endpoint are top-level fields"),
+        "worker_timeout_s": Number(minimum=0, exclusive=True, hint="a worker timeout of 0 would fail every wait"),
+        "read_ahead": Boolean(),
+        "read_ahead_threads": Integer(minimum=1, hint="set read_ahead = false to read on demand"),
+        "batch_fields": Names(BATCH_FIELDS, required=("input_ids",)),
+        "step_states_kept": Integer(minimum=0),
+    }
+
     def __post_init__(self) -> None:
-        datasets = tuple(
-            d if isinstance(d, SourceConfig) else SourceConfig(**_only_known(SourceConfig, d, "datasets entry"))
-            for d in (self.datasets or ())
-        )
-        object.__setattr__(self, "datasets", datasets)
-        schedule = tuple(
-            s if isinstance(s, ScheduleEntry) else ScheduleEntry(step=int(s["step"]), weights=dict(s["weights"]))
-            for s in (self.schedule or ())
-        )
-        object.__setattr__(self, "schedule", schedule)
-        if isinstance(self.batch_fields, (list, tuple)):
-            object.__setattr__(self, "batch_fields", tuple(self.batch_fields))
-        self._validate()
+        # Every field's type and range (loader.validation), then the checks across fields.
+        validate_instance(self, ConfigError, "loader config")
+        problems = self._cross_field_problems()
+        if problems:
+            fail(ConfigError, "loader config", problems)
 
     def storage_options(self):
         """The :class:`loader.storage.StorageOptions` for every read (manifest, tokenizer, lanes)."""
         from loader.storage import StorageOptions
 
-        top_level = {"cache_dir", "cache_max_bytes", "verify_checksums", "endpoint"}
-        allowed = sorted({f.name for f in fields(StorageOptions)} - top_level)
-        unknown = sorted(set(self.storage) - set(allowed))
-        if unknown:
-            raise ConfigError(
-                f"storage: unknown field(s) {unknown}; valid: {allowed} (cache_dir, cache_max_bytes, "
-                "verify_checksums and storage_endpoint are top-level fields)"
-            )
-        try:
-            return StorageOptions(
-                cache_dir=self.cache_dir, cache_max_bytes=self.cache_max_bytes,
-                verify_checksums=self.verify_checksums, endpoint=self.storage_endpoint, **self.storage,
-            )
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
+        top_level = {name: getattr(self, ours) for name, ours in STORAGE_TOP_LEVEL.items()}
+        top_level.update({name: getattr(self, name) for name in _storage_top_level() - set(STORAGE_TOP_LEVEL)})
+        return StorageOptions(**top_level, **self.storage)
 
-    def _validate(self) -> None:
-        if not self.datasets:
-            raise ConfigError("datasets: at least one dataset is needed, e.g. datasets = [{path = \"data/web\"}]")
-        for name in ("seq_len", "global_batch_size", "micro_batch_size", "best_fit_open_bins"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer (got {name}={value!r})")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ConfigError(f"seed must be an integer >= 0; there is no default seed (got seed={self.seed!r})")
-        if self.packing not in PACKING_MODES:
-            raise ConfigError(f"packing must be one of {PACKING_MODES} (got packing={self.packing!r})")
-        if self.mixing_unit not in MIXING_UNITS:
-            raise ConfigError(f"mixing_unit must be one of {MIXING_UNITS} (got mixing_unit={self.mixing_unit!r})")
-        if not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ConfigError(f"num_workers must be an integer >= 0 (got num_workers={self.num_workers!r})")
-        if not isinstance(self.prefetch, int) or self.prefetch < 1:
-            raise ConfigError(f"prefetch must be an integer >= 1 (got prefetch={self.prefetch!r})")
-        if not isinstance(self.step_states_kept, int) or isinstance(self.step_states_kept, bool) \
-                or self.step_states_kept < 0:
-            raise ConfigError(f"step_states_kept must be an integer >= 0 (got step_states_kept={self.step_states_kept!r})")
-        if not isinstance(self.read_ahead, bool):
-            raise ConfigError(f"read_ahead must be true or false (got read_ahead={self.read_ahead!r})")
-        if not isinstance(self.read_ahead_threads, int) or isinstance(self.read_ahead_threads, bool) \
-                or self.read_ahead_threads < 1:
-            raise ConfigError(f"read_ahead_threads must be an integer >= 1 (got read_ahead_threads="
-                              f"{self.read_ahead_threads!r}); set read_ahead = false to read on demand")
-        if (not isinstance(self.batch_fields, tuple) or "input_ids" not in self.batch_fields
-                or not set(self.batch_fields) <= set(BATCH_FIELDS)):
-            unknown = sorted(set(self.batch_fields) - set(BATCH_FIELDS)) if isinstance(self.batch_fields, tuple) else []
-            raise ConfigError(
-                f"batch_fields must be a list of names from {list(BATCH_FIELDS)} that includes 'input_ids' "
-                f"(got batch_fields={self.batch_fields!r}" + (f"; unknown: {unknown})" if unknown else ")")
-            )
-        if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ConfigError("tokenizer: path to a tokenizer.json is required (it also names the EOS/BOS ids)")
+    def _cross_field_problems(self) -> list[str]:
+        """Problems between fields whose types and ranges are already valid."""
+        problems = []
         if not (self.add_eos or self.add_bos) and self.packing == "concat":
-            raise ConfigError(
+            problems.append(
                 "concat packing needs a document separator: set add_eos = true (recommended) or add_bos = true"
             )
         names = [d.name for d in self.datasets if d.name is not None]
         if len(names) != len(set(names)):
-            raise ConfigError(f"datasets: source names must be unique (got {names})")
+            problems.append(f"datasets: source names must be unique (got {names})")
         if sum(d.weight for d in self.datasets) <= 0:
-            raise ConfigError("datasets: at least one weight must be > 0")
-        self.storage_options()
+            problems.append("datasets: at least one weight must be > 0")
         last = -1
         for entry in self.schedule:
             if entry.step <= last:
-                raise ConfigError(f"schedule: steps must be strictly increasing (got {entry.step} after {last})")
+                problems.append(f"schedule: steps must be strictly increasing (got {entry.step} after {last})")
             last = entry.step
+        return problems
 
     # -- construction ------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> "LoaderConfig":
+        """Build from a mapping (a parsed file); every unknown, missing or bad field is named at once."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: a loader config must be a table/object of fields (got {type(data).__name__})")
         data = dict(data)
         if "loader" in data and isinstance(data["loader"], dict):  # allow a [loader] table
             data = {**data.pop("loader"), **data}
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(
-                f"{where}: unknown field(s) {unknown}; valid fields: {sorted(f.name for f in fields(cls))}"
-            )
+        problems = Problems()
+        stored = check_record(cls, data, "", problems)
+        if problems:
+            fail(ConfigError, where, problems.items)
         try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ConfigError(f"{where}: {exc}") from exc
+            return cls(**stored)
+        except ConfigError as exc:
+            fail(ConfigError, where, getattr(exc, "problems", [str(exc)]))
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> "LoaderConfig":
         """Load a ``.toml`` or ``.json`` file; relative dataset/tokenizer paths are relative to it."""
-        with open(path, "rb") as fh:
-            raw = fh.read()
         try:
-            data = tomllib.loads(raw.decode()) if path.endswith(".toml") else json.loads(raw)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: cannot parse ({exc})") from exc
+            with open(path, "rb") as fh:
+                raw = fh.read()
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: cannot be read ({exc.strerror or exc})") from exc
+        try:
+            data = tomllib.loads(raw.decode("utf-8")) if path.endswith(".toml") else json.loads(raw)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            kind = "TOML" if path.endswith(".toml") else "JSON"
+            raise ConfigError(f"{path}: cannot parse as {kind} ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a loader config must be a table/object of fields (got {type(data).__name__})")
         base = os.path.dirname(os.path.abspath(path))
-        for entry in data.get("datasets", []):
-            if isinstance(entry, dict) and "path" in entry:
+        datasets = data.get("datasets")
+        for entry in datasets if isinstance(datasets, list) else ():
+            if isinstance(entry, dict) and isinstance(entry.get("path"), str):
                 entry["path"] = _resolve(base, entry["path"])
         for key in ("tokenizer", "cache_dir"):
-            if isinstance(data.get(key), str):
+            if isinstance(data.get(key), str) and data[key]:
                 data[key] = _resolve(base, data[key])
         data.update(overrides)
         return cls.from_dict(data, where=path)
@@ -246,11 +264,3 @@ def _resolve(base: str, path: str) -> str:
         return path
     return os.path.normpath(os.path.join(base, path))
 
-
-def _only_known(cls, data: Any, where: str) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a table/object, got {data!r}")
-    unknown = sorted(set(data) - {f.name for f in fields(cls)})
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {unknown}; valid: {[f.name for f in fields(cls)]}")
-    return data

@@ -15,3 +15,7 @@ from __future__ import annotations
 
 class ZephonError(Exception):
     """Base class of every error Zephon raises on purpose; the message names the culprit and the fix."""
+
+    # The CLI's exit status for this error: 1 = data or a job that failed; subclasses about
+    # what the user typed or configured (options, config, topology, state) say 2 = usage.
+    exit_code: int = 1

@@ -23,8 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from loader.config import LoaderConfig
-from loader.pipeline import ZephonLoader
-from loader.state import dumps, loads, merge_rank_states
+from loader.state import StateError, dumps, loads, merge_rank_states
 
 
 def sequence_bytes(input_ids, labels) -> bytes:
@@ -59,6 +58,8 @@ def collect_fingerprints(
     Without ``load_state`` the loaders start at step 0 and steps before ``start_step`` are
     consumed but not printed.
     """
+    from loader.pipeline import ZephonLoader  # torch: not for a config or state file that is refused first
+
     if "labels" not in config.batch_fields:  # the fingerprint hashes labels too
         config = config.replace(batch_fields=config.batch_fields + ("labels",))
     loaders = [ZephonLoader(config, rank=r, world_size=world_size) for r in range(world_size)]
@@ -70,7 +71,7 @@ def collect_fingerprints(
                 loader.load_state_dict(load_state)
         first = loaders[0].step
         if load_state is not None and first != start_step:
-            raise ValueError(f"the loaded state resumes at step {first}, but --steps starts at {start_step}")
+            raise StateError(f"the loaded state resumes at step {first}, but --steps starts at {start_step}")
         names = loaders[0].source_names
         micro_per_step = loaders[0].topology.micro_steps_per_step
         for step in range(first, end_step):
@@ -136,8 +137,31 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_state_file(path: str) -> dict:
+    """A merged state written by ``--save-state``: read as JSON only, never unpickled."""
+    with open(path, "rb") as fh:  # a missing file or a directory: the CLI reports the OSError
+        raw = fh.read()
+    fix = "pass the JSON file written by --save-state (a pickle or torch checkpoint is never loaded)"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StateError(f"--load-state {path}: a loader state must be JSON text (not UTF-8: {exc}); {fix}") from exc
+    try:
+        return loads(text)
+    except StateError as exc:
+        raise StateError(f"--load-state {path}: {exc}; {fix}") from exc
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_arg_parser().parse_args(argv)
+    """``zephon fingerprints``: errors are reported by :func:`loader.cli.run_command`."""
+    from loader.cli import run_command
+
+    return run_command("fingerprints", argv)
+
+
+def command(argv: Sequence[str]) -> int:
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
     overrides = {}
     if args.num_workers is not None:
         overrides["num_workers"] = args.num_workers
@@ -147,14 +171,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         overrides["prefetch"] = args.prefetch
     config = LoaderConfig.from_file(args.config, **overrides)
     start, end = args.steps
-    save_step, save_file = (int(args.save_state[0]), args.save_state[1]) if args.save_state else (None, None)
-    if save_step is not None and not start <= save_step <= end:
-        print(f"zephon fingerprints: --save-state STEP must lie in {start}..{end} (got {save_step})", file=sys.stderr)
-        return 2
-    load_state = None
-    if args.load_state:
-        with open(args.load_state) as fh:
-            load_state = loads(fh.read())
+    save_step, save_file = None, None
+    if args.save_state:
+        step_text, save_file = args.save_state
+        if not step_text.isdigit() or not start <= int(step_text) <= end:
+            parser.error(f"--save-state STEP must be an integer in {start}..{end} (got {step_text!r})")
+        save_step = int(step_text)
+    load_state = read_state_file(args.load_state) if args.load_state else None
     results, saved = collect_fingerprints(
         config, world_size=args.world_size, start_step=start, end_step=end,
         load_state=load_state, save_state_step=save_step,

@@ -20,6 +20,7 @@ and *which* output, and the lanes answer *what*.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from loader.errors import ZephonError
@@ -27,6 +28,8 @@ from loader.errors import ZephonError
 
 class TopologyError(ZephonError, ValueError):
     """A world size, batch size or micro-batch size that the lane layout cannot serve."""
+
+    exit_code = 2  # the CLI's usage-error status
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,29 @@ def validate_topology(
         )
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# Trial divisions at most when listing divisors in a message: the message of a huge batch
+# size is built in milliseconds (listing all divisors of 10**12 one by one took minutes).
+_DIVISOR_SEARCH = 10**5
+_DIVISORS_SHOWN = 32
+
+
+def _divisors(n: int) -> str:
+    """``n``'s divisors for a message: all of them when few, else the smallest and largest few.
+
+    Pairs ``(d, n // d)`` with ``d <= sqrt(n)`` and ``d <= _DIVISOR_SEARCH``, so the cost is
+    bounded whatever ``n`` is; divisors between the two halves that the search did not
+    reach are shown as ``...``.
+    """
+    root = math.isqrt(n)
+    small = [d for d in range(1, min(root, _DIVISOR_SEARCH) + 1) if n % d == 0]
+    large = [n // d for d in reversed(small) if n // d != d]
+    complete = root <= _DIVISOR_SEARCH
+    found = small + large
+    if complete and len(found) <= _DIVISORS_SHOWN:
+        return str(found)
+    half = _DIVISORS_SHOWN // 2
+    head, tail = (small[:half], large[-half:]) if len(found) > _DIVISORS_SHOWN else (small, large)
+    return "[" + ", ".join(map(str, head)) + ", ..., " + ", ".join(map(str, tail)) + "]"
 
 
 def lane_of_index(global_index: int, num_lanes: int) -> int:

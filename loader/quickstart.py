@@ -34,7 +34,18 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_arg_parser().parse_args(argv)
+    """``zephon quickstart``: errors are reported by :func:`loader.cli.run_command`."""
+    from loader.cli import run_command
+
+    return run_command("quickstart", argv)
+
+
+def command(argv: Sequence[str]) -> int:
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    for option, value, minimum in (("--docs", args.docs, 1), ("--steps", args.steps, 2), ("--num-lanes", args.num_lanes, 1)):
+        if value < minimum:  # --steps: step 5 resumes from a checkpoint inside the run
+            parser.error(f"{option} must be >= {minimum} (got {value})")
     from beam_jobs import inspect_dataset, sample_data, shard
     from loader.config import LoaderConfig
     from loader.fingerprints import collect_fingerprints

@@ -8,6 +8,7 @@ paths use ``google-cloud-storage`` (see :mod:`loader.gcs`), which honours
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import BinaryIO
 
@@ -57,6 +58,9 @@ def open_input(path: str) -> BinaryIO:
 
 from dataclasses import dataclass as _dataclass
 from typing import Optional as _Optional
+from typing import ClassVar as _ClassVar
+
+from loader import validation as _rules
 
 
 class StorageError(ZephonError, IOError):
@@ -85,6 +89,7 @@ class StorageOptions:
     cache_dir: _Optional[str] = None  # local cache for remote lane files (None = no cache)
     cache_max_bytes: int = 10 * 1024**3
     verify_checksums: bool = True  # compare with the manifest's sha256 where the file is read whole
+    verify_local_files: bool = False  # sha256 of local lane files on first open (off: README "Data integrity")
     endpoint: _Optional[str] = None  # explicit GCS endpoint (else STORAGE_EMULATOR_HOST / Google)
     retry_max_attempts: int = 8  # attempts per request, the first one included
     retry_initial_backoff_s: float = 0.5  # backoff cap before the 1st retry; doubles each retry
@@ -94,23 +99,46 @@ class StorageOptions:
     readahead_bytes: int = 8 * _MIB  # ranged-read window (memory per open remote file)
     whole_file_max_bytes: int = 4 * _MIB  # remote files up to this size are fetched whole + sha256-checked
 
+    # Checked by loader.validation; the LoaderConfig ``storage`` table reuses these rules.
+    FIELD_RULES: _ClassVar[dict] = {
+        "cache_dir": _rules.OrAbsent(_rules.FilePath()),
+        "cache_max_bytes": _rules.Integer(minimum=1),
+        "verify_checksums": _rules.Boolean(),
+        "verify_local_files": _rules.Boolean(),
+        "endpoint": _rules.OrAbsent(_rules.Text()),
+        "retry_max_attempts": _rules.Integer(minimum=1),
+        "retry_initial_backoff_s": _rules.Number(minimum=0),
+        "retry_max_backoff_s": _rules.Number(minimum=0),
+        "retry_deadline_s": _rules.Number(minimum=0),
+        "request_timeout_s": _rules.Number(minimum=0, exclusive=True,
+                                           hint="a request without a timeout can hang forever"),
+        "readahead_bytes": _rules.Integer(minimum=1),
+        "whole_file_max_bytes": _rules.Integer(minimum=0),
+    }
+
     def __post_init__(self) -> None:
-        problems = []
-        positive_ints = ("cache_max_bytes", "retry_max_attempts", "readahead_bytes")
-        for name in positive_ints:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                problems.append(f"{name} must be a positive int (got {value!r})")
-        if not isinstance(self.whole_file_max_bytes, int) or self.whole_file_max_bytes < 0:
-            problems.append(f"whole_file_max_bytes must be an int >= 0 (got {self.whole_file_max_bytes!r})")
-        for name in ("retry_initial_backoff_s", "retry_max_backoff_s", "retry_deadline_s", "request_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                problems.append(f"{name} must be a number >= 0 (got {value!r})")
-        if not problems and self.request_timeout_s == 0:
-            problems.append("request_timeout_s must be > 0 (got 0): a request without a timeout can hang forever")
-        if problems:
-            raise ValueError("StorageOptions: " + "; ".join(problems))
+        from loader.config import ConfigError
+
+        _rules.validate_instance(self, ConfigError, "StorageOptions")
+
+
+HASH_CHUNK_BYTES = 4 * _MIB
+
+
+def sha256_of_file(handle) -> str:
+    """Hex SHA-256 of ``handle`` from its position to its end, in 4 MiB chunks.
+
+    The one way lane files are hashed after they are written: cached copies
+    (:mod:`loader.cache`) and local lane files (``verify_local_files``). An Arrow file
+    hands out its chunks without a copy (``read_buffer``); hashlib releases the GIL while
+    it hashes a large chunk, so a read-ahead thread hashing a file leaves the trainer's
+    thread free.
+    """
+    read = getattr(handle, "read_buffer", None) or handle.read
+    sha = hashlib.sha256()
+    while len(chunk := read(HASH_CHUNK_BYTES)):
+        sha.update(chunk)
+    return sha.hexdigest()
 
 
 def open_lane_file(dataset_path: str, entry, options: StorageOptions = StorageOptions()) -> BinaryIO:

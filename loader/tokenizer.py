@@ -21,24 +21,44 @@ BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]", "<|startoftext|>
 class TokenizerError(ZephonError, ValueError):
     """A tokenizer file that cannot be loaded or lacks a needed special token."""
 
+    exit_code = 2  # the CLI's usage-error status: the tokenizer named cannot be used
+
 
 def load_tokenizer(path: str, storage_options=None):
-    """Load ``tokenizer.json`` from a local path or ``gs://`` (read with ``storage_options``)."""
+    """Load ``tokenizer.json`` from a local path or ``gs://`` (read with ``storage_options``).
+
+    A path that is missing, a directory or unreadable, and a file that is not a Hugging Face
+    ``tokenizers`` JSON, are a :class:`TokenizerError` naming the path.
+    """
     from tokenizers import Tokenizer
 
     from loader import storage
 
+    hint = "pass the tokenizer.json saved by `tokenizer.save(...)` / `AutoTokenizer.save_pretrained(...)`"
+    if not isinstance(path, str) or not path:
+        raise TokenizerError(f"tokenizer path must be a non-empty string (got {path!r})")
     try:
         raw = storage.read_bytes(path, storage_options)
+    except storage.StorageNotFoundError as exc:
+        raise TokenizerError(f"tokenizer file {path} does not exist (config field 'tokenizer')") from exc
+    except storage.StorageError:
+        raise  # a gs:// read that failed: already names the object
     except FileNotFoundError as exc:
         raise TokenizerError(f"tokenizer file {path} does not exist (config field 'tokenizer')") from exc
-    try:
-        return Tokenizer.from_str(raw.decode("utf-8"))
-    except Exception as exc:  # tokenizers raises a plain Exception on bad JSON
+    except IsADirectoryError as exc:
         raise TokenizerError(
-            f"{path} is not a Hugging Face tokenizers file ({exc}); pass the tokenizer.json "
-            "saved by `tokenizer.save(...)` / `AutoTokenizer.save_pretrained(...)`."
+            f"tokenizer {path} is a directory; point 'tokenizer' at the tokenizer.json file inside it"
         ) from exc
+    except OSError as exc:
+        raise TokenizerError(f"tokenizer file {path} cannot be read ({exc.strerror or exc})") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"{path} is not a Hugging Face tokenizers file (not UTF-8 text: {exc}); {hint}") from exc
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises a plain Exception on bad JSON
+        raise TokenizerError(f"{path} is not a Hugging Face tokenizers file ({exc}); {hint}") from exc
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
