@@ -20,6 +20,9 @@ A rank-local state holds the rank's own lanes. :func:`merge_rank_states` turns t
 states of one step into the global state, which any rank of any topology can load (each
 takes its lanes). The size is bounded by ``L x (cursor + packer bound)``; it does not grow
 with the step.
+
+Nothing in a state is trusted: :mod:`loader.checkpoint_schema` checks every field on load and
+names the JSON path of each bad one (``lanes.00017.sources.web.packer.stream.block``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ STATE_VERSION = 1
 class StateError(ZephonError, ValueError):
     """A checkpoint that cannot be loaded here; the message names what differs."""
 
+    exit_code = 2  # the CLI's usage-error status: the state file given cannot be used
+
 
 def lane_key(lane_id: int) -> str:
     return f"{lane_id:05d}"
@@ -51,6 +56,8 @@ def to_jsonable(value: Any) -> Any:
         return [to_jsonable(v) for v in value]
     if isinstance(value, np.ndarray):
         return value.tolist()
+    if hasattr(value, "get_state"):  # a StateSnapshot (loader.packing): built now, as it was when taken
+        return to_jsonable(value.get_state())
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.bool_):
@@ -59,42 +66,48 @@ def to_jsonable(value: Any) -> Any:
 
 
 def check_header(state: Any) -> None:
-    if not isinstance(state, dict):
-        raise StateError(f"a loader state must be a JSON object (got {type(state).__name__})")
-    if state.get("format") != STATE_FORMAT:
-        raise StateError(f"not a Zephon loader state (format={state.get('format')!r}, expected {STATE_FORMAT!r})")
-    version = state.get("version")
-    if version != STATE_VERSION:
-        raise StateError(
-            f"loader state version {version!r} is not supported by this Zephon (supports {STATE_VERSION})"
-        )
-    missing = [k for k in ("num_lanes", "config", "sources", "lanes", "schedule") if k not in state]
-    if missing:
-        raise StateError(f"loader state is missing field(s) {missing}")
+    """Refuse a state whose top level is malformed, naming the JSON path of every bad field
+    (:func:`loader.checkpoint_schema.parse_header`; lanes are checked on load)."""
+    from loader.checkpoint_schema import parse_header
+
+    parse_header(state)
 
 
 def compare_with(state: dict, expected: dict) -> None:
-    """Refuse a resume whose stream-defining settings differ; name every difference."""
+    """Refuse a resume whose stream-defining settings differ; name every difference by its JSON path."""
     differences = []
     if state["num_lanes"] != expected["num_lanes"]:
         differences.append(f"num_lanes (lane count L): checkpoint {state['num_lanes']}, now {expected['num_lanes']}")
     for key, now in expected["config"].items():
-        saved = state["config"].get(key)
-        if saved != now:
-            differences.append(f"{key}: checkpoint {saved!r}, now {now!r}")
+        if key not in state["config"]:
+            differences.append(f"config.{key}: missing from the checkpoint, now {now!r}")
+            continue
+        saved = state["config"][key]
+        if saved != now or type(saved) is not type(now):  # True == 1, but a bool is not a count
+            differences.append(f"config.{key}: checkpoint {saved!r}, now {now!r}")
+    for key in state["config"]:
+        if key not in expected["config"]:
+            differences.append(f"config.{key}: not a stream setting of this Zephon (checkpoint {state['config'][key]!r})")
+    if state.get("config_fingerprint") != expected["config_fingerprint"] and not differences:
+        differences.append(
+            f"config_fingerprint: checkpoint {str(state.get('config_fingerprint'))[:12]}... does not match "
+            f"its own config (now {expected['config_fingerprint'][:12]}...)"
+        )
     if state.get("tokenizer_fingerprint") != expected["tokenizer_fingerprint"]:
         differences.append(
-            "tokenizer: checkpoint fingerprint "
+            "tokenizer_fingerprint, tokenizer: checkpoint fingerprint "
             f"{str(state.get('tokenizer_fingerprint'))[:12]}..., now {expected['tokenizer_fingerprint'][:12]}..."
         )
     saved_sources = [(s["name"], s["dataset_fingerprint"]) for s in state["sources"]]
     now_sources = [(s["name"], s["dataset_fingerprint"]) for s in expected["sources"]]
     if [n for n, _ in saved_sources] != [n for n, _ in now_sources]:
-        differences.append(f"datasets (source names): checkpoint {[n for n, _ in saved_sources]}, now {[n for n, _ in now_sources]}")
+        differences.append(f"sources[].name (datasets): checkpoint {[n for n, _ in saved_sources]}, "
+                           f"now {[n for n, _ in now_sources]}")
     else:
-        for (name, saved_fp), (_, now_fp) in zip(saved_sources, now_sources):
+        for k, ((name, saved_fp), (_, now_fp)) in enumerate(zip(saved_sources, now_sources)):
             if saved_fp != now_fp:
-                differences.append(f"dataset {name!r}: checkpoint fingerprint {saved_fp[:12]}..., now {now_fp[:12]}...")
+                differences.append(f"sources[{k}].dataset_fingerprint, dataset {name!r}: checkpoint fingerprint "
+                                   f"{saved_fp[:12]}..., now {now_fp[:12]}...")
     if differences:
         raise StateError(
             "cannot resume: the checkpoint was made with a different data configuration; "
@@ -116,7 +129,12 @@ def merge_rank_states(states: Iterable[dict]) -> dict:
     world_size = states[0]["world_size"]
     ranks = sorted(s["rank"] for s in states)
     if ranks != list(range(world_size)):
-        raise StateError(f"need one state per rank 0..{world_size - 1} (got ranks {ranks})")
+        raise StateError(
+            f"need one state per rank 0..{world_size - 1} (got ranks {ranks}); gather the states of all "
+            "data-parallel ranks. If the processes gathered are one data-parallel group under tensor/pipeline "
+            "parallelism, the loaders were built from the global RANK/WORLD_SIZE: construct them with "
+            "dp_rank/dp_world_size (or device_mesh=..., dp_mesh_dim=...) so that peers share a rank"
+        )
     positions = {s["rank_position"] * world_size for s in states}
     if len(positions) != 1:
         raise StateError(
@@ -167,6 +185,10 @@ def dumps(state: dict) -> str:
 
 
 def loads(text: str) -> dict:
-    state = json.loads(text)
+    """Parse a state from JSON text (JSON only: never pickle) and check its top level."""
+    try:
+        state = json.loads(text)
+    except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, bytes that are not UTF-8
+        raise StateError(f"a loader state must be JSON text ({exc.__class__.__name__}: {exc})") from None
     check_header(state)
     return state

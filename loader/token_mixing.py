@@ -62,6 +62,7 @@ class MixedTokenStream:
         # Where take_rows last found no whole row: it cannot find one again before a block
         # or the window changes (consuming documents only shortens what is certain).
         self._no_rows_at: Optional[tuple] = None
+        self._restored_path: Optional[str] = None  # a restored state whose documents are not checked yet
 
     def set_phase(self, phase_start: int, weights: tuple[Fraction, ...], rows_left: Optional[int] = None) -> None:
         """Called by the lane before each sequence with the phase of its global index.
@@ -117,6 +118,8 @@ class MixedTokenStream:
 
     def take(self, n: int, *, within_document: bool = False) -> Optional[Chunk]:
         """Up to ``n`` tokens, document by document from the chosen sources; None at the end."""
+        if self._restored_path is not None:
+            self._check_restored_documents()
         tokens: list[np.ndarray] = []
         doc_starts: list[np.ndarray] = []
         sources: list[int] = []
@@ -172,6 +175,8 @@ class MixedTokenStream:
         are known ahead within the blocks, so the decisions are made for many documents at
         once (two sources: a merge of two sorted key sequences, see :func:`_merge_two`).
         """
+        if self._restored_path is not None:
+            self._check_restored_documents()
         if self.rows_left is not None:
             max_rows = min(max_rows, self.rows_left)
         alive = self._alive_sources()
@@ -245,14 +250,34 @@ class MixedTokenStream:
             "phase_start": self.phase_start,
         }
 
-    def set_state(self, state: dict) -> None:
-        for stream, saved in zip(self.streams, state["sources"]):
-            stream.set_state(saved)
+    def set_state(self, state: dict, path: str = "stream") -> None:
+        """``state`` as checked by ``loader.checkpoint_schema``; ``path``: its JSON path, for errors."""
+        for k, (stream, saved) in enumerate(zip(self.streams, state["sources"])):
+            stream.set_state(saved, path=f"{path}.sources[{k}]")
         self._alive = None
         self._no_rows_at = None
         self.tokens = [int(t) for t in state["tokens"]]
         self.current = int(state["current"])
         self.phase_start = int(state["phase_start"])
+        self._restored_path = path
+
+    def _check_restored_documents(self) -> None:
+        """A restored ``current`` must match the cursors: the open document's source stands
+        inside a document, every other source at a document start (how ``take`` and
+        ``take_rows`` leave them). Checked at the first read after ``set_state``, as it
+        reads the cursors' blocks; else a wrong ``current`` would silently continue a
+        document that has ended, or choose anew inside one."""
+        from loader.state import StateError
+
+        path, self._restored_path = self._restored_path, None
+        for s, stream in enumerate(self.streams):
+            at_start = stream.at_document_start()
+            if s == self.current and at_start:
+                raise StateError(f"{path}.current: source {s} is the open document's, but its cursor "
+                                 f"({path}.sources[{s}]) stands at a document start")
+            if s != self.current and not at_start:
+                raise StateError(f"{path}.current: is {self.current}, but source {s}'s cursor "
+                                 f"({path}.sources[{s}]) stands inside a document, so it must be {s}")
 
 
 class _SourcePieces:

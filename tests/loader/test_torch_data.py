@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from loader.config import ConfigError
 from loader.pipeline import ZephonLoader
 from loader.torch_data import ZephonIterableDataset
 
@@ -45,5 +46,5 @@ def test_dataloader_with_batch_size_none_yields_the_loaders_batches(make_config)
 
 def test_dataloader_workers_are_refused(make_config):
     with ZephonLoader(make_config()) as loader:
-        with pytest.raises(RuntimeError, match="num_workers=0"):
+        with pytest.raises(ConfigError, match="num_workers=0"):
             next(iter(DataLoader(ZephonIterableDataset(loader), batch_size=None, num_workers=1)))

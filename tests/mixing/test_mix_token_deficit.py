@@ -60,7 +60,7 @@ class FakeStream:
     def get_state(self) -> dict:
         return {"doc": self.doc, "offset": self.offset, "exhausted": self.exhausted}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict, path: str = "stream") -> None:  # path: named by errors of real streams
         self.doc, self.offset, self.exhausted = state["doc"], state["offset"], state["exhausted"]
 
 
