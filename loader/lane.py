@@ -22,6 +22,7 @@ from loader.lane_reader import LaneTokenStream, TokenFormat, read_ahead_depth
 from loader.mixing import MixingSchedule
 from loader.ordering import lane_outputs_before
 from loader.packing import BestFitPacker, ConcatPacker, PackedSequence
+from loader.state import StateError, lane_key
 from loader.storage import StorageOptions
 from loader.token_mixing import MixedTokenStream
 
@@ -162,26 +163,39 @@ class Lane:
             )
 
     def get_state(self) -> dict:
+        return self._state(lambda packer: packer.get_state())
+
+    def snapshot(self) -> dict:
+        """``get_state()`` as of now, where a packer's part may be a ``StateSnapshot`` (best fit:
+        its arrays are built only if the snapshot is saved; ``loader.state.to_jsonable`` does it)."""
+        return self._state(lambda packer: packer.snapshot() if hasattr(packer, "snapshot") else packer.get_state())
+
+    def _state(self, packer_state) -> dict:
         if self.token_mixing:
-            return {"outputs": self.outputs, "mixed": self.packers[0].get_state()}
+            return {"outputs": self.outputs, "mixed": packer_state(self.packers[0])}
         return {
             "outputs": self.outputs,
             "sources": {
-                source.name: {"packer": packer.get_state(), "stopped": stopped}
+                source.name: {"packer": packer_state(packer), "stopped": stopped}
                 for source, packer, stopped in zip(self.spec.sources, self.packers, self.stopped)
             },
         }
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict, path: Optional[str] = None) -> None:
+        """Continue from a lane state checked by ``loader.checkpoint_schema`` (as
+        ``ZephonLoader.load_state_dict`` does); ``path`` (default ``lanes.<lane>``) is its JSON
+        path, named by the checks that need the data (a cursor's offset inside its block)."""
+        path = f"lanes.{lane_key(self.lane_id)}" if path is None else path
         self.outputs = int(state["outputs"])
         if self.token_mixing:
             if "mixed" not in state:
-                raise ValueError(f"lane {self.lane_id} state is not a token-mixing state")
-            self.packers[0].set_state(state["mixed"])
+                raise StateError(f"{path}.mixed: missing (lane {self.lane_id} state is not a token-mixing state)")
+            self.packers[0].set_state(state["mixed"], path=f"{path}.mixed")
             return
         for k, source in enumerate(self.spec.sources):
-            saved = state["sources"].get(source.name)
+            saved = state.get("sources", {}).get(source.name)
             if saved is None:
-                raise ValueError(f"lane {self.lane_id} state has no entry for source {source.name!r}")
-            self.packers[k].set_state(saved["packer"])
+                raise StateError(f"{path}.sources.{source.name}: missing (lane {self.lane_id} state has no entry "
+                                 f"for source {source.name!r})")
+            self.packers[k].set_state(saved["packer"], path=f"{path}.sources.{source.name}.packer")
             self.stopped[k] = bool(saved["stopped"])

@@ -223,10 +223,23 @@ class ConcatPacker:
             return {"stream": self.stream.rewound_state(waiting, self.seq_len)}
         return {"stream": self.stream.get_state()}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict, path: str = "packer") -> None:
+        """``state`` as checked by ``loader.checkpoint_schema``; ``path``: its JSON path, for errors."""
         self._fill_rows = self._next_row = 0
         self._cut_rows = None
-        self.stream.set_state(state["stream"])
+        self.stream.set_state(state["stream"], path=f"{path}.stream")
+
+
+class StateSnapshot:
+    """A stage's state taken at one moment, turned into its ``get_state()`` dict on demand."""
+
+    __slots__ = ("_build", "_args")
+
+    def __init__(self, build, *args) -> None:
+        self._build, self._args = build, args
+
+    def get_state(self) -> dict:
+        return self._build(*self._args)
 
 
 @dataclass(eq=False)  # identity: ``bins.remove`` must not compare the numpy pieces
@@ -285,29 +298,44 @@ class BestFitPacker:
                 return sequence
             self.bins.append(new_bin)
 
+    def snapshot(self) -> "StateSnapshot":
+        """The state as of now, cheap to take: ``get_state()``'s arrays are built only if used.
+
+        Pieces are never changed once made (bins only gain pieces), so holding the lists of
+        pieces is enough. The loader takes one of these per lane at every step boundary;
+        building the arrays costs hundreds of microseconds per lane.
+        """
+        return StateSnapshot(self._state_of, self.stream.get_state(), self.serial,
+                             [(b.serial, list(b.pieces)) for b in self.bins])
+
     def get_state(self) -> dict:
+        return self._state_of(self.stream.get_state(), self.serial, [(b.serial, b.pieces) for b in self.bins])
+
+    @staticmethod
+    def _state_of(stream_state: dict, serial: int, open_bins: list[tuple[int, list[Chunk]]]) -> dict:
         bins = []
-        for bin_ in self.bins:
-            tokens = np.concatenate([p.tokens for p in bin_.pieces])
-            piece_starts = np.cumsum([0] + [len(p.tokens) for p in bin_.pieces[:-1]])
+        for bin_serial, pieces in open_bins:
+            tokens = np.concatenate([p.tokens for p in pieces])
+            piece_starts = np.cumsum([0] + [len(p.tokens) for p in pieces[:-1]])
             doc_starts = np.concatenate(
-                [p.doc_starts + s for p, s in zip(bin_.pieces, piece_starts)]
-            ) if bin_.pieces else np.zeros(0, np.int64)
+                [p.doc_starts + s for p, s in zip(pieces, piece_starts)]
+            ) if pieces else np.zeros(0, np.int64)
             # numpy arrays here; loader.state turns them into JSON lists only when saving,
             # so snapshotting after every sequence (worker prefetch) stays cheap.
             saved = {
-                "serial": bin_.serial,
+                "serial": bin_serial,
                 "tokens": tokens,
                 "piece_starts": piece_starts.astype(np.int64),
                 "doc_starts": doc_starts.astype(np.int64),
             }
-            if bin_.pieces[0].token_sources is not None:
-                saved["token_sources"] = np.concatenate([p.token_sources for p in bin_.pieces])
+            if pieces[0].token_sources is not None:
+                saved["token_sources"] = np.concatenate([p.token_sources for p in pieces])
             bins.append(saved)
-        return {"stream": self.stream.get_state(), "bins": bins, "serial": self.serial}
+        return {"stream": stream_state, "bins": bins, "serial": serial}
 
-    def set_state(self, state: dict) -> None:
-        self.stream.set_state(state["stream"])
+    def set_state(self, state: dict, path: str = "packer") -> None:
+        """``state`` as checked by ``loader.checkpoint_schema``; ``path``: its JSON path, for errors."""
+        self.stream.set_state(state["stream"], path=f"{path}.stream")
         self.serial = int(state["serial"])
         self.bins = []
         for saved in state["bins"]:

@@ -30,30 +30,24 @@ from __future__ import annotations
 
 import collections
 import logging
-import multiprocessing as mp
-import os
-import queue
-import shutil
-import tempfile
-import time
 import weakref
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from loader import state as state_mod
+from loader import checkpoint_schema, state as state_mod
 from loader.config import LoaderConfig
 from loader.data_parallel import resolve_data_parallel
-from loader.errors import ZephonError
 from loader.lane import LaneSpec, SourceSpec
 from loader.lane_reader import TokenFormat
 from loader.manifest import Manifest, ManifestError, read_manifest
 from loader.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.packing import IGNORE_INDEX, ConcatRow
 from loader.ordering import Topology, lanes_of_worker, lane_outputs_before
-from loader.producer import End, Item, build_lanes, produce_one, unpack_items, worker_main, write_worker_input
+from loader.producer import End, Item, build_lanes, produce_one
 from loader.step_states import StepStateHistory
+from loader.workers.pool import WorkerError, WorkerPool, slots_per_worker  # noqa: F401 - WorkerError re-exported
 from loader.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
@@ -63,14 +57,6 @@ from loader.tokenizer import (
 )
 
 log = logging.getLogger(__name__)
-
-
-# How long close() waits for workers at each step: the stop event, SIGTERM, SIGKILL.
-_SHUTDOWN_GRACE_S = 2.0
-
-
-class WorkerError(ZephonError, RuntimeError):
-    """A loader worker process failed; the message carries its traceback."""
 
 
 class ZephonLoader:
@@ -161,7 +147,12 @@ class ZephonLoader:
         self._lanes_in_step: set[int] = set()  # lanes that produced since the last step boundary
         self._positions: Optional[np.ndarray] = None  # arange(micro_batch_size * seq_len) for _collate
         self._run: Optional[_Run] = None
+        self._pool: Optional[WorkerPool] = None
         self._finalizer = None
+        if config.num_workers > 0:
+            # Started now, so that the workers import and map their memory while the trainer
+            # builds its model; they serve every run (and restore) of this loader.
+            self._start_pool()
 
     # -- schedule ------------------------------------------------------------------------
     def _initial_phases(self) -> list[MixturePhase]:
@@ -297,46 +288,88 @@ class ZephonLoader:
         return state_mod.merge_rank_states([state_mod.loads(text) for text in gathered])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a rank-local state of this very rank, or a global (merged) state of any topology."""
-        state_mod.check_header(state)
-        expected = self._expected_header()
-        state_mod.compare_with(state, expected)
-        if "rank" in state:
-            if (state["rank"], state["world_size"]) != (self.topology.rank, self.topology.world_size):
-                raise state_mod.StateError(
-                    f"this is rank {state['rank']} of {state['world_size']}'s own state; to resume on rank "
-                    f"{self.topology.rank} of {self.topology.world_size}, merge all ranks' states with "
-                    "loader.state.merge_rank_states() (or use torch.distributed.checkpoint) and load that"
-                )
-            position = int(state["rank_position"])
-            next_index = self.topology.rank + position * self.topology.world_size
-        else:
-            next_index = int(state["next_global_index"])
-            if next_index % self.config.global_batch_size:
-                raise state_mod.StateError(
-                    f"global state at index {next_index} is not at a step boundary "
-                    f"(global_batch_size={self.config.global_batch_size})"
-                )
-            position = next_index // self.topology.world_size
-        lanes: dict[int, dict] = {}
-        for lane_id in self.rank_lanes:
-            saved = state["lanes"].get(state_mod.lane_key(lane_id))
-            if saved is None:
-                raise state_mod.StateError(f"the state has no entry for lane {lane_id}, which this rank owns")
-            expected_outputs = lane_outputs_before(next_index, lane_id, self.num_lanes)
-            if saved["outputs"] != expected_outputs:
-                raise state_mod.StateError(
-                    f"lane {lane_id} state has produced {saved['outputs']} sequences but the stream "
-                    f"position (next global index {next_index}) implies {expected_outputs}: the state is inconsistent"
-                )
-            lanes[lane_id] = saved
+        """Load a rank-local state of this very rank, or a global (merged) state of any topology.
+
+        Every field is checked first (:meth:`_checked_lane_states`); a bad state changes nothing.
+        """
+        position, next_index, lanes = self._checked_lane_states(state)
         self._adopt_schedule(state["schedule"], next_index // self.config.global_batch_size)
-        self.close()
+        self._end_run()
         self.lane_states = lanes
         self.rank_position = position
         at_boundary = position % self.topology.per_rank_batch == 0
         self._step_states.reset(position // self.topology.per_rank_batch if at_boundary else None, lanes)
         self._lanes_in_step = set()
+
+    def _checked_lane_states(self, state: Any) -> tuple[int, int, dict[int, dict]]:
+        """``(rank position, next global index, this rank's lane states)`` of a state whose every
+        field passed :mod:`loader.checkpoint_schema`: shape, then the stream settings against
+        ours, then ranges against our datasets; a :class:`~loader.state.StateError` names the
+        JSON path of each bad field."""
+        header = checkpoint_schema.parse_header(state)
+        state_mod.compare_with(state, self._expected_header())
+        if header.rank_local:
+            if (header.rank, header.world_size) != (self.topology.rank, self.topology.world_size):
+                raise state_mod.StateError(
+                    f"rank, world_size: this is rank {header.rank} of {header.world_size}'s own state; to resume on rank "
+                    f"{self.topology.rank} of {self.topology.world_size}, merge all ranks' states with "
+                    "loader.state.merge_rank_states() (or use torch.distributed.checkpoint) and load that"
+                )
+            position = header.rank_position
+            next_index = self.topology.rank + position * self.topology.world_size
+        else:
+            next_index = header.next_global_index
+            if next_index % self.config.global_batch_size:
+                raise state_mod.StateError(
+                    f"next_global_index: global state at index {next_index} is not at a step boundary "
+                    f"(global_batch_size={self.config.global_batch_size})"
+                )
+            position = next_index // self.topology.world_size
+        parsed = checkpoint_schema.parse_lanes(state["lanes"], header)
+        problems = checkpoint_schema.Problems()
+        for lane_id in self.rank_lanes:
+            if lane_id not in parsed:
+                problems.add(f"lanes.{state_mod.lane_key(lane_id)}",
+                             f"missing: the state has no entry for lane {lane_id}, which this rank owns")
+        checkpoint_schema.check_lanes(header, parsed, self._state_limits(), next_index, problems)
+        problems.raise_if_any()
+        # Bins arrive as the arrays parsed while checking them: converted once.
+        return position, next_index, {
+            l: checkpoint_schema.stage_state(state["lanes"][state_mod.lane_key(l)], parsed[l]) for l in self.rank_lanes
+        }
+
+    def _state_limits(self) -> "checkpoint_schema.StateLimits":
+        """What a checkpoint's ranges are checked against: our config and manifests (no data read)."""
+        vocab_size = getattr(self, "vocab_size", None)
+        for manifest in self.manifests:
+            if vocab_size is None and manifest.pretokenized and manifest.tokenizer:
+                vocab_size = manifest.tokenizer.get("vocab_size")
+        if vocab_size is None and self.config.packing == "best_fit" and self.spec.tokenizer_json is not None:
+            from tokenizers import Tokenizer  # text sources only: parsed once per loader
+
+            self.vocab_size = vocab_size = Tokenizer.from_str(self.spec.tokenizer_json).get_vocab_size()
+        sources = []
+        for source, manifest in zip(self.spec.sources, self.manifests):
+            blocks: dict[int, int] = {}
+            rows: dict[int, int] = {}
+            unknown: set[int] = set()
+            for entry in manifest.files:
+                if entry.rows <= 0:
+                    continue
+                rows[entry.lane] = rows.get(entry.lane, 0) + entry.rows
+                blocks[entry.lane] = blocks.get(entry.lane, 0) + entry.row_groups
+                if entry.row_groups <= 0:  # older manifests: the stream checks the block when it reads
+                    unknown.add(entry.lane)
+            sources.append(checkpoint_schema.SourceLimits(
+                name=source.name, exhaustion=source.exhaustion,
+                max_epochs=1 if source.exhaustion == "stop" else source.max_epochs,
+                blocks={l: n for l, n in blocks.items() if l not in unknown}, rows=rows,
+            ))
+        return checkpoint_schema.StateLimits(
+            num_lanes=self.num_lanes, global_batch_size=self.config.global_batch_size, seq_len=self.config.seq_len,
+            packing=self.config.packing, open_bins=self.config.best_fit_open_bins,
+            wrap_tokens=self.spec.token_format.extra, vocab_size=vocab_size, sources=tuple(sources),
+        )
 
     def _adopt_schedule(self, saved: list[dict], resume_step: int) -> None:
         """Keep the recorded history before the resume step; the config's schedule applies after."""
@@ -400,7 +433,7 @@ class ZephonLoader:
             return
         if self._run.reads_lanes_directly:
             lanes = self._run.in_process_lanes
-            changed = {l: lanes[l].get_state() for l in self._lanes_in_step}
+            changed = {l: lanes[l].snapshot() for l in self._lanes_in_step}
         else:
             changed = {l: self.lane_states[l] for l in self._lanes_in_step}
         self._step_states.record(self.step, changed)
@@ -444,10 +477,29 @@ class ZephonLoader:
 
     def _start_run(self) -> None:
         if self._run is None:
-            self._run = _Run(self)
-            self._finalizer = weakref.finalize(
-                self, _Run.shutdown_all, self._run.processes, self._run.stop_event, self._run.input_dir
-            )
+            if self.config.num_workers > 0 and (self._pool is None or not self._pool.healthy()):
+                self._stop_pool()
+                self._start_pool()
+            self._run = _Run(self, self._pool)
+
+    def _start_pool(self) -> None:
+        items_held = self.topology.per_rank_batch if self.finite else self.config.micro_batch_size
+        pool = WorkerPool(
+            num_workers=min(self.config.num_workers, len(self.rank_lanes)), seq_len=self.config.seq_len,
+            num_slots=slots_per_worker(self.config.prefetch, items_held), name=f"zephon-worker-{self.topology.rank}",
+        )
+        self._pool = pool
+        self._finalizer = weakref.finalize(
+            self, WorkerPool.shutdown_parts, pool.processes, pool.commands, pool.messages, pool.segments, pool.input_dir
+        )
+
+    def _stop_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
 
     def _collate(self, items: list[Item]) -> dict[str, Any]:
         seq_len = self.config.seq_len
@@ -514,6 +566,9 @@ class ZephonLoader:
             batch["token_source_ids"] = torch.from_numpy(
                 np.concatenate([s.token_sources for s in sequences], dtype=np.int64).reshape(rows, seq_len)
             )
+        for item in items:  # copied out: a worker's shared-memory slot may be written again
+            if item.lease is not None:
+                item.lease.item_done()
         return batch
 
     def wait_for_read_ahead(self) -> None:
@@ -530,6 +585,12 @@ class ZephonLoader:
                     stream.wait_for_read_ahead()
 
     def close(self) -> None:
+        """End the run and every worker process (also done on garbage collection and at exit)."""
+        self._end_run()
+        self._stop_pool()
+
+    def _end_run(self) -> None:
+        """Drop the current run (in-process lanes, workers' items); worker processes stay."""
         if self._run is not None:
             if self._run.reads_lanes_directly:
                 for lane_id, lane in self._run.in_process_lanes.items():
@@ -537,9 +598,6 @@ class ZephonLoader:
             self._run.close()
             self._run = None
         self._step_items = None  # looked-ahead items are re-produced from the lane states
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
 
     def __enter__(self) -> "ZephonLoader":
         return self
@@ -562,61 +620,35 @@ def _flat_positions(per_row: list[np.ndarray], seq_len: int, row_ids: Optional[l
 
 
 class _Run:
-    """One pass of iteration from a fixed start: in-process lanes or worker processes."""
+    """One pass of iteration from a fixed start: in-process lanes or the worker pool's processes."""
 
-    def __init__(self, loader: ZephonLoader) -> None:
+    def __init__(self, loader: ZephonLoader, pool: Optional[WorkerPool]) -> None:
         cfg = loader.config
-        topo = loader.topology
         self.num_lanes = loader.num_lanes
         self.timeout_s = cfg.worker_timeout_s
-        self.processes: list = []
-        self.input_dir: Optional[str] = None
-        self.stop_event = None
+        self.pool = pool
         self.in_process_lanes = None
         # In-process lanes are read directly by state_dict() unless steps are looked ahead
         # (finite data); then, as with workers, every item carries its lane state.
         self.reads_lanes_directly = cfg.num_workers == 0 and not loader.finite
         self.pending: dict[int, collections.deque] = {}
         self.ended_at: Optional[int] = None
-        start = loader.rank_position
-        if cfg.num_workers == 0:
+        if pool is None:
             # The trainer's thread calls produce_one for each index in turn: no generator and
             # no position bookkeeping between the loader and its lanes.
             self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states)
             return
-        ctx = mp.get_context("spawn")  # fork is unsafe after torch/arrow/tokenizers started threads
-        self.stop_event = ctx.Event()
-        self.queues = []
-        self.worker_of_lane: dict[int, int] = {}
-        num_workers = min(cfg.num_workers, len(loader.rank_lanes))
-        self.input_dir = tempfile.mkdtemp(prefix="zephon-workers-")
-        for worker_id in range(num_workers):
-            lane_ids = lanes_of_worker(loader.rank_lanes, worker_id, num_workers)
-            for lane_id in lane_ids:
-                self.worker_of_lane[lane_id] = worker_id
-            out_queue = ctx.Queue(maxsize=cfg.prefetch)
-            input_path = write_worker_input(
-                self.input_dir, worker_id, loader.spec, lane_ids,
-                {l: loader.lane_states[l] for l in lane_ids if l in loader.lane_states},
-            )
-            process = ctx.Process(
-                target=worker_main,
-                name=f"zephon-worker-{topo.rank}-{worker_id}",
-                args=(input_path,),
-                kwargs=dict(
-                    num_lanes=self.num_lanes, rank=topo.rank, world_size=topo.world_size,
-                    start_position=start, out_queue=out_queue, stop_event=self.stop_event,
-                    parent_pid=os.getpid(),
-                ),
-                daemon=True,
-            )
-            process.start()
-            # From here on the worker holds the queue's only write end: if it dies, even in the
-            # middle of a message, reading gives end-of-file instead of blocking forever.
-            out_queue._writer.close()
-            self.queues.append(out_queue)
-            self.processes.append(process)
-            self.pending[worker_id] = collections.deque()
+        num_workers = len(pool.processes)
+        lanes_per_worker = [lanes_of_worker(loader.rank_lanes, k, num_workers) for k in range(num_workers)]
+        self.worker_of_lane = {l: k for k, lane_ids in enumerate(lanes_per_worker) for l in lane_ids}
+        self.pending = {k: collections.deque() for k in range(num_workers)}
+        pool.start_run(loader.spec, lanes_per_worker, loader.lane_states, num_lanes=self.num_lanes,
+                       rank=loader.topology.rank, world_size=loader.topology.world_size,
+                       start_position=loader.rank_position)
+
+    @property
+    def processes(self) -> list:
+        return [] if self.pool is None else self.pool.processes
 
     def next_item(self, global_index: int) -> Item:
         if self.ended_at is not None and global_index >= self.ended_at:
@@ -625,7 +657,11 @@ class _Run:
             lane = self.in_process_lanes[global_index % self.num_lanes]
             item = produce_one(lane, global_index, snapshot_state=not self.reads_lanes_directly)
         else:
-            item = self._next_from_worker(self.worker_of_lane[global_index % self.num_lanes])
+            worker_id = self.worker_of_lane[global_index % self.num_lanes]
+            pending = self.pending[worker_id]
+            while not pending:
+                pending.extend(self.pool.receive(worker_id, self.timeout_s))
+            item = pending.popleft()
         if isinstance(item, End):
             self.ended_at = item.global_index
             raise StopIteration
@@ -633,68 +669,9 @@ class _Run:
             raise RuntimeError(f"internal ordering error: expected index {global_index}, got {item.global_index}")
         return item
 
-    def _next_from_worker(self, worker_id: int):
-        pending = self.pending[worker_id]
-        deadline = time.monotonic() + self.timeout_s
-        while not pending:
-            try:
-                kind, payload = self.queues[worker_id].get(timeout=0.2)
-            except (EOFError, OSError):  # the worker's write end closed: it died, maybe mid-message
-                process = self.processes[worker_id]
-                process.join(timeout=1.0)
-                raise WorkerError(
-                    f"loader worker {worker_id} (pid {process.pid}) died with exit code {process.exitcode} "
-                    "without reporting an error (killed, or out of memory? a script that starts the "
-                    "loader without an `if __name__ == \"__main__\":` guard also ends up here)"
-                ) from None
-            except queue.Empty:
-                process = self.processes[worker_id]
-                if not process.is_alive():
-                    raise WorkerError(
-                        f"loader worker {worker_id} (pid {process.pid}) died with exit code {process.exitcode} "
-                        "without reporting an error (killed, or out of memory? a script that starts the "
-                    "loader without an `if __name__ == \"__main__\":` guard also ends up here)"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise WorkerError(
-                        f"loader worker {worker_id} produced nothing for {self.timeout_s:.0f} s "
-                        "(worker_timeout_s); storage stalled?"
-                    ) from None
-                continue
-            if kind == "error":
-                raise WorkerError(f"loader worker {worker_id} failed:\n{payload}")
-            pending.extend(unpack_items(payload))
-        return pending.popleft()
-
     def close(self) -> None:
         for lane in (self.in_process_lanes or {}).values():
             lane.close()
-        _Run.shutdown_all(self.processes, self.stop_event, self.input_dir)
-        self.processes = []
-
-    @staticmethod
-    def shutdown_all(processes, stop_event, input_dir: Optional[str] = None) -> None:
-        """Stop, then SIGTERM, then SIGKILL: every worker is gone (and reaped) when this returns.
-
-        A worker that does not react to the stop event or to SIGTERM (stopped by SIGSTOP, a
-        frozen cgroup, stuck in native code that masks signals) would otherwise outlive the
-        loader, and multiprocessing's exit handler would then wait for it forever. Each
-        escalation waits at most ``_SHUTDOWN_GRACE_S`` for all workers together.
-        """
-        if stop_event is not None:
-            stop_event.set()
-        for escalate in (None, "terminate", "kill"):
-            alive = [p for p in processes if p.is_alive()]
-            if not alive:
-                break
-            for process in alive:
-                if escalate is not None:
-                    getattr(process, escalate)()
-            deadline = time.monotonic() + _SHUTDOWN_GRACE_S
-            for process in alive:
-                process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for process in processes:
-            if process.is_alive():  # SIGKILL is not refused: only an unkillable (D-state) process is left
-                log.error("loader worker pid %s did not exit after SIGKILL", process.pid)
-        if input_dir is not None:
-            shutil.rmtree(input_dir, ignore_errors=True)
+        self.pending = {}
+        if self.pool is not None:
+            self.pool.end_run()

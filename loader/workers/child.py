@@ -1,0 +1,117 @@
+"""A worker process: produce the items of its lanes into shared-memory slots, on command.
+
+Started by :class:`loader.workers.pool.WorkerPool` as a fresh ``python -c`` interpreter
+(not ``multiprocessing``: that would re-import the training script, torch and all, in every
+worker); it imports only what producing needs and is ready before the trainer asks for a
+batch. It lives as long as its loader: a restore sends it a new ``start`` instead of
+starting a new process.
+
+Protocol (``multiprocessing.connection`` framing over two pipes)::
+
+    trainer -> worker   ("start", run_id, input_path, start_position)   lanes, states: in a private file
+                        ("free", run_id, slot)                          the trainer copied the slot out
+                        ("stop",)                                       or end-of-file: exit
+    worker -> trainer   ("ready", pid)
+                        ("items", run_id, slot or None, descriptor)     see loader.workers.messages
+                        ("error", run_id, traceback text)
+
+A ``start`` reclaims every slot (the trainer has dropped the old run's items). The worker
+exits when the trainer's end of the command pipe closes, so it never outlives a trainer
+killed with SIGKILL; writing to a trainer that is gone ends it too (BrokenPipeError).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import traceback
+from multiprocessing.connection import Connection
+
+from loader.producer import End, build_lanes, produce
+from loader.workers.messages import ITEMS_PER_MESSAGE, write_message
+from loader.workers.shm import Segment
+
+# ``python -c`` program that starts a worker: it reads its setup from the command pipe with
+# the standard library only, so that the trainer's sys.path is in place before any import.
+BOOTSTRAP = (
+    "import sys\n"
+    "from multiprocessing.connection import Connection\n"
+    "commands = Connection(int(sys.argv[1]), writable=False)\n"
+    "messages = Connection(int(sys.argv[2]), readable=False)\n"
+    "setup = commands.recv()\n"
+    "sys.path[:0] = [p for p in setup['sys_path'] if p not in sys.path]\n"
+    "from loader.workers.child import main\n"
+    "main(commands, messages, setup)\n"
+)
+
+
+def main(commands: Connection, messages: Connection, setup: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
+    segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"])
+    messages.send(("ready", os.getpid()))
+    free: list[int] = []
+    run_id = None
+    items = None  # the current run's item generator
+    lanes: dict = {}
+    try:
+        while True:
+            # Commands first; block on them when there is nothing to produce or nowhere to put it.
+            while items is None or not free or commands.poll():
+                try:
+                    command = commands.recv()
+                except EOFError:  # the trainer is gone
+                    return
+                kind = command[0]
+                if kind == "stop":
+                    return
+                if kind == "free":
+                    if command[1] == run_id:
+                        free.append(command[2])
+                elif kind == "start":
+                    _close_lanes(lanes)
+                    run_id, input_path, start_position = command[1:]
+                    free = list(range(segment.num_slots))
+                    try:
+                        lanes, items = _start(input_path, start_position)
+                    except BaseException:  # noqa: BLE001 - the trainer gets the traceback
+                        lanes, items = {}, None
+                        messages.send(("error", run_id, traceback.format_exc()))
+            try:
+                batch = []
+                for item in items:
+                    batch.append(item)
+                    if isinstance(item, End) or len(batch) >= ITEMS_PER_MESSAGE:
+                        break
+                ended = not batch or isinstance(batch[-1], End)
+                sequences = len(batch) - (1 if batch and isinstance(batch[-1], End) else 0)
+                slot = free.pop() if sequences else None
+                if slot is None:
+                    descriptor = write_message(batch, memoryview(b""))
+                else:
+                    descriptor = write_message(batch, segment.view(slot))
+                messages.send(("items", run_id, slot, descriptor))
+                if ended:
+                    items = None
+            except BaseException:  # noqa: BLE001 - everything must reach the trainer, with its traceback
+                items = None
+                messages.send(("error", run_id, traceback.format_exc()))
+    except (BrokenPipeError, ConnectionResetError):  # the trainer is gone
+        return
+    finally:
+        _close_lanes(lanes)
+
+
+def _start(input_path: str, start_position: int):
+    with open(input_path, "rb") as fh:  # our own file, mode 0600, written by the trainer
+        spec, lane_ids, lane_states, num_lanes, rank, world_size = pickle.load(fh)
+    os.unlink(input_path)
+    lanes = build_lanes(spec, lane_ids, lane_states)
+    items = produce(lanes, num_lanes=num_lanes, rank=rank, world_size=world_size,
+                    start_position=start_position, snapshot_state=True)
+    return lanes, items
+
+
+def _close_lanes(lanes: dict) -> None:
+    for lane in lanes.values():
+        lane.close()

@@ -1,0 +1,239 @@
+"""The trainer's side of the worker processes: start them early, feed them runs, read their slots.
+
+A :class:`WorkerPool` starts its processes when the loader is built (they import and map
+their shared memory while the trainer sets up its model), keeps them across restores (a
+``load_state_dict`` sends a new ``start``, it does not start new processes), and ends them
+in :meth:`WorkerPool.shutdown`: the stop command, then SIGTERM, then SIGKILL, so that no
+worker outlives the loader whatever state it is in.
+
+Items arrive as views of a worker's shared-memory slot (:mod:`loader.workers.shm`); the
+slot goes back to the worker when the trainer has copied the last of its items into a
+micro-batch (:class:`~loader.workers.messages.SlotLease`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from typing import Optional
+
+from loader.errors import ZephonError
+from loader.workers.child import BOOTSTRAP
+from loader.workers.messages import ITEMS_PER_MESSAGE, read_message
+from loader.workers.shm import Segment, remove_stale_segments, slot_bytes
+
+log = logging.getLogger(__name__)
+
+# How long shutdown waits for the workers at each step: the stop command, SIGTERM, SIGKILL.
+SHUTDOWN_GRACE_S = 2.0
+_POLL_S = 0.2
+
+
+class WorkerError(ZephonError, RuntimeError):
+    """A loader worker process failed; the message carries its traceback."""
+
+
+class WorkerProcess:
+    """One worker's process, with the ``multiprocessing.Process`` methods shutdown needs."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self._popen.poll()
+
+    def _signal(self, signum: int) -> None:
+        if self.is_alive():
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def slots_per_worker(prefetch: int, items_held: int) -> int:
+    """Messages a worker may have ready (``prefetch``) plus those the trainer holds at most:
+    the items of one micro-batch (or of a whole step, when steps are looked ahead) can span
+    ``ceil(items / ITEMS_PER_MESSAGE) + 1`` messages, plus the one being read."""
+    return prefetch + math.ceil(items_held / ITEMS_PER_MESSAGE) + 2
+
+
+class WorkerPool:
+    def __init__(self, *, num_workers: int, seq_len: int, num_slots: int, name: str) -> None:
+        remove_stale_segments()
+        self.name = name
+        self.num_slots = num_slots
+        self.slot_size = slot_bytes(seq_len, ITEMS_PER_MESSAGE)
+        self.processes: list[WorkerProcess] = []
+        self.commands: list[Connection] = []
+        self.messages: list[Connection] = []
+        self.segments: list[Segment] = []
+        self.ready = [False] * num_workers
+        self.run_id = 0
+        self.input_dir = tempfile.mkdtemp(prefix="zephon-workers-")
+        env = dict(os.environ)
+        # The tokenizer's thread pool in each worker gets its share of the cores, not all of them.
+        env.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_workers)))
+        env.setdefault("TOKENIZERS_PARALLELISM", "true")
+        try:
+            for worker_id in range(num_workers):
+                self._start_process(worker_id, env)
+        except BaseException:
+            self.shutdown_parts(self.processes, self.commands, self.messages, self.segments, self.input_dir)
+            raise
+
+    def _start_process(self, worker_id: int, env: dict) -> None:
+        segment = Segment.create(self.num_slots, self.slot_size, worker_id)
+        self.segments.append(segment)
+        command_r, command_w = os.pipe()
+        message_r, message_w = os.pipe()
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-c", BOOTSTRAP, str(command_r), str(message_w)],
+                pass_fds=(command_r, message_w), stdin=subprocess.DEVNULL, env=env,
+            )
+        finally:
+            os.close(command_r)
+            os.close(message_w)
+        self.processes.append(WorkerProcess(popen))
+        self.commands.append(Connection(command_w, readable=False))
+        self.messages.append(Connection(message_r, writable=False))
+        self.commands[-1].send({
+            "sys_path": list(sys.path), "segment_path": segment.path,
+            "num_slots": self.num_slots, "slot_size": self.slot_size, "name": f"{self.name}-{worker_id}",
+        })
+
+    def healthy(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    # -- runs ------------------------------------------------------------------------------
+    def start_run(self, spec, lanes_per_worker: list[list[int]], lane_states: dict[int, dict], *,
+                  num_lanes: int, rank: int, world_size: int, start_position: int) -> None:
+        """Every worker drops what it was doing and produces from ``start_position``."""
+        self.run_id += 1
+        for worker_id, lane_ids in enumerate(lanes_per_worker):
+            path = os.path.join(self.input_dir, f"run-{self.run_id}-worker-{worker_id}.pickle")
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
+                states = {l: lane_states[l] for l in lane_ids if l in lane_states}
+                pickle.dump((spec, lane_ids, states, num_lanes, rank, world_size), fh,
+                            protocol=pickle.HIGHEST_PROTOCOL)
+            self._send(worker_id, ("start", self.run_id, path, start_position))
+
+    def end_run(self) -> None:
+        """Messages and leases of the current run are ignored from now on."""
+        self.run_id += 1
+
+    def _send(self, worker_id: int, command) -> None:
+        try:
+            self.commands[worker_id].send(command)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass  # the worker is dead: receive() reports it
+
+    def receive(self, worker_id: int, timeout_s: float) -> list:
+        """The items of the next message of ``worker_id``'s current run (views of its slot)."""
+        connection = self.messages[worker_id]
+        process = self.processes[worker_id]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if not connection.poll(_POLL_S):
+                    if not process.is_alive():
+                        raise self._died(worker_id)
+                    if time.monotonic() > deadline:
+                        raise WorkerError(
+                            f"loader worker {worker_id} produced nothing for {timeout_s:.0f} s "
+                            "(worker_timeout_s); storage stalled?"
+                        )
+                    continue
+                message = connection.recv()
+            except (EOFError, OSError):  # its write end closed: it died, maybe mid-message
+                process.join(timeout=1.0)
+                raise self._died(worker_id) from None
+            kind = message[0]
+            if kind == "ready":
+                self.ready[worker_id] = True
+                self.segments[worker_id].unlink()  # mapped on both sides: no name left to leak
+                continue
+            run_id = message[1]
+            if run_id != self.run_id:
+                continue  # an earlier run's: its slot was reclaimed by the new start
+            if kind == "error":
+                raise WorkerError(f"loader worker {worker_id} failed:\n{message[2]}")
+            slot, descriptor = message[2], message[3]
+            if slot is None:
+                return read_message(descriptor, memoryview(b""), None)
+            return read_message(descriptor, self.segments[worker_id].view(slot),
+                                lambda: self._send(worker_id, ("free", run_id, slot)))
+
+    def _died(self, worker_id: int) -> WorkerError:
+        process = self.processes[worker_id]
+        return WorkerError(
+            f"loader worker {worker_id} (pid {process.pid}) died with exit code {process.exitcode} "
+            "without reporting an error (killed, or out of memory?)"
+        )
+
+    # -- shutdown --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.shutdown_parts(self.processes, self.commands, self.messages, self.segments, self.input_dir)
+
+    @staticmethod
+    def shutdown_parts(processes: list, commands: list, messages: list, segments: list,
+                       input_dir: Optional[str]) -> None:
+        """Stop, then SIGTERM, then SIGKILL: every worker is gone (and reaped) when this returns.
+
+        A worker that does not react to the stop command or to SIGTERM (stopped by SIGSTOP, a
+        frozen cgroup, stuck in native code) would otherwise outlive the loader. Each
+        escalation waits at most ``SHUTDOWN_GRACE_S`` for all workers together. Static, with
+        the parts as arguments, so that a ``weakref.finalize`` can run it without the pool.
+        """
+        for connection in commands:
+            try:
+                connection.send(("stop",))
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                pass
+            connection.close()  # end-of-file for a worker that missed the stop
+        for escalate in (None, "terminate", "kill"):
+            alive = [p for p in processes if p.is_alive()]
+            if not alive:
+                break
+            for process in alive:
+                if escalate is not None:
+                    getattr(process, escalate)()
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            for process in alive:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():  # SIGKILL is not refused: only an unkillable (D-state) process is left
+                log.error("loader worker pid %s did not exit after SIGKILL", process.pid)
+        for connection in messages:
+            connection.close()
+        for segment in segments:
+            segment.unlink()
+            segment.close()
+        if input_dir is not None:
+            shutil.rmtree(input_dir, ignore_errors=True)

@@ -1,0 +1,153 @@
+"""Shared-memory slots: how a worker hands packed sequences to the trainer without pickling them.
+
+Each worker owns one segment of ``num_slots`` fixed-size slots. A worker writes one
+message (up to ``items_per_message`` sequences: every per-token array of every item) into
+a free slot and sends the trainer only a small descriptor; the trainer reads the arrays as
+views of the slot, copies them once into the micro-batch, and gives the slot back::
+
+    worker:  take a free slot id ── write arrays ── send ("items", slot, descriptor)
+    trainer: recv descriptor ── views of the slot ── collate (the one copy) ── send ("free", slot)
+
+Segments never outlive the run, whoever dies. The trainer creates the file under
+``/dev/shm`` (name ``zephon-<trainer pid>-<token>-w<k>``), the worker maps it and the
+trainer unlinks the name as soon as the worker has said it is mapped: from then on the
+memory lives exactly as long as some process maps it, so a ``kill -9`` of the worker, of the
+trainer or of both frees it. The only window is between creating the file and the worker's
+"ready"; a trainer killed inside it leaves a file whose pid no longer exists, which
+:func:`remove_stale_segments` deletes when the next loader starts.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+PREFIX = "zephon-"
+
+
+def _shm_dir() -> str:
+    return SHM_DIR if os.path.isdir(SHM_DIR) else os.environ.get("TMPDIR", "/tmp")
+
+
+def slot_bytes(seq_len: int, items_per_message: int) -> int:
+    """Room for a message's arrays in the worst case (a segment at every token)."""
+    per_row = seq_len * (4 + 4 + 1 + 4)  # input_ids, labels int32; token_sources int8; segment starts int32
+    return _align(items_per_message * per_row + 64)
+
+
+def _align(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass
+class Segment:
+    """One worker's slots, mapped into this process."""
+
+    path: str
+    num_slots: int
+    slot_size: int
+    _map: Optional[mmap.mmap] = None
+
+    @classmethod
+    def create(cls, num_slots: int, slot_size: int, worker_id: int) -> "Segment":
+        path = os.path.join(_shm_dir(), f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-w{worker_id}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, num_slots * slot_size)
+            segment = cls(path, num_slots, slot_size, mmap.mmap(fd, num_slots * slot_size))
+        finally:
+            os.close(fd)
+        return segment
+
+    @classmethod
+    def attach(cls, path: str, num_slots: int, slot_size: int) -> "Segment":
+        fd = os.open(path, os.O_RDWR)
+        try:
+            return cls(path, num_slots, slot_size, mmap.mmap(fd, num_slots * slot_size))
+        finally:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        """Remove the name; the memory stays while mapped (idempotent)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # views still exported: the mapping goes when they do
+                pass
+            self._map = None
+
+    def view(self, slot: int) -> memoryview:
+        start = slot * self.slot_size
+        return memoryview(self._map)[start : start + self.slot_size]
+
+
+# -- messages ------------------------------------------------------------------------------
+# A message's arrays lie in its slot one after another, each 64-byte aligned; the descriptor
+# names each array's dtype, shape and offset, so the trainer never guesses a layout.
+
+def write_arrays(slot: memoryview, arrays: dict[str, np.ndarray]) -> dict[str, tuple[str, tuple, int]]:
+    """Copy ``arrays`` into ``slot``; returns the layout ``{name: (dtype, shape, offset)}``."""
+    layout: dict[str, tuple[str, tuple, int]] = {}
+    offset = 0
+    for name, array in arrays.items():
+        array = np.ascontiguousarray(array)
+        end = offset + array.nbytes
+        if end > len(slot):
+            raise ValueError(f"message does not fit its shared-memory slot ({end} > {len(slot)} bytes)")
+        np.frombuffer(slot, dtype=np.uint8, count=array.nbytes, offset=offset)[:] = array.reshape(-1).view(np.uint8)
+        layout[name] = (array.dtype.str, array.shape, offset)
+        offset = _align(end)
+    return layout
+
+
+def read_arrays(slot: memoryview, layout: dict[str, tuple[str, tuple, int]]) -> dict[str, np.ndarray]:
+    """Views (no copy) of the arrays :func:`write_arrays` put into ``slot``."""
+    out = {}
+    for name, (dtype, shape, offset) in layout.items():
+        count = int(np.prod(shape)) if shape else 1
+        out[name] = np.frombuffer(slot, dtype=dtype, count=count, offset=offset).reshape(shape)
+    return out
+
+
+def remove_stale_segments() -> int:
+    """Delete segments left by trainers that no longer exist; returns how many."""
+    removed = 0
+    directory = _shm_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid_text = name[len(PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _pid_exists(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
