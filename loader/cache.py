@@ -35,19 +35,17 @@ import fcntl
 import hashlib
 import logging
 import os
-import re
 import secrets
 import time
 from typing import BinaryIO, Callable, Iterator, Optional
 
-from loader.storage import CHECKSUM_ATTEMPTS, StorageError
+from loader.manifest import SHA256_HEX
+from loader.storage import CHECKSUM_ATTEMPTS, StorageError, sha256_of_file
 
 log = logging.getLogger(__name__)
 
 LAYOUT = "zephon-cache-v1"
-_HASH_CHUNK = 4 * 1024**2
 _STALE_TMP_S = 15 * 60  # a download's tmp file untouched this long belongs to a dead process
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @contextlib.contextmanager
@@ -97,7 +95,7 @@ class LaneFileCache:
     # -- naming ------------------------------------------------------------------------
     @staticmethod
     def key(entry) -> str:
-        if not _SHA256.fullmatch(entry.sha256 or ""):
+        if not SHA256_HEX.fullmatch(entry.sha256 or ""):
             raise StorageError(
                 f"manifest entry {entry.path} has sha256 {entry.sha256!r}, not 64 lowercase hex "
                 "digits: the manifest is corrupt; re-run the Beam job"
@@ -136,11 +134,9 @@ class LaneFileCache:
         if size != entry.bytes:
             return f"{size} bytes, manifest says {entry.bytes}"
         if self.verify_checksums:
-            sha = hashlib.sha256()
-            while chunk := handle.read(_HASH_CHUNK):
-                sha.update(chunk)
-            if sha.hexdigest() != entry.sha256:
-                return f"sha256 {sha.hexdigest()[:16]}..., manifest says {entry.sha256[:16]}..."
+            digest = sha256_of_file(handle)
+            if digest != entry.sha256:
+                return f"sha256 {digest[:16]}..., manifest says {entry.sha256[:16]}..."
         handle.seek(0)
         return None
 

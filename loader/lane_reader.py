@@ -27,6 +27,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ import pyarrow.parquet as pq
 from loader import storage
 from loader.errors import ZephonError
 from loader.hashing import stable_permutation
-from loader.manifest import FileEntry, Manifest
+from loader.manifest import MANIFEST_NAME, FileEntry, Manifest, lane_file_path
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,86 @@ def _read_ahead_pool(threads: int) -> ThreadPoolExecutor:
         if pool is None:
             pool = _pools[1][threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zephon-read-ahead")
         return pool
+
+
+# -- integrity checks --------------------------------------------------------------------
+# What a lane file is checked against (README "Data integrity"): on open, the Parquet footer
+# against the manifest entry (rows, row groups) and, with ``verify_local_files``, a local
+# file's SHA-256; on every row-group read, the rows decoded against the footer (a flipped bit
+# in a page header, which page checksums do not cover, can make a row group decode as fewer
+# rows without an error); once a file's row groups have all been read, its tokens against the
+# manifest. All of it runs once per file or per row group, never per sequence.
+
+_FIX = "re-run the Beam job or restore the file from a good copy"
+PART_FILE_NAME = re.compile(r"part-\d{5,}\.parquet")
+
+# Local lane files whose SHA-256 matched the manifest in this process, by identity on disk
+# (a file replaced in place is hashed again): each is hashed once per process, on first open.
+_verified_local_files: set[tuple] = set()
+
+
+def verify_local_file(path: str, handle, entry: FileEntry) -> None:
+    """Hash a local lane file through the handle pyarrow will read (then rewound) and compare
+    it with the manifest's SHA-256, unless this process already verified the same file."""
+    st = os.fstat(handle.fileno())
+    identity = (path, entry.sha256, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if identity in _verified_local_files:
+        return
+    digest = storage.sha256_of_file(handle)
+    handle.seek(0)
+    if digest != entry.sha256:
+        raise LaneDataError(
+            f"{path}: SHA-256 {digest} does not match the manifest's {entry.sha256} (verify_local_files): "
+            f"the file is corrupt or was replaced; {_FIX}"
+        )
+    _verified_local_files.add(identity)
+
+
+def check_footer(metadata: pq.FileMetaData, entry: FileEntry, path: str) -> None:
+    """The footer promises what the manifest does: the rows, and the row groups if recorded."""
+    problems = []
+    if metadata.num_rows != entry.rows:
+        problems.append(f"footer says {metadata.num_rows} rows, manifest says {entry.rows}")
+    if entry.row_groups > 0 and metadata.num_row_groups != entry.row_groups:
+        problems.append(f"footer says {metadata.num_row_groups} row groups, manifest says {entry.row_groups}")
+    group_rows = sum(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
+    if group_rows != metadata.num_rows:
+        problems.append(f"footer's row groups hold {group_rows} rows, its total says {metadata.num_rows}")
+    if problems:
+        raise LaneDataError(f"{path}: " + "; ".join(problems) + f": the file or the manifest is corrupt; {_FIX}")
+
+
+def check_no_unlisted_files(dataset_path: str, lane_id: int, files: list[FileEntry]) -> None:
+    """A local lane directory holds exactly the manifest's part files of the lane.
+
+    The Beam job clears its output before writing, so a part file that the manifest does not
+    list means an entry was removed from the manifest (its lane would silently lose those
+    documents). One directory listing per lane and process; not done on ``gs://``, where it
+    would cost a request per lane.
+    """
+    lane_dir = storage.join(dataset_path, os.path.dirname(lane_file_path(lane_id, 0)))
+    try:
+        names = os.listdir(lane_dir)
+    except FileNotFoundError:
+        return  # the listed files are reported missing when opened
+    listed = {os.path.basename(f.path) for f in files}
+    unlisted = sorted(n for n in names if PART_FILE_NAME.fullmatch(n) and n not in listed)
+    if unlisted:
+        raise LaneDataError(
+            f"{lane_dir} holds {unlisted} but {MANIFEST_NAME} does not list them: the manifest is not the "
+            "one the Beam job wrote with these files (an entry was removed?); re-run the Beam job or "
+            "restore the manifest"
+        )
+
+
+def check_row_group(rows: int, metadata: pq.FileMetaData, row_group: int, path: str) -> None:
+    """A row group read yields exactly the rows its footer entry promises."""
+    expected = metadata.row_group(row_group).num_rows
+    if rows != expected:
+        raise LaneDataError(
+            f"{path}: row group {row_group} decoded to {rows} rows, its footer says {expected}: "
+            f"the file is corrupt (a damaged page header?); {_FIX}"
+        )
 
 
 @dataclass
@@ -373,17 +454,23 @@ class LaneTokenStream:
         self.pretokenized = manifest.pretokenized
         if not self.pretokenized and tokenizer is None:
             raise ValueError("a tokenizer is needed for text lanes")
-        self.files: list[FileEntry] = [f for f in manifest.lane_files(lane_id) if f.rows > 0]
+        self.files: list[FileEntry] = manifest.lane_files(lane_id)  # rows >= 1 each (Manifest.from_dict)
+        if not storage.is_gcs(dataset_path):
+            check_no_unlisted_files(dataset_path, lane_id, self.files)
         if not self.files:
             raise LaneDataError(
-                f"lane {lane_id} of source {source_name!r} ({dataset_path}) has no documents. "
-                f"The dataset has {manifest.documents} documents in {manifest.num_lanes} lanes; "
+                f"lane {lane_id} of source {source_name!r} ({dataset_path}) has no documents: its "
+                f"{MANIFEST_NAME} lists no file of the lane. The dataset has {manifest.documents} documents "
+                f"in {manifest.num_lanes} lanes; "
                 "re-shard it with fewer lanes (--num-lanes) so that every lane holds data."
             )
         self._row_groups: dict[int, int] = {}
         # Rows of each (file, row group) read so far (dict writes are atomic): lets the reads
         # of later epochs get their row order computed on the thread that queues them.
         self._group_rows: dict[tuple[int, int], int] = {}
+        # Tokens of each row group read so far, per file, until the file's total is checked.
+        self._file_group_tokens: dict[int, dict[int, int]] = {}
+        self._tokens_checked: set[int] = set()
         self._epoch_blocks: dict[int, list[tuple[int, int]]] = {}
         self._open_file: tuple[int, pq.ParquetFile, object] | None = None
         self._block_key: tuple[int, int] | None = None
@@ -392,6 +479,7 @@ class LaneTokenStream:
         self.block_index = 0
         self.offset = 0
         self.exhausted = False
+        self._restored_path: Optional[str] = None  # a restored cursor not yet checked against its block
         self.read_ahead = read_ahead
         self.read_ahead_threads = read_ahead_threads
         self.read_ahead_blocks = read_ahead_blocks  # see read_ahead_depth
@@ -411,11 +499,42 @@ class LaneTokenStream:
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "block": self.block_index, "offset": self.offset, "exhausted": self.exhausted}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict, path: str = "stream") -> None:
+        """Continue from ``state``, checked by ``loader.checkpoint_schema`` (``ZephonLoader.load_state_dict``).
+
+        What only the data can tell is checked when the cursor's block is first read: that
+        the block exists (manifests without row-group counts) and that ``offset`` lies inside
+        its tokens; a :class:`~loader.state.StateError` then names ``path`` (the cursor's JSON
+        path in the checkpoint).
+        """
         self.epoch = int(state["epoch"])
         self.block_index = int(state["block"])
         self.offset = int(state["offset"])
         self.exhausted = bool(state.get("exhausted", False))
+        self._restored_path = None if self.exhausted else path
+        if self._restored_path is not None and self._block_key == (self.epoch, self.block_index) \
+                and self._block is not None:
+            self._check_restored_cursor(self.epoch, self.block_index, self._block)
+
+    def _check_restored_cursor(self, epoch: int, block_index: int, block: Optional[Block] = None) -> None:
+        """The checks of a restored cursor that need the data (see :meth:`set_state`)."""
+        from loader.state import StateError
+
+        path = self._restored_path
+        if (epoch, block_index) != (self.epoch, self.block_index):
+            return
+        blocks = len(self.blocks_of_epoch(epoch))
+        if block_index >= blocks:
+            raise StateError(f"{path}.block: lane {self.lane_id} of source {self.source_name!r} has {blocks} "
+                             f"blocks (row groups) per epoch, so block must be in [0, {blocks - 1}] (got {block_index})")
+        if block is None:
+            return
+        block.ensure(self.offset)
+        if self.offset > len(block.tokens):
+            raise StateError(f"{path}.offset: block {block_index} of epoch {epoch} (lane {self.lane_id} of source "
+                             f"{self.source_name!r}) holds {len(block.tokens)} tokens, so offset must be in "
+                             f"[0, {len(block.tokens)}] (got {self.offset})")
+        self._restored_path = None
 
     # -- epoch layout ------------------------------------------------------------------
     def _num_row_groups(self, file_ordinal: int) -> int:
@@ -453,20 +572,26 @@ class LaneTokenStream:
         if self._open_file is None or self._open_file[0] != file_ordinal:
             self._close_file()
             entry = self.files[file_ordinal]
+            path = storage.join(self.dataset_path, entry.path)
             handle = storage.open_lane_file(self.dataset_path, entry, self.storage_options)
             try:
+                if self.storage_options.verify_local_files and not storage.is_gcs(path):
+                    verify_local_file(path, handle, entry)
                 # pre_buffer (pyarrow's default) sends every local row-group read through
                 # Arrow's I/O thread pool with an fadvise first: 150-350 us per read for
                 # nothing when the file is in the page cache (bench/RESULTS.md, "Token column
                 # codec and lane file access"). Remote files keep it: it coalesces ranged reads.
                 parquet = pq.ParquetFile(handle, page_checksum_verification=True,
                                          pre_buffer=storage.is_gcs(self.dataset_path))
-            except storage.StorageError:
-                raise  # already names the object and the fix (a 403 is not corruption)
-            except (pa.ArrowInvalid, OSError) as exc:
+                check_footer(parquet.metadata, entry, path)
+            except BaseException as exc:
+                handle.close()  # pyarrow closes only sources it opened itself
+                if isinstance(exc, ZephonError) or not isinstance(exc, Exception):
+                    raise  # already names the file and the fix (a 403 is not corruption), or Ctrl-C
+                # Whatever pyarrow raises on bad bytes (ArrowInvalid, OSError, ...) names the file.
                 raise LaneDataError(
-                    f"{storage.join(self.dataset_path, entry.path)} is not a readable Parquet file "
-                    f"({exc}); it is corrupt or truncated: re-run the Beam job or restore the file"
+                    f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc}); it is corrupt "
+                    f"or truncated: {_FIX}"
                 ) from exc
             self._open_file = (file_ordinal, parquet, handle)
         return self._open_file[1]
@@ -488,6 +613,8 @@ class LaneTokenStream:
         if self._block_key == (epoch, block_index) and self._block is not None:
             return self._block  # checked first: this is the per-sequence path
         key = (epoch, block_index)
+        if self._restored_path is not None:  # before the read: the block may not exist
+            self._check_restored_cursor(epoch, block_index)
         block = None
         if self._peeked is not None and self._peeked[0] == key:
             block, self._peeked = self._peeked[1], None
@@ -496,6 +623,8 @@ class LaneTokenStream:
         if block is None:
             block = self._read_block(epoch, *self.blocks_of_epoch(epoch)[block_index])
         self._block_key, self._block = key, block
+        if self._restored_path is not None:
+            self._check_restored_cursor(epoch, block_index, block)
         if self.read_ahead:
             self._start_read_ahead(epoch, block_index)
         return block
@@ -569,39 +698,64 @@ class LaneTokenStream:
         return stable_permutation(rows, self.seed, "rows", self.source_name, self.lane_id, epoch, file_ordinal, row_group)
 
     def _read_block(self, epoch: int, file_ordinal: int, row_group: int, order: Optional[np.ndarray] = None) -> Block:
-        """``order``: the row order of ``epoch`` > 0 if already computed (else computed here)."""
+        """``order``: the row order of ``epoch`` > 0 if already computed (else computed here).
+
+        Errors name the file and row group; on a read-ahead thread they travel in the read's
+        future and are raised to whoever takes the block (in a worker process, inside the
+        ``WorkerError`` that carries the worker's traceback).
+        """
         entry = self.files[file_ordinal]
+        path = storage.join(self.dataset_path, entry.path)
         column = "input_ids" if self.pretokenized else "text"
         try:
+            parquet = self._parquet(file_ordinal)
             # One column: pyarrow's thread pool parallelises across columns, so for us it is
             # only a hand-off (and more threads per worker process); ~8% less CPU without.
-            table = self._parquet(file_ordinal).read_row_group(
-                row_group, columns=[column], use_threads=False
-            )
-        except storage.StorageError:
-            raise
-        except (pa.ArrowInvalid, OSError) as exc:
+            table = parquet.read_row_group(row_group, columns=[column], use_threads=False)
+            column_chunks = table.column(0)
+            # combine_chunks copies even a single chunk
+            values = column_chunks.chunk(0) if column_chunks.num_chunks == 1 else column_chunks.combine_chunks()
+            check_row_group(len(values), parquet.metadata, row_group, path)
+            self._group_rows[(file_ordinal, row_group)] = len(values)
+            if epoch > 0:
+                if order is None or len(order) != len(values):
+                    order = self._row_order(epoch, file_ordinal, row_group, len(values))
+                # Arrow's take copies the rows in C++ without the GIL (on the read-ahead thread a
+                # Python loop over the rows would stall the trainer's thread). Indices from the
+                # buffer: pa.array(ndarray) imports pandas when it is installed, a fraction of a
+                # second on the first call, paid by a restore's first batch.
+                values = pc.take(values, pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)]))
+            if not self.pretokenized:
+                return TextBlock(values.to_pylist(), self.tokenizer, self.token_format)
+            block = pretokenized_block(values, self.token_format, path, row_group)
+        except ZephonError:
+            raise  # already names the file (a StorageError also says what to do about storage)
+        except Exception as exc:  # whatever pyarrow or numpy raise on bad bytes
             raise LaneDataError(
-                f"{storage.join(self.dataset_path, entry.path)}: row group {row_group} cannot be read "
-                f"({exc}); the file is corrupt: re-run the Beam job or restore the file"
+                f"{path}: row group {row_group} cannot be read ({type(exc).__name__}: {exc}); the file is "
+                f"corrupt: {_FIX}"
             ) from exc
-        column_chunks = table.column(0)
-        # combine_chunks copies even a single chunk
-        values = column_chunks.chunk(0) if column_chunks.num_chunks == 1 else column_chunks.combine_chunks()
-        self._group_rows[(file_ordinal, row_group)] = len(values)
-        if epoch > 0:
-            if order is None or len(order) != len(values):
-                order = self._row_order(epoch, file_ordinal, row_group, len(values))
-            # Arrow's take copies the rows in C++ without the GIL (on the read-ahead thread a
-            # Python loop over the rows would stall the trainer's thread). Indices from the
-            # buffer: pa.array(ndarray) imports pandas when it is installed, a fraction of a
-            # second on the first call, paid by a restore's first batch.
-            values = pc.take(values, pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)]))
-        if self.pretokenized:
-            block = pretokenized_block(values, self.token_format, storage.join(self.dataset_path, entry.path), row_group)
-        else:
-            block = TextBlock(values.to_pylist(), self.tokenizer, self.token_format)
+        documents = len(block.doc_starts) - 1
+        self._note_group_tokens(file_ordinal, row_group, len(block.tokens) - self.token_format.extra * documents)
         return block
+
+    def _note_group_tokens(self, file_ordinal: int, row_group: int, tokens: int) -> None:
+        """Once every row group of a file has been read, its tokens must be the manifest's."""
+        if file_ordinal in self._tokens_checked:
+            return
+        seen = self._file_group_tokens.setdefault(file_ordinal, {})
+        seen[row_group] = tokens
+        if len(seen) < self._num_row_groups(file_ordinal):
+            return
+        entry = self.files[file_ordinal]
+        total = sum(seen.values())
+        del self._file_group_tokens[file_ordinal]
+        self._tokens_checked.add(file_ordinal)
+        if entry.tokens is not None and total != entry.tokens:
+            raise LaneDataError(
+                f"{storage.join(self.dataset_path, entry.path)}: its {len(seen)} row groups hold {total} tokens, "
+                f"the manifest says {entry.tokens}: the file or the manifest is corrupt; {_FIX}"
+            )
 
     def _advance_block(self) -> None:
         self.block_index += 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -40,6 +41,7 @@ MANIFEST_NAME = "manifest.json"
 REJECTED_DIR = "_rejected"
 LANE_DIR_FORMAT = "lane={lane:05d}"
 PART_FORMAT = "part-{part:05d}.parquet"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 # The rejection reasons the Beam job can emit (manifest ``rejected`` keys).
 REJECT_REASONS = (
@@ -80,30 +82,64 @@ class FileEntry:
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "FileEntry":
+        """Parse one ``files[k]`` entry; every problem of the entry is reported in one error."""
+        problems = cls.type_problems(data) or cls.value_problems(data)
+        if problems:
+            raise ManifestError(f"{where}: " + "; ".join(problems))
+        return cls._of(data)
+
+    @classmethod
+    def _of(cls, data: dict) -> "FileEntry":
+        """The entry of a dict without ``type_problems`` (its values unchecked)."""
+        return cls(path=data["path"], lane=data["lane"], part=data["part"], rows=data["rows"],
+                   bytes=data["bytes"], sha256=data["sha256"], tokens=data.get("tokens"),
+                   row_groups=data.get("row_groups", 0))
+
+    @staticmethod
+    def type_problems(data: Any) -> list[str]:
+        """Missing fields and wrong types of one entry."""
         if not isinstance(data, dict):
-            raise ManifestError(f"{where}: expected an object, got {type(data).__name__}")
+            return [f"expected an object, got {type(data).__name__}"]
         problems = []
         expected = {"path": str, "lane": int, "part": int, "rows": int, "bytes": int, "sha256": str}
         for name, typ in expected.items():
             if name not in data:
                 problems.append(f"missing field '{name}'")
             elif not isinstance(data[name], typ) or isinstance(data[name], bool):
-                problems.append(f"field '{name}' must be {typ.__name__} (got {data[name]!r})")
+                problems.append(f"field '{name}' must be {typ.__name__} (got {data[name]!r:.80})")
         tokens = data.get("tokens")
-        if tokens is not None and not isinstance(tokens, int):
-            problems.append(f"field 'tokens' must be int or null (got {tokens!r})")
-        if problems:
-            raise ManifestError(f"{where}: " + "; ".join(problems))
-        return cls(
-            path=data["path"],
-            lane=data["lane"],
-            part=data["part"],
-            rows=data["rows"],
-            bytes=data["bytes"],
-            sha256=data["sha256"],
-            tokens=tokens,
-            row_groups=int(data.get("row_groups", 0)),
-        )
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool)):
+            problems.append(f"field 'tokens' must be an int or null (got {tokens!r:.80})")
+        row_groups = data.get("row_groups", 0)
+        if not isinstance(row_groups, int) or isinstance(row_groups, bool):
+            problems.append(f"field 'row_groups' must be an int (got {row_groups!r:.80})")
+        return problems
+
+    @staticmethod
+    def value_problems(data: dict) -> list[str]:
+        """What is wrong with the values of one well-typed entry on its own (the manifest
+        checks the entries together).
+
+        ``rows >= 1``: the Beam job writes no file for an empty bucket (``lane_files``), so an
+        entry without rows was edited in, and the loader would drop it. ``path`` must be the
+        canonical ``lane_file_path(lane, part)``: the dataset fingerprint covers the path, so
+        this is what makes it cover ``lane`` and ``part`` too (see ``compute_fingerprint``).
+        """
+        problems = []
+        for name in ("tokens", "row_groups"):
+            if (data.get(name) or 0) < 0:
+                problems.append(f"field '{name}' must be >= 0 (got {data[name]})")
+        for name, low in (("lane", 0), ("part", 0), ("rows", 1), ("bytes", 0)):
+            if data[name] < low:
+                problems.append(f"field '{name}' must be >= {low} (got {data[name]})")
+        if not SHA256_HEX.fullmatch(data["sha256"]):
+            problems.append(f"field 'sha256' must be 64 lowercase hex digits (got {data['sha256']!r:.80})")
+        if data["lane"] >= 0 and data["part"] >= 0:
+            canonical = lane_file_path(data["lane"], data["part"])
+            if data["path"] != canonical:
+                problems.append(f"path {data['path']!r} is not the path of lane {data['lane']}, part "
+                                f"{data['part']} ({canonical!r})")
+        return problems
 
 
 @dataclass(frozen=True)
@@ -138,7 +174,17 @@ class Manifest:
         return sorted((f for f in self.files if f.lane == lane_id), key=lambda f: f.part)
 
     def compute_fingerprint(self) -> str:
-        """SHA-256 over content entries only: no paths of the writing machine, no times."""
+        """SHA-256 over content entries only: no paths of the writing machine, no times.
+
+        Unchanged since format version 1 (changing it would change every dataset's
+        fingerprint). Every field the loader uses to order or read data is covered, directly
+        or through a check on load: ``lane`` and ``part`` through ``path``, which
+        :meth:`from_dict` requires to be ``lane_file_path(lane, part)``; ``row_groups`` and
+        ``rows`` (covered) are checked against each file's Parquet footer when it is opened,
+        and every row group read against the footer (:mod:`loader.lane_reader`); ``bytes``
+        against the file's size. ``documents`` must be the sum of ``rows``. The manifest's
+        ``seed`` is covered but not used to read (the loader's config has its own).
+        """
         content = {
             "format_version": self.format_version,
             "seed": self.seed,
@@ -178,7 +224,15 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = MANIFEST_NAME) -> "Manifest":
-        """Parse and validate; every problem found is reported in one error."""
+        """Parse and validate; every problem found is reported in one error.
+
+        Besides types and the fingerprint, the structure is checked (what the Beam job
+        always writes): each entry's path is its lane and part's canonical path, no path or
+        (lane, part) is listed twice, lanes lie in ``[0, num_lanes)``, ``rows >= 1``,
+        ``documents`` is the sum of the rows, and ``tokens`` is set exactly when the dataset
+        is pre-tokenized. A lane may hold no file (fewer documents than lanes); the loader
+        refuses such a lane when it reads it.
+        """
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: expected a JSON object at the top level")
         problems: list[str] = []
@@ -194,34 +248,76 @@ class Manifest:
                 problems.append(f"missing field '{name}'")
             elif not isinstance(data[name], typ) or isinstance(data[name], bool):
                 problems.append(f"field '{name}' must be {typ.__name__} (got {data[name]!r:.80})")
+        for name, typ in (("tokenizer", dict), ("rejected", dict)):
+            if data.get(name) is not None and not isinstance(data[name], typ):
+                problems.append(f"field '{name}' must be {typ.__name__} or absent (got {data[name]!r:.80})")
+        # Required: without it an edited manifest would skip the comparison below.
+        if not isinstance(data.get("dataset_fingerprint"), str) or not SHA256_HEX.fullmatch(data["dataset_fingerprint"]):
+            problems.append("field 'dataset_fingerprint' must be 64 lowercase hex digits (got "
+                            f"{data.get('dataset_fingerprint', '<missing>')!r:.80})")
+        files_per_lane = data.get("files_per_lane", 1)
+        if not isinstance(files_per_lane, int) or isinstance(files_per_lane, bool) or files_per_lane < 1:
+            problems.append(f"field 'files_per_lane' must be an int >= 1 (got {files_per_lane!r:.80})")
         if problems:
             raise ManifestError(f"{where}: " + "; ".join(problems))
-        files = [FileEntry.from_dict(f, f"{where}: files[{k}]") for k, f in enumerate(data["files"])]
         num_lanes = data["num_lanes"]
-        for entry in files:
-            if not 0 <= entry.lane < num_lanes:
-                problems.append(f"file {entry.path} has lane {entry.lane} outside [0, {num_lanes})")
-        if problems:
-            raise ManifestError(f"{where}: " + "; ".join(problems))
-        manifest = cls(
-            seed=data["seed"],
-            num_lanes=num_lanes,
-            source_name=data["source_name"],
-            schema=data["schema"],
-            files=files,
-            documents=data["documents"],
-            rejected=dict(data.get("rejected") or {}),
-            tokenizer=data.get("tokenizer"),
-            files_per_lane=int(data.get("files_per_lane", 1)),
-            format_version=version,
-            dataset_fingerprint=data.get("dataset_fingerprint", ""),
-        )
-        recorded = manifest.dataset_fingerprint
-        actual = manifest.compute_fingerprint()
-        if recorded and recorded != actual:
+        if num_lanes < 1:
+            problems.append(f"field 'num_lanes' must be >= 1 (got {num_lanes})")
+        pretokenized = data.get("tokenizer") is not None
+        files: list[FileEntry] = []
+        first_of_path: dict[str, int] = {}
+        first_of_lane_part: dict[tuple[int, int], int] = {}
+        for k, raw in enumerate(data["files"]):
+            name = f"files[{k}]" + (f" ({raw['path']})" if isinstance(raw, dict) and isinstance(raw.get("path"), str) else "")
+            type_problems = FileEntry.type_problems(raw)
+            if type_problems:
+                problems.extend(f"{name}: {p}" for p in type_problems)
+                continue
+            problems.extend(f"{name}: {p}" for p in FileEntry.value_problems(raw))
+            entry = FileEntry._of(raw)
+            files.append(entry)
+            if not entry.lane < num_lanes:
+                problems.append(f"{name}: lane {entry.lane} is outside [0, {num_lanes}) (num_lanes)")
+            if pretokenized and entry.tokens is None:
+                problems.append(f"{name}: field 'tokens' is missing; a pre-tokenized dataset records each file's tokens")
+            if not pretokenized and entry.tokens is not None:
+                problems.append(f"{name}: field 'tokens' is set ({entry.tokens}) but the dataset is not "
+                                "pre-tokenized (no 'tokenizer')")
+            if entry.path in first_of_path:
+                problems.append(f"{name}: duplicates files[{first_of_path[entry.path]}] (same path)")
+            elif (entry.lane, entry.part) in first_of_lane_part:
+                problems.append(f"{name}: duplicates files[{first_of_lane_part[entry.lane, entry.part]}] "
+                                f"(same lane {entry.lane} and part {entry.part})")
+            first_of_path.setdefault(entry.path, k)
+            first_of_lane_part.setdefault((entry.lane, entry.part), k)
+        if len(files) == len(data["files"]) and data["documents"] != sum(f.rows for f in files):
+            problems.append(f"field 'documents' is {data['documents']} but the files hold "
+                            f"{sum(f.rows for f in files)} rows")
+        manifest = None
+        if len(files) == len(data["files"]):  # the fingerprint needs every entry parsed
+            manifest = cls(
+                seed=data["seed"],
+                num_lanes=num_lanes,
+                source_name=data["source_name"],
+                schema=data["schema"],
+                files=files,
+                documents=data["documents"],
+                rejected=dict(data.get("rejected") or {}),
+                tokenizer=data.get("tokenizer"),
+                files_per_lane=files_per_lane,
+                format_version=version,
+                dataset_fingerprint=data["dataset_fingerprint"],
+            )
+            recorded = manifest.dataset_fingerprint
+            actual = manifest.compute_fingerprint()
+            if recorded != actual:
+                problems.insert(0,
+                    f"dataset_fingerprint {recorded[:16]}... does not match its content "
+                    f"({actual[:16]}...): the manifest was edited or is corrupt"
+                )
+        if problems or manifest is None:
             raise ManifestError(
-                f"{where}: dataset_fingerprint {recorded[:16]}... does not match its content "
-                f"({actual[:16]}...): the manifest was edited or is corrupt; re-run the Beam job."
+                f"{where}: " + "; ".join(problems) + ". Re-run the Beam job (or restore the manifest)."
             )
         return manifest
 
