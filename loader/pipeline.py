@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 import weakref
 from typing import Any, Optional
 
@@ -476,11 +477,23 @@ class ZephonLoader:
         return available
 
     def _start_run(self) -> None:
+        """The run that produces the next items: workers, or in-process lanes.
+
+        Warm start: until every worker has started (imports take a few hundred
+        milliseconds), the trainer's process produces the items itself, then hands the
+        lanes' states to the workers at an item boundary (a step boundary when steps are
+        looked ahead). The stream is the same either way; the first batch does not wait.
+        """
         if self._run is None:
             if self.config.num_workers > 0 and (self._pool is None or not self._pool.healthy()):
                 self._stop_pool()
                 self._start_pool()
-            self._run = _Run(self, self._pool)
+            self._run = _Run(self, self._pool, warm_start=self._pool is not None and not self._pool.all_ready())
+        elif self._run.warm_start and self._step_items is None:
+            self._pool.raise_if_dead()  # a worker that died starting up is an error, not a slow start
+            if self._pool.all_ready():
+                self._end_run()
+                self._run = _Run(self, self._pool)
 
     def _start_pool(self) -> None:
         items_held = self.topology.per_rank_batch if self.finite else self.config.micro_batch_size
@@ -571,6 +584,23 @@ class ZephonLoader:
                 item.lease.item_done()
         return batch
 
+    def wait_for_workers(self, timeout_s: Optional[float] = None) -> None:
+        """Block until every worker process has started (no-op without workers).
+
+        Until then the trainer's process produces the items itself (warm start); after
+        this call the next micro-batch comes from the workers. For tests and
+        measurements of the worker path; a trainer never needs it. Raises
+        :class:`WorkerError` if a worker died or ``timeout_s`` passed.
+        """
+        if self._pool is None:
+            return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._pool.all_ready():
+            self._pool.raise_if_dead()
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerError(f"loader workers did not start within {timeout_s} s")
+            time.sleep(0.01)
+
     def wait_for_read_ahead(self) -> None:
         """Block until the background reads queued by this process's lanes have finished.
 
@@ -622,18 +652,19 @@ def _flat_positions(per_row: list[np.ndarray], seq_len: int, row_ids: Optional[l
 class _Run:
     """One pass of iteration from a fixed start: in-process lanes or the worker pool's processes."""
 
-    def __init__(self, loader: ZephonLoader, pool: Optional[WorkerPool]) -> None:
+    def __init__(self, loader: ZephonLoader, pool: Optional[WorkerPool], warm_start: bool = False) -> None:
         cfg = loader.config
+        self.warm_start = warm_start  # in-process until the workers are ready
         self.num_lanes = loader.num_lanes
         self.timeout_s = cfg.worker_timeout_s
         self.pool = pool
         self.in_process_lanes = None
         # In-process lanes are read directly by state_dict() unless steps are looked ahead
         # (finite data); then, as with workers, every item carries its lane state.
-        self.reads_lanes_directly = cfg.num_workers == 0 and not loader.finite
+        self.reads_lanes_directly = cfg.num_workers == 0 and not loader.finite and not warm_start
         self.pending: dict[int, collections.deque] = {}
         self.ended_at: Optional[int] = None
-        if pool is None:
+        if pool is None or warm_start:
             # The trainer's thread calls produce_one for each index in turn: no generator and
             # no position bookkeeping between the loader and its lanes.
             self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states)

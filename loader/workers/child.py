@@ -9,13 +9,14 @@ starting a new process.
 Protocol (``multiprocessing.connection`` framing over two pipes)::
 
     trainer -> worker   ("start", run_id, input_path, start_position)   lanes, states: in a private file
-                        ("free", run_id, slot)                          the trainer copied the slot out
                         ("stop",)                                       or end-of-file: exit
     worker -> trainer   ("ready", pid)
                         ("items", run_id, slot or None, descriptor)     see loader.workers.messages
                         ("error", run_id, traceback text)
 
-A ``start`` reclaims every slot (the trainer has dropped the old run's items). The worker
+Slots go back to the worker through their flag bytes in the segment
+(:mod:`loader.workers.shm`), not through the pipe. A ``start`` reclaims every slot (the
+trainer has dropped the old run's items). The worker
 exits when the trainer's end of the command pipe closes, so it never outlives a trainer
 killed with SIGKILL; writing to a trainer that is gone ends it too (BrokenPipeError).
 """
@@ -46,18 +47,26 @@ BOOTSTRAP = (
 )
 
 
+_SLOT_WAIT_S = 0.001  # how long a worker with no free slot waits before it looks again
+WORKER_NICENESS = 5  # the trainer's own thread comes first when the cores are busy
+
+
 def main(commands: Connection, messages: Connection, setup: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
+    try:
+        os.nice(WORKER_NICENESS)
+    except OSError:
+        pass
     segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"])
     messages.send(("ready", os.getpid()))
-    free: list[int] = []
+    flags = segment.flags
     run_id = None
     items = None  # the current run's item generator
     lanes: dict = {}
     try:
         while True:
-            # Commands first; block on them when there is nothing to produce or nowhere to put it.
-            while items is None or not free or commands.poll():
+            # Commands first; block on them when there is nothing to produce.
+            while items is None or commands.poll():
                 try:
                     command = commands.recv()
                 except EOFError:  # the trainer is gone
@@ -65,18 +74,19 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                 kind = command[0]
                 if kind == "stop":
                     return
-                if kind == "free":
-                    if command[1] == run_id:
-                        free.append(command[2])
-                elif kind == "start":
+                if kind == "start":
                     _close_lanes(lanes)
                     run_id, input_path, start_position = command[1:]
-                    free = list(range(segment.num_slots))
+                    flags[:] = 0
                     try:
                         lanes, items = _start(input_path, start_position)
                     except BaseException:  # noqa: BLE001 - the trainer gets the traceback
                         lanes, items = {}, None
                         messages.send(("error", run_id, traceback.format_exc()))
+            slot = segment.free_slot()
+            if slot is None:  # `prefetch` messages ahead of the trainer: wait for it
+                commands.poll(_SLOT_WAIT_S)
+                continue
             try:
                 batch = []
                 for item in items:
@@ -85,11 +95,12 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                         break
                 ended = not batch or isinstance(batch[-1], End)
                 sequences = len(batch) - (1 if batch and isinstance(batch[-1], End) else 0)
-                slot = free.pop() if sequences else None
-                if slot is None:
-                    descriptor = write_message(batch, memoryview(b""))
-                else:
+                if sequences:
                     descriptor = write_message(batch, segment.view(slot))
+                    flags[slot] = 1
+                else:
+                    slot = None
+                    descriptor = write_message(batch, memoryview(b""))
                 messages.send(("items", run_id, slot, descriptor))
                 if ended:
                     items = None

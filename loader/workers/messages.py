@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from loader.packing import PackedSequence
+from loader.packing import ConcatRow, PackedSequence
 from loader.producer import End, Item
 from loader.workers.shm import read_arrays, write_arrays
 
@@ -36,26 +36,55 @@ class SlotLease:
             self._release()
 
 
+class _OneRowFill:
+    """The ``_fill`` of a shipped concat row: its document starts, already cut out."""
+
+    __slots__ = ("doc_starts",)
+
+    def __init__(self, doc_starts: np.ndarray) -> None:
+        self.doc_starts = doc_starts
+
+    def row_doc_starts(self, row: int) -> np.ndarray:
+        return self.doc_starts
+
+
+def _shipped_row(input_ids: np.ndarray, doc_starts: np.ndarray, token_sources, majority: int) -> ConcatRow:
+    """A :class:`~loader.packing.ConcatRow` rebuilt from a message (the batch builder's bulk path)."""
+    row = ConcatRow.__new__(ConcatRow)
+    row.input_ids, row.token_sources, row.majority_source = input_ids, token_sources, majority
+    row._fill, row._row = _OneRowFill(doc_starts), 0
+    return row
+
+
 def write_message(items: list, slot: memoryview) -> dict:
     """The descriptor of ``items`` (an :class:`End` only last), their arrays written to ``slot``."""
     end = items[-1] if items and isinstance(items[-1], End) else None
     items = items[:-1] if end is not None else items
     sequences = [it.sequence for it in items]
+    # Full concat rows travel as ids + where their documents start, and stay concat rows on
+    # the trainer's side, whose batch builder derives their labels and segments in bulk (as
+    # in-process); building per-row labels here would be work the trainer skips anyway.
+    is_row = [type(s) is ConcatRow for s in sequences]
+    rows = [s for s, r in zip(sequences, is_row) if r]
+    others = [s for s, r in zip(sequences, is_row) if not r]
     descriptor = {
         "global_index": [it.global_index for it in items],
         "source_id": [it.source_id for it in items],
         "lane_state": [it.lane_state for it in items],
-        "segment_counts": [len(s.segment_starts) for s in sequences],
+        "is_row": is_row,
+        "majority": [s.majority_source for s in sequences],
+        "start_counts": [len(s.doc_starts) if r else len(s.segment_starts) for s, r in zip(sequences, is_row)],
         "token_sources_rows": None,
         "end": end,
         "layout": {},
     }
     if sequences:
-        arrays = {
-            "input_ids": np.stack([s.input_ids for s in sequences]).astype(np.int32, copy=False),
-            "labels": np.stack([s.labels for s in sequences]).astype(np.int32, copy=False),
-            "segment_starts": np.concatenate([s.segment_starts for s in sequences]).astype(np.int32),
-        }
+        arrays = {"input_ids": np.stack([s.input_ids for s in sequences]).astype(np.int32, copy=False)}
+        if rows:
+            arrays["doc_starts"] = np.concatenate([s.doc_starts for s in rows]).astype(np.int32, copy=False)
+        if others:
+            arrays["labels"] = np.stack([s.labels for s in others]).astype(np.int32, copy=False)
+            arrays["segment_starts"] = np.concatenate([s.segment_starts for s in others]).astype(np.int32)
         with_sources = [s.token_sources is not None for s in sequences]
         if any(with_sources):
             seq_len = len(sequences[0].input_ids)
@@ -73,19 +102,29 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
     items: list = []
     if descriptor["global_index"]:
         arrays = read_arrays(slot, descriptor["layout"])
-        input_ids, labels, segment_starts = arrays["input_ids"], arrays["labels"], arrays["segment_starts"]
+        input_ids = arrays["input_ids"]
+        doc_starts, labels, segment_starts = arrays.get("doc_starts"), arrays.get("labels"), arrays.get("segment_starts")
         token_sources = arrays.get("token_sources")
         with_sources = descriptor["token_sources_rows"]
-        bounds = np.cumsum([0] + descriptor["segment_counts"]).tolist()
         holder = SlotLease(len(descriptor["global_index"]), lease) if lease is not None else None
-        for row, (global_index, source_id, lane_state) in enumerate(
-            zip(descriptor["global_index"], descriptor["source_id"], descriptor["lane_state"])
-        ):
-            sequence = PackedSequence(
-                input_ids=input_ids[row], labels=labels[row],
-                segment_starts=segment_starts[bounds[row] : bounds[row + 1]],
-                token_sources=token_sources[row] if with_sources and with_sources[row] else None,
-            )
+        at_row = at_other = 0  # offsets into doc_starts / segment_starts, and the other rows' number
+        at_starts = 0
+        for row, (global_index, source_id, lane_state, is_row, majority, count) in enumerate(zip(
+            descriptor["global_index"], descriptor["source_id"], descriptor["lane_state"],
+            descriptor["is_row"], descriptor["majority"], descriptor["start_counts"],
+        )):
+            sources = token_sources[row] if with_sources and with_sources[row] else None
+            if is_row:
+                sequence = _shipped_row(input_ids[row], doc_starts[at_row : at_row + count], sources, majority)
+                at_row += count
+            else:
+                sequence = PackedSequence(
+                    input_ids=input_ids[row], labels=labels[at_other],
+                    segment_starts=segment_starts[at_starts : at_starts + count],
+                    token_sources=sources, majority_source=majority,
+                )
+                at_other += 1
+                at_starts += count
             items.append(Item(global_index, source_id, sequence, lane_state, holder))
     if descriptor["end"] is not None:
         items.append(descriptor["end"])

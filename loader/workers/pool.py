@@ -128,6 +128,30 @@ class WorkerPool:
             "num_slots": self.num_slots, "slot_size": self.slot_size, "name": f"{self.name}-{worker_id}",
         })
 
+    def all_ready(self) -> bool:
+        """Whether every worker has started (never blocks): "ready" is each one's first message."""
+        for worker_id, connection in enumerate(self.messages):
+            if not self.ready[worker_id]:
+                try:
+                    if not connection.poll(0):
+                        return False
+                    message = connection.recv()
+                except (EOFError, OSError):
+                    return False  # dead: healthy() says so, receive() raises
+                if message[0] != "ready":
+                    raise RuntimeError(f"internal error: worker {worker_id}'s first message is {message[0]!r}")
+                self._mark_ready(worker_id)
+        return True
+
+    def _mark_ready(self, worker_id: int) -> None:
+        self.ready[worker_id] = True
+        self.segments[worker_id].unlink()  # mapped on both sides: no name left to leak
+
+    def raise_if_dead(self) -> None:
+        for worker_id, process in enumerate(self.processes):
+            if not process.is_alive():
+                raise self._died(worker_id)
+
     def healthy(self) -> bool:
         return all(p.is_alive() for p in self.processes)
 
@@ -176,8 +200,7 @@ class WorkerPool:
                 raise self._died(worker_id) from None
             kind = message[0]
             if kind == "ready":
-                self.ready[worker_id] = True
-                self.segments[worker_id].unlink()  # mapped on both sides: no name left to leak
+                self._mark_ready(worker_id)
                 continue
             run_id = message[1]
             if run_id != self.run_id:
@@ -187,8 +210,12 @@ class WorkerPool:
             slot, descriptor = message[2], message[3]
             if slot is None:
                 return read_message(descriptor, memoryview(b""), None)
-            return read_message(descriptor, self.segments[worker_id].view(slot),
-                                lambda: self._send(worker_id, ("free", run_id, slot)))
+            segment = self.segments[worker_id]
+            return read_message(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot))
+
+    def _give_back(self, segment: Segment, run_id: int, slot: int) -> None:
+        if run_id == self.run_id:  # a later start has reclaimed every slot already
+            segment.flags[slot] = 0
 
     def _died(self, worker_id: int) -> WorkerError:
         process = self.processes[worker_id]

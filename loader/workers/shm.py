@@ -5,8 +5,14 @@ message (up to ``items_per_message`` sequences: every per-token array of every i
 a free slot and sends the trainer only a small descriptor; the trainer reads the arrays as
 views of the slot, copies them once into the micro-batch, and gives the slot back::
 
-    worker:  take a free slot id ── write arrays ── send ("items", slot, descriptor)
-    trainer: recv descriptor ── views of the slot ── collate (the one copy) ── send ("free", slot)
+    worker:  find a free slot flag, set it ── write arrays ── send ("items", slot, descriptor)
+    trainer: recv descriptor ── views of the slot ── collate (the one copy) ── clear the flag
+
+The segment starts with one flag byte per slot (1: the worker wrote it and the trainer
+has not copied it out yet). Giving a slot back is a store into shared memory, not a
+message: the trainer's hot path makes no system call for it, and wakes nobody. The
+flag is cleared after the copy; a worker that finds no free slot waits on its command pipe
+for a millisecond and looks again (it only waits when it is ``prefetch`` messages ahead).
 
 Segments never outlive the run, whoever dies. The trainer creates the file under
 ``/dev/shm`` (name ``zephon-<trainer pid>-<token>-w<k>``), the worker maps it and the
@@ -47,20 +53,35 @@ def _align(n: int, to: int = 64) -> int:
 
 @dataclass
 class Segment:
-    """One worker's slots, mapped into this process."""
+    """One worker's slots, mapped into this process: ``num_slots`` flag bytes, then the slots."""
 
     path: str
     num_slots: int
     slot_size: int
     _map: Optional[mmap.mmap] = None
 
+    @staticmethod
+    def size_of(num_slots: int, slot_size: int) -> int:
+        return _align(num_slots) + num_slots * slot_size
+
+    @property
+    def flags(self) -> np.ndarray:
+        """One uint8 per slot, shared with the other process: 1 while the slot holds a message."""
+        return np.frombuffer(self._map, dtype=np.uint8, count=self.num_slots)
+
+    def free_slot(self) -> Optional[int]:
+        """A slot the trainer has given back, or None."""
+        free = np.flatnonzero(self.flags == 0)
+        return int(free[0]) if len(free) else None
+
     @classmethod
     def create(cls, num_slots: int, slot_size: int, worker_id: int) -> "Segment":
         path = os.path.join(_shm_dir(), f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-w{worker_id}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, num_slots * slot_size)
-            segment = cls(path, num_slots, slot_size, mmap.mmap(fd, num_slots * slot_size))
+            size = cls.size_of(num_slots, slot_size)
+            os.ftruncate(fd, size)
+            segment = cls(path, num_slots, slot_size, mmap.mmap(fd, size))
         finally:
             os.close(fd)
         return segment
@@ -69,7 +90,7 @@ class Segment:
     def attach(cls, path: str, num_slots: int, slot_size: int) -> "Segment":
         fd = os.open(path, os.O_RDWR)
         try:
-            return cls(path, num_slots, slot_size, mmap.mmap(fd, num_slots * slot_size))
+            return cls(path, num_slots, slot_size, mmap.mmap(fd, cls.size_of(num_slots, slot_size)))
         finally:
             os.close(fd)
 
@@ -89,7 +110,7 @@ class Segment:
             self._map = None
 
     def view(self, slot: int) -> memoryview:
-        start = slot * self.slot_size
+        start = _align(self.num_slots) + slot * self.slot_size
         return memoryview(self._map)[start : start + self.slot_size]
 
 

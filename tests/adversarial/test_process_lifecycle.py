@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent('''
         config = LoaderConfig(**json.loads(sys.argv[1]))
         how = sys.argv[2]
         loader = ZephonLoader(config)
+        loader.wait_for_workers(60)
         next(loader)
         pids = [p.pid for p in loader._run.processes]
         if how != "ctrl-c":
@@ -58,6 +59,7 @@ def _config_json(config) -> str:
 def test_close_kills_a_worker_that_ignores_sigterm(make_config):
     loader = ZephonLoader(make_config("concat", num_workers=2))
     try:
+        loader.wait_for_workers(30)
         next(loader)
         pids = [p.pid for p in loader._run.processes]
         os.kill(pids[1], signal.SIGSTOP)

@@ -52,6 +52,7 @@ def test_workers_deliver_the_in_process_stream(make_config, baseline, packing):
 def test_segment_names_are_gone_once_workers_run_and_memory_after_close(make_config):
     loader = ZephonLoader(make_config("concat", num_workers=2))
     try:
+        loader.wait_for_workers(30)
         next(loader)
         assert _segments_of(os.getpid()) == [], "segment names still exist after the workers mapped them"
         pids = [p.pid for p in loader._run.processes]
@@ -65,6 +66,7 @@ def test_segment_names_are_gone_once_workers_run_and_memory_after_close(make_con
 def test_killed_worker_leaves_no_segment(make_config):
     loader = ZephonLoader(make_config("concat", num_workers=2))
     try:
+        loader.wait_for_workers(30)
         next(loader)
         victim = loader._run.processes[0]
         os.kill(victim.pid, signal.SIGKILL)
@@ -104,6 +106,7 @@ TRAINER = textwrap.dedent('''
 
     if __name__ == "__main__":
         loader = ZephonLoader(LoaderConfig(**json.loads(sys.argv[1])))
+        loader.wait_for_workers(60)
         while True:
             next(loader)
             print(json.dumps([p.pid for p in loader._run.processes]), flush=True)
@@ -126,3 +129,40 @@ def test_trainer_killed_with_sigkill_leaves_no_worker_and_no_segment(make_config
         proc.wait()
     assert _wait_gone(pids) == [], "workers outlived a trainer killed with SIGKILL"
     assert _segments_of(proc.pid) == [], "a trainer killed with SIGKILL left shared memory behind"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("finite", [False, True])
+def test_warm_start_hands_over_to_the_workers_without_changing_the_stream(make_config, baseline, monkeypatch, finite):
+    """The trainer produces until the workers are ready, then the workers take over at an
+    item (finite data: step) boundary. The hand-over is forced at several points."""
+    from loader.workers.pool import WorkerPool
+
+    overrides = dict(datasets=[{"path": make_config().datasets[0].path, "max_epochs": 2}]) if finite else {}
+    from loader.fingerprints import collect_fingerprints
+
+    expected = [r.line() for r in collect_fingerprints(make_config("concat", **overrides), world_size=1, end_step=10)[0]]
+    real_all_ready = WorkerPool.all_ready
+    for checks_before_ready in (0, 3, 7):
+        calls = {"n": 0}
+
+        def all_ready(self):
+            calls["n"] += 1
+            return calls["n"] > checks_before_ready and real_all_ready(self)
+
+        monkeypatch.setattr(WorkerPool, "all_ready", all_ready)
+        config = make_config("concat", num_workers=2, micro_batch_size=1, **overrides)
+        run = LoaderRun(config)
+        try:
+            for loader in run.loaders:
+                real = loader._pool
+                deadline = time.monotonic() + 30
+                while not all(real.ready) and time.monotonic() < deadline:  # started, not yet let in
+                    real_all_ready(real)
+                    time.sleep(0.01)
+            got = run.run(10)
+            used_workers = not run.loaders[0]._run.warm_start
+        finally:
+            run.close()
+        assert got == expected, f"hand-over after {checks_before_ready} checks changed the stream"
+        assert used_workers, "the workers never took over"

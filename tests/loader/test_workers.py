@@ -70,6 +70,7 @@ def test_worker_exception_surfaces_with_its_traceback(make_config, dataset_copy,
     path = corrupt(dataset_copy, how)
     error, words = EXPECTED_ERROR[how]
     loader = ZephonLoader(make_config(datasets=[{"path": dataset_copy}], num_workers=1))
+    loader.wait_for_workers(30)  # the worker path, not the warm start
     started = time.monotonic()
     try:
         with pytest.raises(WorkerError) as info:
@@ -94,6 +95,7 @@ def test_killed_worker_surfaces_as_worker_error_not_a_hang(make_config, packing)
     config = make_config(packing, seq_len=128, best_fit_open_bins=8, num_workers=2, prefetch=4)
     loader = ZephonLoader(config)
     try:
+        loader.wait_for_workers(30)
         next(loader)
         time.sleep(1.5)  # let the workers run ahead until their queues are full
         victim = loader._run.processes[1]
@@ -130,6 +132,7 @@ def test_close_ends_workers_and_the_loader_resumes_where_the_trainer_stopped(mak
 @pytest.mark.timeout(60)
 def test_garbage_collection_ends_workers(make_config):
     loader = ZephonLoader(make_config("concat", num_workers=2))
+    loader.wait_for_workers(30)
     next(loader)
     pids = [p.pid for p in loader._run.processes]
     assert len(pids_alive(pids)) == 2
