@@ -1,0 +1,137 @@
+"""One chat record to ``input_ids`` + ``loss_mask``, or a reject with a reason.
+
+The single entry point the Beam job (offline tokenization) and the loader (online) call, so
+both produce the same arrays::
+
+    record --parse_conversation--> Conversation --assistant_spans--> text + char spans
+           --tokenize_rendered--> ids + offsets --token_mask_from_spans--> loss_mask
+           --guards--> EncodedConversation | ConversationRejected(reason)
+
+Guards, in order (each a reason in :data:`loader.chat.conversations.REJECT_REASONS`):
+``empty_loss_mask`` when no token is supervised (no assistant turn, or its text renders to no
+token); ``full_loss_mask`` when every token is supervised although the render holds text
+outside the assistant spans or the content of a system / user / tool message (a template
+that tags everything); ``too_long`` when the conversation has more than ``max_tokens`` tokens
+and ``overflow="reject"`` (with ``overflow="truncate"`` the first ``max_tokens`` tokens are
+kept and the empty-mask guard runs again on them).
+
+Deterministic: the same record, template, tokenizer and options give the same arrays (the
+template's ``strftime_now`` is the one exception; templates that call it depend on the date).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jinja2.exceptions
+import numpy as np
+
+from loader.chat.conversations import Conversation, ConversationRejected, parse_conversation
+from loader.chat.masks import covered_characters, token_mask_from_spans, tokenize_rendered
+from loader.chat.spans import LOSS_ON_CHOICES, AssistantSpans, ChatOptionError, assistant_spans, check_choice
+from loader.chat.template import ChatTemplate
+from loader.errors import ZephonError
+
+OVERFLOW_CHOICES = ("reject", "truncate")
+
+# What a template may raise on data it does not accept: its own raise_exception
+# (TemplateError and its subclasses), or Python errors from operations on odd values.
+_TEMPLATE_FAILURES = (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
+
+
+@dataclass(frozen=True, eq=False)  # arrays: compare fields with np.array_equal, not ==
+class EncodedConversation:
+    """A conversation ready to pack: ``input_ids`` (int32) and ``loss_mask`` (uint8, 1 = supervised).
+
+    ``mask_source`` says how the assistant tokens were found (``generation_tags`` or
+    ``prefix_difference``); ``truncated`` that ``overflow="truncate"`` cut the conversation.
+    """
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    mask_source: str
+    truncated: bool = False
+
+    @property
+    def supervised_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def _spans_or_reject(template: ChatTemplate, conversation: Conversation, loss_on: str) -> AssistantSpans:
+    try:
+        return assistant_spans(template, conversation, loss_on=loss_on)
+    except ZephonError:
+        raise  # a reject already, or a template choice that is a configuration error
+    except _TEMPLATE_FAILURES as exc:
+        raise ConversationRejected(
+            "template_error", f"the chat template ({template.origin}) refused the conversation: {exc}"
+        ) from exc
+
+
+def _renders_non_assistant_text(conversation: Conversation, rendered: AssistantSpans) -> bool:
+    if covered_characters(rendered.spans, len(rendered.text)) < len(rendered.text):
+        return True
+    for message in conversation.messages:
+        content = message.get("content")
+        if message["role"] != "assistant" and isinstance(content, str) and content and content in rendered.text:
+            return True
+    return False
+
+
+def encode_conversation(
+    record: Any,
+    template: ChatTemplate,
+    tokenizer,
+    *,
+    loss_on: str = "all",
+    max_tokens: Optional[int] = None,
+    overflow: str = "reject",
+    messages_field: str = "messages",
+    tools_field: str = "tools",
+) -> EncodedConversation:
+    """Encode one chat record; raise :class:`ConversationRejected` (with ``.reason``) to refuse it.
+
+    ``loss_on``: ``"all"`` supervises every assistant turn, ``"last"`` the last one only.
+    ``max_tokens`` / ``overflow``: the length bound and what a longer conversation gets.
+    ``messages_field`` / ``tools_field``: where the record holds its messages and tools.
+    Bad options raise :class:`loader.chat.spans.ChatOptionError`; a tokenizer with truncation
+    or padding enabled a :class:`loader.tokenizer.TokenizerError`.
+    """
+    check_choice("loss_on", loss_on, LOSS_ON_CHOICES)
+    check_choice("overflow", overflow, OVERFLOW_CHOICES)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ChatOptionError(f"max_tokens must be a positive integer or None (got {max_tokens!r})")
+
+    conversation = parse_conversation(record, messages_field=messages_field, tools_field=tools_field)
+    rendered = _spans_or_reject(template, conversation, loss_on)
+    tokens = tokenize_rendered(tokenizer, rendered.text)
+    loss_mask = token_mask_from_spans(tokens.offsets, rendered.spans)
+    input_ids = tokens.input_ids
+
+    if not loss_mask.any():
+        why = "it has no assistant message" if not conversation.assistant_indices() else "no token overlaps an assistant span"
+        raise ConversationRejected("empty_loss_mask", f"no token is supervised: {why} ({rendered.source})")
+    if loss_mask.all() and _renders_non_assistant_text(conversation, rendered):
+        raise ConversationRejected(
+            "full_loss_mask",
+            f"all {len(loss_mask)} tokens are supervised although the render holds non-assistant text "
+            f"({rendered.source}); the template's generation tags cover more than the assistant turns",
+        )
+    truncated = False
+    if max_tokens is not None and len(input_ids) > max_tokens:
+        if overflow == "reject":
+            raise ConversationRejected(
+                "too_long", f"{len(input_ids)} tokens > max_tokens={max_tokens} (overflow='reject')"
+            )
+        input_ids, loss_mask, truncated = input_ids[:max_tokens], loss_mask[:max_tokens], True
+        if not loss_mask.any():
+            raise ConversationRejected(
+                "empty_loss_mask", f"no supervised token in the first max_tokens={max_tokens} tokens (overflow='truncate')"
+            )
+    return EncodedConversation(
+        input_ids=np.ascontiguousarray(input_ids),
+        loss_mask=np.ascontiguousarray(loss_mask),
+        mask_source=rendered.source,
+        truncated=truncated,
+    )
