@@ -34,7 +34,7 @@ from loader import gcs
 from loader.config import LoaderConfig
 from loader.fingerprints import collect_fingerprints
 from loader.lane_reader import LaneDataError
-from loader.pipeline import WorkerError
+from loader.pipeline import WorkerError, ZephonLoader
 from loader.storage import StorageError, StorageNotFoundError
 from tests.gcs.faults import Fault
 
@@ -239,8 +239,11 @@ def test_deleted_lane_object_in_a_worker(copy_of_text_dataset):
     url = f"{remote}/{FIRST_FILE}"
     delete_object(url)
     start = time.monotonic()
-    with pytest.raises(WorkerError) as caught:
-        fingerprints(make_config([remote], num_workers=1))  # one spawn: ~4 s less than two
+    with ZephonLoader(make_config([remote], num_workers=1)) as loader:  # one worker: ~4 s less than two
+        loader.wait_for_workers(30)  # the worker path, not the trainer's warm start
+        with pytest.raises(WorkerError) as caught:
+            for _ in range(STEPS * loader.topology.micro_steps_per_step):
+                next(loader)
     text = str(caught.value)
     assert f"{url} does not exist" in text and "StorageNotFoundError" in text
     # Well below worker_timeout_s (30 s here): the error is reported, not waited out.
