@@ -2,7 +2,9 @@
 
 Reads only ``manifest.json`` (through :func:`loader.manifest.read_manifest`, so local paths
 and ``gs://`` both work, and a manifest whose fingerprint does not match its content is
-refused). Nothing here imports Beam, so the command starts fast.
+refused). Nothing here imports Beam, so the command starts fast. ``--plot FILE.png`` also
+reads one column (document lengths) of the lane files, or of a sample of them
+(``--plot-max-files``), and draws :mod:`beam_jobs.inspect_plot`'s figure.
 
 The per-lane balance counts every lane ``0..L-1``, including lanes that received no
 documents (they count as 0 and are reported as ``empty_lanes``).
@@ -17,6 +19,8 @@ import sys
 from typing import Any, Optional, Sequence
 
 from loader.manifest import Manifest, read_manifest
+
+PLOT_MAX_FILES = 64  # lane files read for the length histogram by default (a column each)
 
 
 def _spread(per_lane: list[int]) -> dict[str, Any]:
@@ -117,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("dataset", metavar="DATASET", help="dataset directory (local or gs://)")
     parser.add_argument("--json", action="store_true",
                         help="print the summary as JSON (includes dataset_fingerprint; default: text)")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also write a figure: document-length distribution (tokens if pre-tokenized, else "
+                             "characters), tokens (or documents) per lane, records kept and rejected by reason")
+    parser.add_argument("--plot-max-files", metavar="N", type=int, default=PLOT_MAX_FILES,
+                        help=f"read document lengths from at most N lane files, evenly spaced over the lanes "
+                             f"(default {PLOT_MAX_FILES}; 0 reads every file)")
     return parser
 
 
@@ -128,13 +138,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def command(argv: Sequence[str]) -> int:
-    args = build_parser().parse_args(list(argv))
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if args.plot_max_files < 0:
+        parser.error(f"--plot-max-files must be >= 0 (0 reads every file; got {args.plot_max_files})")
     manifest = read_manifest(args.dataset)  # ManifestError / OSError: one line, exit 1
     summary = summarize(manifest, args.dataset)
+    if args.plot is not None:
+        from beam_jobs.inspect_plot import dataset_figure, document_lengths
+        from loader.plotting import new_figure, save_figure
+
+        new_figure(1, 1)  # matplotlib missing: say so before reading any lane file
+        lengths = document_lengths(args.dataset, manifest, args.plot_max_files)
+        save_figure(dataset_figure(manifest, lengths, args.dataset), args.plot)
+        summary["plot"] = {"path": args.plot, "length_unit": lengths.unit, "documents_read": len(lengths.values),
+                           "files_read": lengths.files_read}
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
         print(render_text(summary))
+        if args.plot is not None:
+            plot = summary["plot"]
+            print(f"plot           {plot['path']} (lengths in {plot['length_unit']} of {plot['documents_read']:,} "
+                  f"documents from {plot['files_read']} of {summary['files']} lane files)")
     return 0
 
 

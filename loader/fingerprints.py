@@ -38,6 +38,10 @@ class StepFingerprint:
     step: int
     sha256: str
     source_counts: dict[str, int] = field(default_factory=dict)
+    # With ``collect_fingerprints(keep_sequences=True)``: (SHA-256 of the sequence's bytes,
+    # source name) per sequence in global-index order, so ``zephon diff`` can name the
+    # sequences that differ. Not part of ``line()``.
+    sequences: list[tuple[str, str]] = field(default_factory=list)
 
     def line(self) -> str:
         counts = " ".join(f"{name}={count}" for name, count in self.source_counts.items())
@@ -52,6 +56,7 @@ def collect_fingerprints(
     end_step: int,
     load_state: Optional[dict] = None,
     save_state_step: Optional[int] = None,
+    keep_sequences: bool = False,
 ) -> tuple[list[StepFingerprint], Optional[dict]]:
     """Fingerprints of steps ``[start_step, end_step)`` and the merged state at ``save_state_step``.
 
@@ -101,7 +106,9 @@ def collect_fingerprints(
                 counts[rows[index][1]] += 1
             if step >= start_step:
                 source_counts = {name: counts.get(k, 0) for k, name in enumerate(names)} if len(names) > 1 else {}
-                results.append(StepFingerprint(step, digest.hexdigest(), source_counts))
+                sequences = [(hashlib.sha256(rows[i][0]).hexdigest(), names[rows[i][1]]) for i in expected] \
+                    if keep_sequences else []
+                results.append(StepFingerprint(step, digest.hexdigest(), source_counts, sequences))
         if save_state_step is not None and save_state_step == end_step:
             saved = merge_rank_states([loader.state_dict() for loader in loaders])
     finally:
