@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from loader.features import FEATURES, NO_FEATURES, in_order
 from loader.packing import PackedSequence
 from loader.producer import End, Item
 from loader.workers.shm import read_arrays, write_arrays
@@ -46,7 +47,7 @@ def write_message(items: list, slot: memoryview) -> dict:
         "source_id": [it.source_id for it in items],
         "lane_state": [it.lane_state for it in items],
         "segment_counts": [len(s.segment_starts) for s in sequences],
-        "token_sources_rows": None,
+        "feature_rows": {},  # feature name -> which items carry it (every feature, generically)
         "end": end,
         "layout": {},
     }
@@ -56,14 +57,17 @@ def write_message(items: list, slot: memoryview) -> dict:
             "labels": np.stack([s.labels for s in sequences]).astype(np.int32, copy=False),
             "segment_starts": np.concatenate([s.segment_starts for s in sequences]).astype(np.int32),
         }
-        with_sources = [s.token_sources is not None for s in sequences]
-        if any(with_sources):
+        names = in_order(name for s in sequences for name in s.features)
+        if names:
             seq_len = len(sequences[0].input_ids)
-            arrays["token_sources"] = np.stack([
-                s.token_sources if s.token_sources is not None else np.full(seq_len, -1, np.int8)
-                for s in sequences
-            ]).astype(np.int8, copy=False)
-            descriptor["token_sources_rows"] = with_sources
+            for name in names:
+                feature = FEATURES[name]
+                rows = [name in s.features for s in sequences]
+                arrays[f"feature.{name}"] = np.stack([
+                    s.features[name] if has else np.full(seq_len, feature.pad, feature.dtype)
+                    for s, has in zip(sequences, rows)
+                ]).astype(feature.dtype, copy=False)
+                descriptor["feature_rows"][name] = rows
         descriptor["layout"] = write_arrays(slot, arrays)
     return descriptor
 
@@ -74,17 +78,18 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
     if descriptor["global_index"]:
         arrays = read_arrays(slot, descriptor["layout"])
         input_ids, labels, segment_starts = arrays["input_ids"], arrays["labels"], arrays["segment_starts"]
-        token_sources = arrays.get("token_sources")
-        with_sources = descriptor["token_sources_rows"]
+        feature_rows = descriptor["feature_rows"]
+        feature_arrays = {name: arrays[f"feature.{name}"] for name in feature_rows}
         bounds = np.cumsum([0] + descriptor["segment_counts"]).tolist()
         holder = SlotLease(len(descriptor["global_index"]), lease) if lease is not None else None
         for row, (global_index, source_id, lane_state) in enumerate(
             zip(descriptor["global_index"], descriptor["source_id"], descriptor["lane_state"])
         ):
+            features = NO_FEATURES if not feature_rows else {
+                name: feature_arrays[name][row] for name, rows in feature_rows.items() if rows[row]}
             sequence = PackedSequence(
                 input_ids=input_ids[row], labels=labels[row],
-                segment_starts=segment_starts[bounds[row] : bounds[row + 1]],
-                token_sources=token_sources[row] if with_sources and with_sources[row] else None,
+                segment_starts=segment_starts[bounds[row] : bounds[row + 1]], features=features,
             )
             items.append(Item(global_index, source_id, sequence, lane_state, holder))
     if descriptor["end"] is not None:
