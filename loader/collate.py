@@ -37,7 +37,8 @@ class Collator:
         # The loader's features (every micro-batch holds the same keys, whichever sources its
         # rows come from): those to put into the batch, and those that mask labels.
         self.batched = tuple(n for n in features if FEATURES[n].batch_field in self.fields)
-        self.label_masks = tuple(n for n in features if FEATURES[n].masks_labels)
+        self.label_masks = tuple(n for n in features if FEATURES[n].masks_labels) if "labels" in self.fields else ()
+        self._needed = tuple(dict.fromkeys(self.batched + self.label_masks))
         self._positions: Optional[np.ndarray] = None  # arange(rows * seq_len)
 
     def collate(self, items: list, rank_position: int) -> dict[str, Any]:
@@ -58,9 +59,8 @@ class Collator:
             "step": first_index // self.global_batch_size,
             "micro_step": ((rank_position - len(items)) % self.per_rank_batch) // self.micro_batch_size,
         }
-        feature_arrays = {name: batch_feature(name, sequences, rows, seq_len)
-                          for name in dict.fromkeys(self.batched + self.label_masks)} if self.batched or \
-            self.label_masks else {}
+        # Datasets without features: no loop, no arrays (self._needed is empty).
+        feature_arrays = {name: batch_feature(name, sequences, rows, seq_len) for name in self._needed}
         wants_segments = "position_ids" in fields or "cu_seqlens" in fields
         if "labels" in fields or wants_segments:
             # Rows of concat fills (nearly all rows of concat packing) carry only where their

@@ -315,6 +315,15 @@ def _binary_scalar(data: bytes, binary_type: pa.DataType) -> pa.Scalar:
     return pa.Array.from_buffers(binary_type, 1, [None, offsets, pa.py_buffer(data)])[0]
 
 
+def _binary_rows(values: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """A binary column chunk with null rows made empty, and its rows' byte offsets (a view)."""
+    if values.null_count:
+        values = pc.fill_null(values, _binary_scalar(b"", values.type))
+    offset_type = np.int64 if pa.types.is_large_binary(values.type) else np.int32
+    offsets = np.frombuffer(values.buffers()[1], dtype=offset_type)[values.offset : values.offset + len(values) + 1]
+    return values, offsets
+
+
 def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``(flat int32 ids, lengths)`` of an ``input_ids`` column chunk, in either encoding.
 
@@ -325,10 +334,7 @@ def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0)
     each document (only named in the error for a malformed row).
     """
     if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
-        if values.null_count:
-            values = pc.fill_null(values, _binary_scalar(b"", values.type))
-        offset_type = np.int64 if pa.types.is_large_binary(values.type) else np.int32
-        offsets = np.frombuffer(values.buffers()[1], dtype=offset_type)[values.offset : values.offset + len(values) + 1]
+        values, offsets = _binary_rows(values)
         byte_lengths = np.diff(offsets).astype(np.int64)
         if len(byte_lengths) and (byte_lengths % 4).any():
             raise _partial_ids_error(byte_lengths, where, row_group, wrap_ids)
@@ -383,10 +389,7 @@ def feature_values(values: pa.Array, feature: Feature, block: Block, fmt: TokenF
     """
     name = feature.column
     if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
-        if values.null_count:
-            values = pc.fill_null(values, _binary_scalar(b"", values.type))
-        offset_type = np.int64 if pa.types.is_large_binary(values.type) else np.int32
-        offsets = np.frombuffer(values.buffers()[1], dtype=offset_type)[values.offset : values.offset + len(values) + 1]
+        values, offsets = _binary_rows(values)
         byte_lengths = np.diff(offsets).astype(np.int64)
         itemsize = feature.dtype.itemsize
         if itemsize > 1 and len(byte_lengths) and (byte_lengths % itemsize).any():

@@ -27,6 +27,7 @@ from tests.dataset_factory import write_dataset
 from tests.loader.settings import DATA_SEED, NUM_LANES, PACKINGS, eos_id_of
 
 STEPS = 5
+ROW_KEYS = ("input_ids", "labels", "loss_mask", "token_source_ids", "position_ids", "source_ids")
 
 
 def _mask_of(ids: np.ndarray) -> np.ndarray:
@@ -80,15 +81,14 @@ def _rows(config, *, world_size: int = 1, steps: int = STEPS, output: str = "tor
                 for _ in range(loader.topology.micro_steps_per_step):
                     batch = next(loader)
                     for k, index in enumerate(np.asarray(batch["global_indices"]).tolist()):
-                        rows[index] = {key: np.asarray(value[k]) for key, value in batch.items()
-                                       if key in ("input_ids", "labels", "loss_mask", "token_source_ids", "position_ids", "source_ids")}
+                        rows[index] = {key: np.asarray(batch[key][k]) for key in ROW_KEYS if key in batch}
     finally:
         for loader in loaders:
             loader.close()
     return rows
 
 
-def _special_ids(tokenizer, config) -> tuple[int, int]:
+def _special_ids(config) -> tuple[int, int]:
     with ZephonLoader(config) as loader:
         fmt = loader.spec.token_format
         return fmt.bos_id, loader.spec.pad_id
@@ -96,12 +96,12 @@ def _special_ids(tokenizer, config) -> tuple[int, int]:
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("packing", PACKINGS)
-def test_labels_and_loss_mask_match_the_reference(make_config, masked, tokenizer, packing, case):
+def test_labels_and_loss_mask_match_the_reference(make_config, masked, packing, case):
     with_mask, without, unit = CASES[case]
     config = _config(make_config, masked, packing, with_mask, unit)
     got = _rows(config)
     plain = _rows(_config(make_config, masked, packing, without, unit))
-    bos, pad = _special_ids(tokenizer, config)
+    bos, pad = _special_ids(config)
     assert got.keys() == plain.keys()
     masked_sources = {k for k, (name, _) in enumerate(with_mask) if name in ("masked", "other_masked")}
     supervised = 0
