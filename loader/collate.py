@@ -115,12 +115,20 @@ class Collator:
         return batch
 
 
+_from_numpy = None  # torch.from_numpy, looked up once (torch is imported only by torch users)
+
+
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch with every array as a torch tensor sharing its memory (``from_numpy``: ~1 us
-    per array, where ``torch.tensor`` of a list costs ~30 us)."""
-    import torch
+    per array, where ``torch.tensor`` of a list costs ~30 us). Per batch this is as cheap as
+    calling ``from_numpy`` field by field: no import or ``isinstance`` per call."""
+    global _from_numpy
+    if _from_numpy is None:
+        import torch
 
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+        _from_numpy = torch.from_numpy
+    from_numpy, ndarray = _from_numpy, np.ndarray
+    return {k: from_numpy(v) if type(v) is ndarray else v for k, v in batch.items()}
 
 
 def _flat_positions(per_row: list[np.ndarray], seq_len: int, row_ids: Optional[list[int]] = None) -> np.ndarray:
