@@ -30,7 +30,8 @@ State shapes (``L`` lanes, ``S`` sources; see the stage modules for their meanin
              next_global_index [, rank, world_size, rank_position], lanes{"00017": lane}
     lane     {outputs, sources: {name: {packer, stopped}}}   or, token mixing, {outputs, mixed: packer}
     packer   concat {stream}   best_fit {stream, bins[{serial, tokens, piece_starts, doc_starts
-             [, token_sources]}], serial}
+             [, token_sources] [, loss_mask ...]}], serial}   (each lane-file feature of loader.features,
+             one value per token, in its range; which ones a bin must hold is checked on restore)
     stream   cursor {epoch, block, offset, exhausted}   or, token mixing, {sources[cursor x S],
              tokens[S], current, phase_start}
 """
@@ -593,7 +594,7 @@ def _parse_bin(raw: Any, path: str, mixed_sources: int, problems: Problems) -> O
             problems.add(f"{path}.{name}", f"must have one entry per token ({size}; got {len(values)})")
             ok = False
         else:
-            low, high = FEATURES[name].value_range
+            low, high = FEATURES[name].value_range or (values.min(), values.max())
             bad = np.flatnonzero((values < low) | (values > high))
             if len(bad):
                 problems.add(f"{path}.{name}[{int(bad[0])}]", f"must be in [{low}, {high}] (got {int(values[bad[0]])})")
