@@ -30,7 +30,8 @@ State shapes (``L`` lanes, ``S`` sources; see the stage modules for their meanin
              next_global_index [, rank, world_size, rank_position], lanes{"00017": lane}
     lane     {outputs, sources: {name: {packer, stopped}}}   or, token mixing, {outputs, mixed: packer}
     packer   concat {stream}   best_fit {stream, bins[{serial, tokens, piece_starts, doc_starts
-             [, token_sources]}], serial}
+             [, token_sources] [, loss_mask ...]}], serial}   (each lane-file feature of loader.features,
+             one value per token, in its range; which ones a bin must hold is checked on restore)
     stream   cursor {epoch, block, offset, exhausted}   or, token mixing, {sources[cursor x S],
              tokens[S], current, phase_start}
 """
@@ -44,6 +45,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from loader.features import FEATURES
 from loader.state import STATE_FORMAT, STATE_VERSION, StateError
 
 MAX_REPORTED = 20  # bad fields listed in one error; the count of the rest is given
@@ -265,6 +267,7 @@ class Bin:
     piece_starts: list
     doc_starts: list
     token_sources: Optional[np.ndarray]
+    features: tuple = ()  # (name, int64 array) of the column features it holds (loader.features), registry order
 
 
 @dataclass(frozen=True)
@@ -544,7 +547,7 @@ def _parse_bin(raw: Any, path: str, mixed_sources: int, problems: Problems) -> O
     restore holds up to ``L x best_fit_open_bins`` bins, and value ranges are checked for
     all bins of a packer at once (:func:`_check_bin_values`)."""
     keys = ("serial", "tokens", "piece_starts", "doc_starts") + (("token_sources",) if mixed_sources else ())
-    entry = _fields(raw, path, keys, problems)
+    entry = _fields(raw, path, keys, problems, optional=_BIN_FEATURES)
     if entry is None:
         return None
     serial = _int(entry["serial"], f"{path}.serial", problems)
@@ -580,7 +583,30 @@ def _parse_bin(raw: Any, path: str, mixed_sources: int, problems: Problems) -> O
     if sources is not None and len(sources) != size:
         problems.add(f"{path}.token_sources", f"must have one entry per token ({size}; got {len(sources)})")
         ok = False
-    return Bin(serial, tokens, pieces, docs, sources) if ok else None
+    features = []
+    for name in _BIN_FEATURES:
+        if name not in entry:
+            continue
+        values = _id_array(entry[name], f"{path}.{name}", problems)
+        if values is None:
+            ok = False
+        elif len(values) != size:
+            problems.add(f"{path}.{name}", f"must have one entry per token ({size}; got {len(values)})")
+            ok = False
+        else:
+            low, high = FEATURES[name].value_range or (values.min(), values.max())
+            bad = np.flatnonzero((values < low) | (values > high))
+            if len(bad):
+                problems.add(f"{path}.{name}[{int(bad[0])}]", f"must be in [{low}, {high}] (got {int(values[bad[0]])})")
+                ok = False
+            features.append((name, values))
+    return Bin(serial, tokens, pieces, docs, sources, tuple(features)) if ok else None
+
+
+# Per-token features a best-fit bin may hold besides token_sources: those read from lane files
+# (loader.features); which of them a packer's bins must hold is checked on restore, against
+# the source's lane files (BestFitPacker.set_state).
+_BIN_FEATURES = tuple(f.name for f in FEATURES.values() if f.column is not None)
 
 
 def _check_bin_values(bins: tuple, path: str, name: str, low: int, high: int, what: str, problems: Problems) -> None:
@@ -622,6 +648,8 @@ def _packer_with_arrays(raw: dict, packer: PackerState) -> dict:
         arrays = {"tokens": bin_.tokens.astype(np.int32)}
         if bin_.token_sources is not None:
             arrays["token_sources"] = bin_.token_sources.astype(np.int8)
+        for name, values in bin_.features:
+            arrays[name] = values.astype(FEATURES[name].dtype)
         bins.append(dict(saved, **arrays))
     return dict(raw, bins=bins)
 

@@ -19,6 +19,7 @@ from loader.validation import (
 )
 
 from loader.errors import ZephonError
+from loader.features import BATCH_FEATURE_FIELDS
 
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
@@ -27,7 +28,9 @@ EXHAUSTION_POLICIES = ("repeat", "stop")
 # batch builder a pass over the batch each, so a trainer that derives them itself (or does
 # not use them) can leave them out. Per-sequence entries (source_ids, global_indices, step,
 # micro_step) are always there.
-BATCH_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_source_ids")
+# Then one field per per-token feature (loader.features registry: token_source_ids,
+# loss_mask), present in a batch when the loader's sources carry the feature.
+BATCH_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens") + BATCH_FEATURE_FIELDS
 
 
 class ConfigError(ZephonError, ValueError):

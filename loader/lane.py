@@ -58,6 +58,7 @@ class LaneSpec:
     mixing_unit: str = "sequence"
     read_ahead: bool = False
     read_ahead_threads: int = 1
+    features: tuple[str, ...] = ()  # per-token features every sequence carries (loader.features)
 
 
 class LaneExhausted(Exception):
@@ -105,8 +106,9 @@ class Lane:
 
     def _packer(self, stream):
         if self.spec.packing == "concat":
-            return ConcatPacker(stream, self.spec.seq_len, self.spec.pad_id)
-        return BestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.best_fit_open_bins)
+            return ConcatPacker(stream, self.spec.seq_len, self.spec.pad_id, features=self.spec.features)
+        return BestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.best_fit_open_bins,
+                             features=self.spec.features)
 
     def next_sequence(self, global_index: int) -> tuple[int, PackedSequence]:
         """``(source_id, sequence)`` for the lane's next output; raises :class:`LaneExhausted`."""

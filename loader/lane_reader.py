@@ -32,7 +32,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 
 from loader import storage
 from loader.errors import ZephonError
+from loader.features import NO_FEATURES, Feature, column_features, slice_features, wrap_feature
 from loader.hashing import stable_permutation
 from loader.manifest import MANIFEST_NAME, FileEntry, Manifest, lane_file_path
 
@@ -204,6 +205,7 @@ class Block:
     tokens: np.ndarray  # int32, all documents of the block back to back
     doc_starts: np.ndarray  # int64, len = documents + 1; last entry = len(tokens)
     complete: bool = True  # False: documents after the last ``doc_starts`` entry are still text
+    features: Mapping[str, np.ndarray] = NO_FEATURES  # per-token arrays aligned with ``tokens`` (loader.features)
 
     def ensure(self, position: int) -> None:
         """Make ``tokens`` extend past ``position``, or hold the whole block."""
@@ -250,15 +252,21 @@ class TextBlock(Block):
 class Chunk:
     """Tokens taken from a stream: ``doc_starts`` are offsets in ``tokens`` where a document begins.
 
-    ``token_sources`` (int8 per token) is set only by token-unit mixing, where one chunk can
-    hold documents of several sources; with it, a chunk of whole rows cut in bulk carries
-    ``row_majority``, each row's majority source (most tokens, lowest id on ties).
+    ``features``: per-token arrays aligned with ``tokens`` (:mod:`loader.features`), e.g.
+    ``loss_mask`` read from the lane files, or ``token_sources`` (int8) set by token-unit
+    mixing, where one chunk can hold documents of several sources; with it, a chunk of whole
+    rows cut in bulk carries ``row_majority``, each row's majority source (most tokens,
+    lowest id on ties).
     """
 
     tokens: np.ndarray
     doc_starts: np.ndarray
-    token_sources: Optional[np.ndarray] = None
+    features: Mapping[str, np.ndarray] = NO_FEATURES
     row_majority: Optional[list[int]] = None
+
+    @property
+    def token_sources(self) -> Optional[np.ndarray]:
+        return self.features.get("token_sources")
 
 
 @dataclass
@@ -276,15 +284,18 @@ class DocumentsView:
     ends: np.ndarray  # virtual end of each document from the cursor on
     epoch: int
     block_index: int  # of the current block
+    features: tuple = ()  # each block's features (loader.features), as ``blocks``
 
-    def slices(self, start: int, end: int) -> list[np.ndarray]:
-        """The tokens at virtual positions ``[start, end)``, one slice per block touched."""
+    def slices(self, start: int, end: int, feature: Optional[str] = None) -> list[np.ndarray]:
+        """The tokens (or feature ``feature``'s values) at virtual positions ``[start, end)``,
+        one slice per block touched."""
+        arrays = self.blocks if feature is None else [f[feature] for f in self.features]
         first = len(self.blocks[0])
         if end <= first:
-            return [self.blocks[0][start:end]]
+            return [arrays[0][start:end]]
         if start >= first:
-            return [self.blocks[1][start - first : end - first]]
-        return [self.blocks[0][start:first], self.blocks[1][: end - first]]
+            return [arrays[1][start - first : end - first]]
+        return [arrays[0][start:first], arrays[1][: end - first]]
 
     def where(self, position: int) -> tuple[int, int]:
         """``(block index, offset)`` of a virtual position; the current block's end is the
@@ -304,6 +315,15 @@ def _binary_scalar(data: bytes, binary_type: pa.DataType) -> pa.Scalar:
     return pa.Array.from_buffers(binary_type, 1, [None, offsets, pa.py_buffer(data)])[0]
 
 
+def _binary_rows(values: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """A binary column chunk with null rows made empty, and its rows' byte offsets (a view)."""
+    if values.null_count:
+        values = pc.fill_null(values, _binary_scalar(b"", values.type))
+    offset_type = np.int64 if pa.types.is_large_binary(values.type) else np.int32
+    offsets = np.frombuffer(values.buffers()[1], dtype=offset_type)[values.offset : values.offset + len(values) + 1]
+    return values, offsets
+
+
 def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``(flat int32 ids, lengths)`` of an ``input_ids`` column chunk, in either encoding.
 
@@ -314,10 +334,7 @@ def _token_rows(values: pa.Array, where: str, row_group: int, wrap_ids: int = 0)
     each document (only named in the error for a malformed row).
     """
     if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
-        if values.null_count:
-            values = pc.fill_null(values, _binary_scalar(b"", values.type))
-        offset_type = np.int64 if pa.types.is_large_binary(values.type) else np.int32
-        offsets = np.frombuffer(values.buffers()[1], dtype=offset_type)[values.offset : values.offset + len(values) + 1]
+        values, offsets = _binary_rows(values)
         byte_lengths = np.diff(offsets).astype(np.int64)
         if len(byte_lengths) and (byte_lengths % 4).any():
             raise _partial_ids_error(byte_lengths, where, row_group, wrap_ids)
@@ -358,6 +375,58 @@ def _numpy_view(array: pa.Array) -> np.ndarray:
     if data is None or not len(array):
         return np.zeros(0, dtype)
     return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+
+
+def feature_values(values: pa.Array, feature: Feature, block: Block, fmt: TokenFormat, where: str,
+                   row_group: int) -> np.ndarray:
+    """A feature column chunk (rows in replay order, as ``block``'s) laid out like the block's
+    tokens, BOS/EOS values included (:func:`loader.features.wrap_feature`).
+
+    ``binary`` (what the Beam job writes): each row holds one little-endian ``feature.dtype``
+    element per id of its ``input_ids`` row; ``list<int>`` is read too. Null rows are empty.
+    Every row must hold exactly as many values as its ``input_ids`` row holds ids, and the
+    values must lie in the feature's ``value_range``.
+    """
+    name = feature.column
+    if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
+        values, offsets = _binary_rows(values)
+        byte_lengths = np.diff(offsets).astype(np.int64)
+        itemsize = feature.dtype.itemsize
+        if itemsize > 1 and len(byte_lengths) and (byte_lengths % itemsize).any():
+            bad = int(np.flatnonzero(byte_lengths % itemsize)[0])
+            raise LaneDataError(f"{where}: row group {row_group}, row {bad}: {name} holds {int(byte_lengths[bad])} "
+                                f"bytes, not a whole number of {feature.dtype} values; re-run the Beam job")
+        data, start = values.buffers()[2], int(offsets[0]) if len(offsets) else 0
+        count = int(offsets[-1] - start) // itemsize if len(offsets) else 0
+        flat = np.frombuffer(data, dtype=feature.dtype.newbyteorder("<"), count=count, offset=start) \
+            if data is not None else np.zeros(0, feature.dtype)
+        lengths = byte_lengths // itemsize
+    elif (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)) and pa.types.is_integer(
+            values.type.value_type):
+        flat = values.flatten()
+        if flat.null_count:
+            raise LaneDataError(f"{where}: row group {row_group}: {name} holds null values; re-run the Beam job")
+        flat = _numpy_view(flat)
+        lengths = np.diff(_numpy_view(values.offsets)).astype(np.int64)
+        if values.null_count:
+            valid = np.unpackbits(np.frombuffer(values.buffers()[0], np.uint8), bitorder="little")
+            lengths[valid[values.offset : values.offset + len(values)] == 0] = 0
+    else:
+        raise LaneDataError(f"{where}: {name} has type {values.type}; expected binary (one {feature.dtype} per "
+                            "token, what the Beam job writes) or a list of integers: re-run the Beam job")
+    id_lengths = np.diff(block.doc_starts) - fmt.extra
+    if len(lengths) != len(id_lengths) or (lengths != id_lengths).any():
+        bad = int(np.flatnonzero(lengths != id_lengths)[0]) if len(lengths) == len(id_lengths) else 0
+        raise LaneDataError(f"{where}: row group {row_group}, row {bad}: {name} holds {int(lengths[bad])} values "
+                            f"but input_ids holds {int(id_lengths[bad])} ids (one value per token is needed); "
+                            "the file was not written by the Beam job (re-run it)")
+    if feature.value_range is not None and len(flat):
+        low, high = feature.value_range
+        if int(flat.min()) < low or int(flat.max()) > high:
+            bad = int(np.flatnonzero((flat < low) | (flat > high))[0])
+            raise LaneDataError(f"{where}: row group {row_group}: {name} holds {int(flat[bad])}; its values must be "
+                                f"in [{low}, {high}] (re-run the Beam job)")
+    return wrap_feature(feature, flat, lengths, block.doc_starts, fmt.bos_id is not None, fmt.eos_id is not None)
 
 
 def pretokenized_block(values: pa.Array, fmt: TokenFormat, where: str, row_group: int) -> Block:
@@ -452,6 +521,10 @@ class LaneTokenStream:
         self.max_epochs = max_epochs
         self.storage_options = storage_options
         self.pretokenized = manifest.pretokenized
+        # Per-token features read with the ids: the registered columns the lane files hold
+        # (the manifest's schema lists them; only pre-tokenized ids have values to align with).
+        self.features: tuple[Feature, ...] = column_features(
+            c.get("name") for c in manifest.schema) if self.pretokenized else ()
         if not self.pretokenized and tokenizer is None:
             raise ValueError("a tokenizer is needed for text lanes")
         self.files: list[FileEntry] = manifest.lane_files(lane_id)  # rows >= 1 each (Manifest.from_dict)
@@ -494,6 +567,11 @@ class LaneTokenStream:
         self._draining = False
         # The next block, read early by documents_ahead: ((epoch, block), Block).
         self._peeked: Optional[tuple[tuple[int, int], Block]] = None
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """The features every chunk of this stream carries (registry order)."""
+        return tuple(f.name for f in self.features)
 
     # -- state -------------------------------------------------------------------------
     def get_state(self) -> dict:
@@ -711,10 +789,10 @@ class LaneTokenStream:
             parquet = self._parquet(file_ordinal)
             # One column: pyarrow's thread pool parallelises across columns, so for us it is
             # only a hand-off (and more threads per worker process); ~8% less CPU without.
-            table = parquet.read_row_group(row_group, columns=[column], use_threads=False)
-            column_chunks = table.column(0)
+            columns = [column] + [f.column for f in self.features]
+            table = parquet.read_row_group(row_group, columns=columns, use_threads=False)
             # combine_chunks copies even a single chunk
-            values = column_chunks.chunk(0) if column_chunks.num_chunks == 1 else column_chunks.combine_chunks()
+            values, *feature_columns = [c.chunk(0) if c.num_chunks == 1 else c.combine_chunks() for c in table.columns]
             check_row_group(len(values), parquet.metadata, row_group, path)
             self._group_rows[(file_ordinal, row_group)] = len(values)
             if epoch > 0:
@@ -724,10 +802,15 @@ class LaneTokenStream:
                 # Python loop over the rows would stall the trainer's thread). Indices from the
                 # buffer: pa.array(ndarray) imports pandas when it is installed, a fraction of a
                 # second on the first call, paid by a restore's first batch.
-                values = pc.take(values, pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)]))
+                indices = pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)])
+                values = pc.take(values, indices)
+                feature_columns = [pc.take(c, indices) for c in feature_columns]
             if not self.pretokenized:
                 return TextBlock(values.to_pylist(), self.tokenizer, self.token_format)
             block = pretokenized_block(values, self.token_format, path, row_group)
+            if self.features:
+                block.features = {f.name: feature_values(c, f, block, self.token_format, path, row_group)
+                                  for f, c in zip(self.features, feature_columns)}
         except ZephonError:
             raise  # already names the file (a StorageError also says what to do about storage)
         except Exception as exc:  # whatever pyarrow or numpy raise on bad bytes
@@ -786,7 +869,7 @@ class LaneTokenStream:
             return None
         block = self._load_block(self.epoch, self.block_index)
         block.ensure(self.offset + min_tokens)
-        blocks, starts = [block.tokens], block.doc_starts
+        blocks, starts, features = [block.tokens], block.doc_starts, [block.features]
         short = len(block.tokens) - self.offset < min_tokens  # else the next block is not needed yet
         if short and block.complete and self.block_index + 1 < len(self.blocks_of_epoch(self.epoch)):
             following = self._next_block_in_epoch()
@@ -794,11 +877,12 @@ class LaneTokenStream:
             # would front-load work (first batch, restore) for every lane at once.
             if following.complete:
                 blocks.append(following.tokens)
+                features.append(following.features)
                 starts = np.concatenate([starts[:-1], following.doc_starts + len(block.tokens)])
         lo = starts.searchsorted(self.offset, side="right")
         hi = starts.searchsorted(sum(len(b) for b in blocks), side="left")
         return DocumentsView(blocks=blocks, cursor=self.offset, ends=starts[lo:hi],
-                             epoch=self.epoch, block_index=self.block_index)
+                             epoch=self.epoch, block_index=self.block_index, features=tuple(features))
 
     def _next_block_in_epoch(self) -> Block:
         """The block after the current one (same epoch), kept until the cursor gets there."""
@@ -844,7 +928,8 @@ class LaneTokenStream:
         self.offset = end
         doc_starts = block.doc_starts
         lo, hi = doc_starts.searchsorted(offset), doc_starts.searchsorted(end)
-        return Chunk(tokens=block.tokens[offset:end], doc_starts=doc_starts[lo:hi] - offset)
+        return Chunk(tokens=block.tokens[offset:end], doc_starts=doc_starts[lo:hi] - offset,
+                     features=slice_features(block.features, offset, end))
 
     def take(self, n: int, *, within_document: bool = False) -> Optional[Chunk]:
         """Up to ``n`` tokens from the cursor on (fewer only at exhaustion or a document end).
@@ -866,8 +951,10 @@ class LaneTokenStream:
             if offset < end < len(block.tokens):
                 self.offset = end
                 lo, hi = doc_starts.searchsorted(offset), doc_starts.searchsorted(end)
-                return Chunk(tokens=block.tokens[offset:end], doc_starts=doc_starts[lo:hi] - offset)
+                return Chunk(tokens=block.tokens[offset:end], doc_starts=doc_starts[lo:hi] - offset,
+                             features=slice_features(block.features, offset, end))
         pieces: list[np.ndarray] = []
+        feature_pieces: list = []
         starts: list[np.ndarray] = []
         taken = 0
         while taken < n and not self.exhausted:
@@ -886,6 +973,7 @@ class LaneTokenStream:
             lo = doc_starts.searchsorted(offset)
             hi = doc_starts.searchsorted(offset + count)
             pieces.append(tokens[offset : offset + count])
+            feature_pieces.append(slice_features(block.features, offset, offset + count))
             starts.append(doc_starts[lo:hi] - (offset - taken))
             self.offset = offset + count
             taken += count
@@ -897,4 +985,7 @@ class LaneTokenStream:
             return None
         tokens = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         doc_starts = starts[0] if len(starts) == 1 else np.concatenate(starts)
-        return Chunk(tokens=tokens, doc_starts=doc_starts)
+        features = feature_pieces[0]
+        if len(feature_pieces) > 1 and features:  # a stream's blocks all carry its features
+            features = {name: np.concatenate([f[name] for f in feature_pieces]) for name in features}
+        return Chunk(tokens=tokens, doc_starts=doc_starts, features=features)

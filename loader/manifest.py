@@ -20,6 +20,12 @@ input_ids      binary            only when pre-tokenized: ``tokenizers`` ids of 
                                  little-endian int32 bytes (``np.frombuffer(v, "<i4")``);
                                  the loader also reads ``list<int32>`` (older datasets)
 num_tokens     int32             only when pre-tokenized: the number of ids in ``input_ids``
+loss_mask      binary            optional, pre-tokenized only: one byte (0 or 1) per id of
+                                 ``input_ids``, 1 where the token is a training target (chat /
+                                 SFT); ``labels`` are -100 where it is 0 and micro-batches hold
+                                 it as ``loss_mask`` (``list<uint8>`` is read too). A per-token
+                                 feature of ``loader.features``: its presence in ``schema`` is
+                                 what makes the loader read it
 <kept field>   string            each ``--keep-fields`` value, JSON-encoded
 =============  ================  ==========================================================
 

@@ -19,19 +19,21 @@ Labels follow the Hugging Face convention (the model shifts them): ``labels == i
 except ``-100`` on padding and on the first token of every document, which no token of the
 same document predicts. ``segment_starts`` mark where position ids restart (every document
 or document piece, and the padding tail), from which the batch builds ``position_ids`` and
-``cu_seqlens``.
+``cu_seqlens``. Per-token features (:mod:`loader.features`) travel with the tokens through
+cuts, carries and bins; a feature with a label rule (``loss_mask``) adds ``-100`` where it
+is 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
+from loader.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order, lay_out, mask_labels
 from loader.lane_reader import Chunk, LaneTokenStream
-
-IGNORE_INDEX = -100
+from loader.state import StateError
 
 
 @dataclass
@@ -39,8 +41,13 @@ class PackedSequence:
     input_ids: np.ndarray  # int32 [seq_len]
     labels: np.ndarray  # int32 [seq_len]
     segment_starts: np.ndarray  # int32, sorted, starts with 0
-    token_sources: Optional[np.ndarray] = None  # int8 [seq_len], token-unit mixing only
+    features: Mapping[str, np.ndarray] = NO_FEATURES  # name -> [seq_len] (loader.features), pad values on padding
     majority_source: int = -1  # token-unit mixing: the source with most tokens, if counted already
+
+    @property
+    def token_sources(self) -> Optional[np.ndarray]:
+        """int8 [seq_len] source of every token (-1 on padding), token-unit mixing only."""
+        return self.features.get("token_sources")
 
 
 class _ConcatFill:
@@ -48,12 +55,13 @@ class _ConcatFill:
     view of the block's tokens. Where documents start in each row is worked out on first
     request: a batch of ``input_ids`` alone never asks."""
 
-    __slots__ = ("input_ids", "token_sources", "majority", "_fill_doc_starts", "_doc_starts", "_doc_bounds")
+    __slots__ = ("input_ids", "features", "majority", "_fill_doc_starts", "_doc_starts", "_doc_bounds")
 
     def __init__(self, chunk: Chunk, rows: int, seq_len: int) -> None:
         self.input_ids = chunk.tokens.reshape(rows, seq_len)
-        self.token_sources = None if chunk.token_sources is None else chunk.token_sources.reshape(rows, seq_len)
-        self.majority = None if chunk.token_sources is None else chunk.row_majority
+        self.features = {name: values.reshape(rows, seq_len) for name, values in chunk.features.items()} \
+            if chunk.features else None
+        self.majority = chunk.row_majority
         self._fill_doc_starts = chunk.doc_starts  # int64, offsets in the fill
         self._doc_starts: Optional[np.ndarray] = None
         self._doc_bounds: list[int] = []
@@ -78,7 +86,7 @@ class ConcatRow(PackedSequence):
 
     def __init__(self, fill: _ConcatFill, row: int) -> None:
         self.input_ids = fill.input_ids[row]
-        self.token_sources = None if fill.token_sources is None else fill.token_sources[row]
+        self.features = NO_FEATURES if fill.features is None else {n: v[row] for n, v in fill.features.items()}
         self.majority_source = -1 if fill.majority is None else fill.majority[row]
         self._fill, self._row = fill, row
 
@@ -102,6 +110,8 @@ class ConcatRow(PackedSequence):
     def labels(self) -> np.ndarray:  # type: ignore[override]
         labels = self.input_ids.astype(np.int32, copy=True)
         labels[self.doc_starts] = IGNORE_INDEX
+        if self.features:
+            mask_labels(labels, self.features)
         return labels
 
 
@@ -137,10 +147,12 @@ def _sequence_from_chunk(chunk: Chunk, seq_len: int, pad_id: int) -> Optional[Pa
 
 
 def _sequence_from_pieces(
-    pieces: list[Chunk], seq_len: int, pad_id: int, piece_segment_starts: bool
+    pieces: list[Chunk], seq_len: int, pad_id: int, piece_segment_starts: bool, features: tuple[str, ...] = ()
 ) -> PackedSequence:
-    """Lay pieces out back to back, pad the tail, derive labels and segments."""
-    if len(pieces) == 1 and pieces[0].token_sources is None:
+    """Lay pieces out back to back, pad the tail, derive labels and segments. ``features``:
+    the loader's per-token features, laid out even where the pieces lack them (a source
+    without the feature: its default on the tokens, its pad value on the padding)."""
+    if len(pieces) == 1 and not pieces[0].features and not features:
         # A single piece's own start is 0, a segment start anyway: piece_segment_starts
         # adds nothing.
         sequence = _sequence_from_chunk(pieces[0], seq_len, pad_id)
@@ -150,14 +162,9 @@ def _sequence_from_pieces(
     input_ids = np.full(seq_len, pad_id, dtype=np.int32)
     labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int32)
     segments: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
-    token_sources = None
-    if any(p.token_sources is not None for p in pieces):
-        token_sources = np.full(seq_len, -1, dtype=np.int8)  # -1 on padding
     at = 0
     for piece in pieces:
         n = len(piece.tokens)
-        if token_sources is not None:
-            token_sources[at : at + n] = piece.token_sources
         input_ids[at : at + n] = piece.tokens
         labels[at : at + n] = piece.tokens
         doc_starts = piece.doc_starts + at
@@ -169,9 +176,12 @@ def _sequence_from_pieces(
     if used < seq_len:
         segments.append(np.array([used], dtype=np.int64))
     segment_starts = np.unique(np.concatenate(segments)).astype(np.int32)
-    return PackedSequence(
-        input_ids=input_ids, labels=labels, segment_starts=segment_starts, token_sources=token_sources
-    )
+    laid_out = NO_FEATURES
+    names = in_order([*features, *(name for p in pieces for name in p.features)])
+    if names:
+        laid_out = lay_out(names, [p.features for p in pieces], [len(p.tokens) for p in pieces], seq_len)
+        mask_labels(labels, laid_out)
+    return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=segment_starts, features=laid_out)
 
 
 class ConcatPacker:
@@ -188,10 +198,11 @@ class ConcatPacker:
     # at seq_len 1024; the fill's arrays are a few hundred KiB per lane and source.
     FILL_TOKENS = 1 << 16
 
-    def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int) -> None:
+    def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int, features: tuple[str, ...] = ()) -> None:
         self.stream = stream
         self.seq_len = seq_len
         self.pad_id = pad_id
+        self.features = features  # the loader's (see _sequence_from_pieces); full rows need none
         self._bulk = True  # cut rows in bulk where the stream can (take_rows); tests switch it off to compare
         # The current fill: rows ``_next_row .. _fill_rows - 1`` are not handed out yet.
         self._fill_rows = self._next_row = 0
@@ -205,7 +216,8 @@ class ConcatPacker:
         chunk = self.stream.take(self.seq_len)
         if chunk is None:
             return None
-        return _sequence_from_pieces([chunk], self.seq_len, self.pad_id, piece_segment_starts=False)
+        return _sequence_from_pieces([chunk], self.seq_len, self.pad_id, piece_segment_starts=False,
+                                     features=self.features)
 
     def _fill(self) -> bool:
         seq_len = self.seq_len
@@ -252,17 +264,20 @@ class _Bin:
 class BestFitPacker:
     """State keys: ``stream``, ``bins`` (open bins: ``tokens``, ``doc_starts``, ``piece_starts``), ``serial``."""
 
-    def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int, open_bins: int) -> None:
+    def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int, open_bins: int,
+                 features: tuple[str, ...] = ()) -> None:
         self.stream = stream
         self.seq_len = seq_len
         self.pad_id = pad_id
+        self.features = features  # the loader's (see _sequence_from_pieces)
         self.max_open_bins = open_bins
         self.bins: list[_Bin] = []
         self.serial = 0
 
     def _emit(self, bin_: _Bin) -> PackedSequence:
         self.bins.remove(bin_)
-        return _sequence_from_pieces(bin_.pieces, self.seq_len, self.pad_id, piece_segment_starts=True)
+        return _sequence_from_pieces(bin_.pieces, self.seq_len, self.pad_id, piece_segment_starts=True,
+                                     features=self.features)
 
     def next_sequence(self) -> Optional[PackedSequence]:
         while True:
@@ -273,11 +288,12 @@ class BestFitPacker:
                 return self._emit(min(self.bins, key=lambda b: (self.seq_len - b.used, b.serial)))
             size = len(piece.tokens)
             if size == self.seq_len:  # a full piece of a long document is a sequence on its own
-                return _sequence_from_pieces([piece], self.seq_len, self.pad_id, piece_segment_starts=True)
+                return _sequence_from_pieces([piece], self.seq_len, self.pad_id, piece_segment_starts=True,
+                                             features=self.features)
             # Copy: a view would keep the whole source block alive while the bin is open.
             piece = Chunk(
                 tokens=piece.tokens.copy(), doc_starts=piece.doc_starts.copy(),
-                token_sources=None if piece.token_sources is None else piece.token_sources.copy(),
+                features={n: v.copy() for n, v in piece.features.items()} if piece.features else NO_FEATURES,
             )
             fitting = [b for b in self.bins if self.seq_len - b.used >= size]
             if fitting:
@@ -328,8 +344,8 @@ class BestFitPacker:
                 "piece_starts": piece_starts.astype(np.int64),
                 "doc_starts": doc_starts.astype(np.int64),
             }
-            if pieces[0].token_sources is not None:
-                saved["token_sources"] = np.concatenate([p.token_sources for p in pieces])
+            for name in pieces[0].features:  # registry order (token_sources first, as before features)
+                saved[name] = np.concatenate([p.features[name] for p in pieces])
             bins.append(saved)
         return {"stream": stream_state, "bins": bins, "serial": serial}
 
@@ -338,17 +354,20 @@ class BestFitPacker:
         self.stream.set_state(state["stream"], path=f"{path}.stream")
         self.serial = int(state["serial"])
         self.bins = []
-        for saved in state["bins"]:
+        expected = getattr(self.stream, "feature_names", ())  # a stream of the tests may not say
+        for k, saved in enumerate(state["bins"]):
             tokens = np.asarray(saved["tokens"], dtype=np.int32)
             piece_starts = [int(x) for x in saved["piece_starts"]] + [len(tokens)]
             doc_starts = np.asarray(saved["doc_starts"], dtype=np.int64)
-            sources = saved.get("token_sources")
-            sources = None if sources is None else np.asarray(sources, dtype=np.int8)
+            held = in_order(name for name in saved if name in FEATURES)
+            if held != expected:  # a state of this source without its features (or with others')
+                raise StateError(f"{path}.bins[{k}]: holds per-token features {list(held)}, but this source's "
+                                 f"tokens carry {list(expected)}: the checkpoint is not this dataset's (was the "
+                                 "loss_mask column added or removed?); restore it with the dataset it was saved with")
+            features = {name: np.asarray(saved[name], dtype=FEATURES[name].dtype) for name in held}
             pieces = []
             for lo, hi in zip(piece_starts[:-1], piece_starts[1:]):
                 inside = doc_starts[(doc_starts >= lo) & (doc_starts < hi)] - lo
-                pieces.append(Chunk(
-                    tokens=tokens[lo:hi], doc_starts=inside,
-                    token_sources=None if sources is None else sources[lo:hi],
-                ))
+                pieces.append(Chunk(tokens=tokens[lo:hi], doc_starts=inside,
+                                    features={n: v[lo:hi] for n, v in features.items()} if features else NO_FEATURES))
             self.bins.append(_Bin(pieces=pieces, used=len(tokens), serial=int(saved["serial"])))

@@ -34,18 +34,18 @@ import time
 import weakref
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from loader import checkpoint_schema, state as state_mod
-from loader.config import LoaderConfig
+from loader.config import ConfigError, LoaderConfig
 from loader.data_parallel import resolve_data_parallel
 from loader.lane import LaneSpec, SourceSpec
 from loader.lane_reader import TokenFormat
 from loader.manifest import Manifest, ManifestError, read_manifest
 from loader.mixing import MixingSchedule, MixturePhase, exact_weights
-from loader.packing import IGNORE_INDEX, ConcatRow
-from loader.ordering import Topology, lanes_of_worker, lane_outputs_before
+from loader.collate import OUTPUTS, Collator, to_torch
+from loader.features import FEATURES
+from loader.ordering import Topology, lanes_of_worker
 from loader.producer import End, Item, build_lanes, produce_one
 from loader.step_states import StepStateHistory
 from loader.workers.pool import WorkerError, WorkerPool, slots_per_worker  # noqa: F401 - WorkerError re-exported
@@ -73,7 +73,12 @@ class ZephonLoader:
         dp_world_size: Optional[int] = None,
         device_mesh: Any = None,
         dp_mesh_dim: Optional[str] = None,
+        output: str = "torch",
     ) -> None:
+        if output not in OUTPUTS:
+            raise ConfigError(f"ZephonLoader(output={output!r}): must be one of {list(OUTPUTS)} (\"torch\": "
+                              "dicts of torch tensors; \"numpy\": dicts of NumPy arrays, e.g. for JAX)")
+        self.output = output
         self.config = config
         identity = resolve_data_parallel(rank=rank, world_size=world_size, dp_rank=dp_rank,
                                          dp_world_size=dp_world_size, device_mesh=device_mesh,
@@ -115,6 +120,14 @@ class ZephonLoader:
         pad_id = eos_id if config.pad_token is None else resolve_special_token(tokenizer, config.pad_token, (), "pad_token")
         self.phases = self._initial_phases()
         needs_text = any(not m.pretokenized for m in self.manifests)
+        # Per-token features of this loader's sequences (loader.features): a column feature
+        # when any pre-tokenized source's lane files hold its column, token_sources under
+        # token mixing. Every sequence, and so every micro-batch, holds all of them.
+        columns = {c.get("name") for m in self.manifests if m.pretokenized for c in m.schema}
+        token_mixing = config.mixing_unit == "token" and len(self.manifests) > 1
+        self.features = tuple(name for name, f in FEATURES.items()
+                              if (f.column is not None and f.column in columns)
+                              or (name == "token_sources" and token_mixing))
         self.spec = LaneSpec(
             sources=tuple(
                 SourceSpec(name, d.path, m.to_json(), d.exhaustion, d.max_epochs)
@@ -133,6 +146,7 @@ class ZephonLoader:
             mixing_unit=config.mixing_unit,
             read_ahead=config.read_ahead,
             read_ahead_threads=config.read_ahead_threads,
+            features=self.features,
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far
@@ -146,7 +160,11 @@ class ZephonLoader:
         self._step_states = StepStateHistory(config.step_states_kept)
         self._step_states.reset(0, {})
         self._lanes_in_step: set[int] = set()  # lanes that produced since the last step boundary
-        self._positions: Optional[np.ndarray] = None  # arange(micro_batch_size * seq_len) for _collate
+        self._collator = Collator(
+            seq_len=config.seq_len, global_batch_size=config.global_batch_size,
+            micro_batch_size=config.micro_batch_size, per_rank_batch=self.topology.per_rank_batch,
+            batch_fields=config.batch_fields, features=self.features,
+        )
         self._run: Optional[_Run] = None
         self._pool: Optional[WorkerPool] = None
         self._finalizer = None
@@ -515,74 +533,10 @@ class ZephonLoader:
             self._finalizer = None
 
     def _collate(self, items: list[Item]) -> dict[str, Any]:
-        seq_len = self.config.seq_len
-        fields = self.config.batch_fields
-        rows = len(items)
-        sequences = [it.sequence for it in items]
-        # One call per tensor, converting int32 -> int64 while copying (not stack + astype);
-        # the per-call overhead, not the bytes, is what costs at these sizes.
-        input_ids = np.concatenate([s.input_ids for s in sequences], dtype=np.int64).reshape(rows, seq_len)
-        first_index = items[0].global_index
-        batch = {
-            "input_ids": torch.from_numpy(input_ids),
-            # via numpy: torch.tensor(list) costs ~30 us per call, from_numpy ~1 us
-            "source_ids": torch.from_numpy(np.array([it.source_id for it in items], dtype=np.int64)),
-            "global_indices": torch.from_numpy(np.array([it.global_index for it in items], dtype=np.int64)),
-            "step": first_index // self.config.global_batch_size,
-            "micro_step": ((self.rank_position - len(items)) % self.topology.per_rank_batch)
-            // self.config.micro_batch_size,
-        }
-        wants_segments = "position_ids" in fields or "cu_seqlens" in fields
-        if "labels" in fields or wants_segments:
-            # Rows of concat fills (nearly all rows of concat packing) carry only where their
-            # documents start: labels and segments of all of them come from one flat array.
-            # Other rows (best fit, rows across a block boundary) bring their own arrays.
-            concat_rows = [r for r, s in enumerate(sequences) if type(s) is ConcatRow]
-            other_rows = [r for r, s in enumerate(sequences) if type(s) is not ConcatRow]
-            doc_flat = _flat_positions([sequences[r].doc_starts for r in concat_rows], seq_len, concat_rows)
-        if "labels" in fields:
-            if not concat_rows:
-                labels = np.concatenate([s.labels for s in sequences], dtype=np.int64).reshape(rows, seq_len)
-            else:
-                # From the input ids just written (still in cache), not from per-row copies.
-                labels = input_ids.copy()
-                labels.reshape(-1)[doc_flat] = IGNORE_INDEX
-                for r in other_rows:
-                    labels[r] = sequences[r].labels
-            batch["labels"] = torch.from_numpy(labels)
-        if wants_segments:
-            # Segment starts of the whole micro-batch (row r's shifted by r * seq_len) plus the
-            # end: that is cu_seqlens. Every row starts a segment, so position ids restart at
-            # row boundaries without a per-row loop. A concat row's segments start at the row
-            # start and at its documents' starts, which may coincide: marks on a flag array
-            # merge them without a sort.
-            if not concat_rows:
-                cu = np.append(_flat_positions([s.segment_starts for s in sequences], seq_len), rows * seq_len)
-            else:
-                is_start = np.zeros(rows * seq_len + 1, dtype=bool)
-                is_start[doc_flat] = True
-                is_start[::seq_len] = True  # row starts, and the end
-                if other_rows:
-                    is_start[_flat_positions([sequences[r].segment_starts for r in other_rows], seq_len, other_rows)] = True
-                cu = np.flatnonzero(is_start)
-            if "position_ids" in fields:
-                # position = index - start of its segment; the subtraction runs in place on
-                # the repeated starts, against an arange built once per loader.
-                if self._positions is None or len(self._positions) != rows * seq_len:
-                    self._positions = np.arange(rows * seq_len, dtype=np.int64)
-                position_ids = np.repeat(cu[:-1], np.diff(cu))
-                np.subtract(self._positions, position_ids, out=position_ids)
-                batch["position_ids"] = torch.from_numpy(position_ids.reshape(rows, seq_len))
-            if "cu_seqlens" in fields:
-                batch["cu_seqlens"] = torch.from_numpy(cu.astype(np.int32))
-        if "token_source_ids" in fields and any(s.token_sources is not None for s in sequences):
-            batch["token_source_ids"] = torch.from_numpy(
-                np.concatenate([s.token_sources for s in sequences], dtype=np.int64).reshape(rows, seq_len)
-            )
-        for item in items:  # copied out: a worker's shared-memory slot may be written again
-            if item.lease is not None:
-                item.lease.item_done()
-        return batch
+        """The micro-batch of ``items``: NumPy arrays (loader.collate), as torch tensors unless
+        ``output="numpy"``."""
+        batch = self._collator.collate(items, self.rank_position)
+        return batch if self.output == "numpy" else to_torch(batch)
 
     def wait_for_workers(self, timeout_s: Optional[float] = None) -> None:
         """Block until every worker process has started (no-op without workers).
@@ -634,19 +588,6 @@ class ZephonLoader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _flat_positions(per_row: list[np.ndarray], seq_len: int, row_ids: Optional[list[int]] = None) -> np.ndarray:
-    """Offsets inside rows of a micro-batch, as positions in the flattened batch (row ``r``'s
-    shifted by ``r * seq_len``), int64. ``per_row[k]`` belongs to row ``row_ids[k]``
-    (default: row ``k``)."""
-    if not per_row:
-        return np.zeros(0, dtype=np.int64)
-    flat = np.concatenate(per_row, dtype=np.int64)
-    row_starts = (np.arange(0, len(per_row) * seq_len, seq_len, dtype=np.int64) if row_ids is None
-                  else np.array(row_ids, dtype=np.int64) * seq_len)
-    flat += np.repeat(row_starts, [len(p) for p in per_row])
-    return flat
 
 
 class _Run:

@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.features import FEATURES, in_order, lay_out
 from loader.lane_reader import Chunk, LaneTokenStream
 
 
@@ -63,6 +64,11 @@ class MixedTokenStream:
         # or the window changes (consuming documents only shortens what is certain).
         self._no_rows_at: Optional[tuple] = None
         self._restored_path: Optional[str] = None  # a restored state whose documents are not checked yet
+        # Per-token features of the mixed chunks: each token's source, and every feature of
+        # any source (documents of a source without it get its default).
+        own = [name for stream in self.streams for name in getattr(stream, "feature_names", ())]
+        self.feature_names = in_order(["token_sources", *own])
+        self._carried = self.feature_names[1:]  # the sources' own features
 
     def set_phase(self, phase_start: int, weights: tuple[Fraction, ...], rows_left: Optional[int] = None) -> None:
         """Called by the lane before each sequence with the phase of its global index.
@@ -123,6 +129,7 @@ class MixedTokenStream:
         tokens: list[np.ndarray] = []
         doc_starts: list[np.ndarray] = []
         sources: list[int] = []
+        features: list = []
         taken = 0
         while taken < n:
             if self.current < 0:
@@ -148,20 +155,27 @@ class MixedTokenStream:
             tokens.append(chunk.tokens)
             doc_starts.append(chunk.doc_starts)
             sources.append(source)
+            features.append(chunk.features)
             taken += count
             if within_document:
                 break
         if not tokens:
             return None
-        if len(tokens) == 1:
-            return Chunk(tokens=tokens[0], doc_starts=doc_starts[0],
-                         token_sources=np.full(taken, sources[0], dtype=np.int8))
         lengths = [len(t) for t in tokens]
+        if len(tokens) == 1:
+            token_sources = np.full(taken, sources[0], dtype=np.int8)
+        else:
+            token_sources = np.repeat(np.array(sources, dtype=np.int8), lengths)
+        mixed = {"token_sources": token_sources}  # registry order: token_sources comes first
+        if self._carried:
+            mixed.update(lay_out(self._carried, features, lengths, taken))
+        if len(tokens) == 1:
+            return Chunk(tokens=tokens[0], doc_starts=doc_starts[0], features=mixed)
         offsets = np.cumsum(lengths) - lengths  # where each piece starts in the chunk
         return Chunk(
             tokens=np.concatenate(tokens),
             doc_starts=np.concatenate(doc_starts) + np.repeat(offsets, [len(d) for d in doc_starts]),
-            token_sources=np.repeat(np.array(sources, dtype=np.int8), lengths),
+            features=mixed,
         )
 
     def take_rows(self, row_len: int, max_rows: int) -> Optional[Chunk]:
@@ -223,6 +237,9 @@ class MixedTokenStream:
         # and its cursor moves to the stretch's end.
         token_sources = np.repeat(sources.astype(np.int8), lengths)
         tokens = np.empty(need, dtype=np.int32)
+        mixed = {"token_sources": token_sources}  # registry order: token_sources comes first
+        for name in self._carried:
+            mixed[name] = np.full(need, FEATURES[name].default, dtype=FEATURES[name].dtype)
         for k, s in enumerate(alive):
             first = split.first_piece[k]
             if first < 0:
@@ -232,10 +249,15 @@ class MixedTokenStream:
             self.streams[s].move_to(views[s], end)
             self.tokens[s] += split.totals[k]
             stretch = views[s].slices(begin, end)
-            tokens[token_sources == s] = stretch[0] if len(stretch) == 1 else np.concatenate(stretch)
+            mine = token_sources == s
+            tokens[mine] = stretch[0] if len(stretch) == 1 else np.concatenate(stretch)
+            for name in self._carried:
+                if name in getattr(self.streams[s], "feature_names", ()):
+                    stretch = views[s].slices(begin, end, feature=name)
+                    mixed[name][mine] = stretch[0] if len(stretch) == 1 else np.concatenate(stretch)
         self.current = int(sources[-1]) if cut else -1
         doc_starts = out_starts[1:] if first_is_rest else out_starts  # a rest continues an earlier document
-        return Chunk(tokens=tokens, doc_starts=doc_starts, token_sources=token_sources,
+        return Chunk(tokens=tokens, doc_starts=doc_starts, features=mixed,
                      row_majority=split.row_majority(out_starts, out_ends, rows, row_len))
 
     def rewound_state(self, rows: int, row_len: int) -> dict:

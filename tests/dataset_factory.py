@@ -46,14 +46,19 @@ def write_dataset(
     row_group_rows: int = 16,
     keys: Optional[Sequence[str]] = None,
     token_encoding: str = "binary",
+    loss_masks: Optional[Sequence] = None,
 ) -> Manifest:
+    """``loss_masks`` (pre-tokenized only): one mask per document (0/1 per id of the
+    tokenizer's ``encode(text, add_special_tokens=False)``), written as the ``loss_mask``
+    column (binary, one byte per token; ``list<uint8>`` with ``token_encoding="list"``)."""
     keys = list(keys) if keys is not None else [f"doc-{k:07d}" for k in range(len(texts))]
-    rows_by_file: dict[tuple[int, int], list[tuple[int, str, str]]] = {}
-    for key, text in zip(keys, texts):
+    masks = list(loss_masks) if loss_masks is not None else [None] * len(texts)
+    rows_by_file: dict[tuple[int, int], list[tuple]] = {}
+    for key, text, mask in zip(keys, texts, masks):
         lane = lane_of_key(seed, key, num_lanes)
         order_key = order_key_of(seed, key)
         bucket = file_bucket(order_key, files_per_lane)
-        rows_by_file.setdefault((lane, bucket), []).append((order_key, key, text))
+        rows_by_file.setdefault((lane, bucket), []).append((order_key, key, text, mask))
     entries = []
     for (lane, part), rows in sorted(rows_by_file.items()):
         rows.sort()
@@ -71,6 +76,12 @@ def write_dataset(
                 columns["input_ids"] = pa.array(ids, pa.list_(pa.int32()))
             columns["num_tokens"] = pa.array([len(i) for i in ids], pa.int32())
             tokens = sum(len(i) for i in ids)
+            if loss_masks is not None:
+                row_masks = [np.asarray(r[3], dtype=np.uint8) for r in rows]
+                if token_encoding == "binary":
+                    columns["loss_mask"] = pa.array([m.tobytes() for m in row_masks], pa.binary())
+                else:
+                    columns["loss_mask"] = pa.array([m.tolist() for m in row_masks], pa.list_(pa.uint8()))
         table = pa.table(columns)
         sink = io.BytesIO()
         # The Beam job's writer settings (lz4 token column, no dictionary, statistics only on

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from loader.features import FEATURES, NO_FEATURES, in_order
 from loader.packing import ConcatRow, PackedSequence
 from loader.producer import End, Item
 from loader.workers.shm import read_arrays, write_arrays
@@ -48,10 +49,10 @@ class _OneRowFill:
         return self.doc_starts
 
 
-def _shipped_row(input_ids: np.ndarray, doc_starts: np.ndarray, token_sources, majority: int) -> ConcatRow:
+def _shipped_row(input_ids: np.ndarray, doc_starts: np.ndarray, features) -> ConcatRow:
     """A :class:`~loader.packing.ConcatRow` rebuilt from a message (the batch builder's bulk path)."""
     row = ConcatRow.__new__(ConcatRow)
-    row.input_ids, row.token_sources, row.majority_source = input_ids, token_sources, majority
+    row.input_ids, row.features, row.majority_source = input_ids, features, -1
     row._fill, row._row = _OneRowFill(doc_starts), 0
     return row
 
@@ -72,9 +73,8 @@ def write_message(items: list, slot: memoryview) -> dict:
         "source_id": [it.source_id for it in items],
         "lane_state": [it.lane_state for it in items],
         "is_row": is_row,
-        "majority": [s.majority_source for s in sequences],
         "start_counts": [len(s.doc_starts) if r else len(s.segment_starts) for s, r in zip(sequences, is_row)],
-        "token_sources_rows": None,
+        "feature_rows": {},  # feature name -> which items carry it (every feature, generically)
         "end": end,
         "layout": {},
     }
@@ -85,14 +85,17 @@ def write_message(items: list, slot: memoryview) -> dict:
         if others:
             arrays["labels"] = np.stack([s.labels for s in others]).astype(np.int32, copy=False)
             arrays["segment_starts"] = np.concatenate([s.segment_starts for s in others]).astype(np.int32)
-        with_sources = [s.token_sources is not None for s in sequences]
-        if any(with_sources):
+        names = in_order(name for s in sequences for name in s.features)
+        if names:
             seq_len = len(sequences[0].input_ids)
-            arrays["token_sources"] = np.stack([
-                s.token_sources if s.token_sources is not None else np.full(seq_len, -1, np.int8)
-                for s in sequences
-            ]).astype(np.int8, copy=False)
-            descriptor["token_sources_rows"] = with_sources
+            for name in names:
+                feature = FEATURES[name]
+                rows = [name in s.features for s in sequences]
+                arrays[f"feature.{name}"] = np.stack([
+                    s.features[name] if has else np.full(seq_len, feature.pad, feature.dtype)
+                    for s, has in zip(sequences, rows)
+                ]).astype(feature.dtype, copy=False)
+                descriptor["feature_rows"][name] = rows
         descriptor["layout"] = write_arrays(slot, arrays)
     return descriptor
 
@@ -104,24 +107,23 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
         arrays = read_arrays(slot, descriptor["layout"])
         input_ids = arrays["input_ids"]
         doc_starts, labels, segment_starts = arrays.get("doc_starts"), arrays.get("labels"), arrays.get("segment_starts")
-        token_sources = arrays.get("token_sources")
-        with_sources = descriptor["token_sources_rows"]
+        feature_rows = descriptor["feature_rows"]
+        feature_arrays = {name: arrays[f"feature.{name}"] for name in feature_rows}
         holder = SlotLease(len(descriptor["global_index"]), lease) if lease is not None else None
-        at_row = at_other = 0  # offsets into doc_starts / segment_starts, and the other rows' number
-        at_starts = 0
-        for row, (global_index, source_id, lane_state, is_row, majority, count) in enumerate(zip(
+        at_row = at_starts = at_other = 0  # offsets into doc_starts / segment_starts; other rows so far
+        for row, (global_index, source_id, lane_state, is_row, count) in enumerate(zip(
             descriptor["global_index"], descriptor["source_id"], descriptor["lane_state"],
-            descriptor["is_row"], descriptor["majority"], descriptor["start_counts"],
+            descriptor["is_row"], descriptor["start_counts"],
         )):
-            sources = token_sources[row] if with_sources and with_sources[row] else None
+            features = NO_FEATURES if not feature_rows else {
+                name: feature_arrays[name][row] for name, rows in feature_rows.items() if rows[row]}
             if is_row:
-                sequence = _shipped_row(input_ids[row], doc_starts[at_row : at_row + count], sources, majority)
+                sequence = _shipped_row(input_ids[row], doc_starts[at_row : at_row + count], features)
                 at_row += count
             else:
                 sequence = PackedSequence(
                     input_ids=input_ids[row], labels=labels[at_other],
-                    segment_starts=segment_starts[at_starts : at_starts + count],
-                    token_sources=sources, majority_source=majority,
+                    segment_starts=segment_starts[at_starts : at_starts + count], features=features,
                 )
                 at_other += 1
                 at_starts += count

@@ -33,6 +33,8 @@ from typing import Optional
 
 import numpy as np
 
+from loader.features import FEATURES, slot_bytes_per_token
+
 SHM_DIR = "/dev/shm"
 PREFIX = "zephon-"
 
@@ -43,8 +45,9 @@ def _shm_dir() -> str:
 
 def slot_bytes(seq_len: int, items_per_message: int) -> int:
     """Room for a message's arrays in the worst case (a segment at every token)."""
-    per_row = seq_len * (4 + 4 + 1 + 4)  # input_ids, labels int32; token_sources int8; segment starts int32
-    return _align(items_per_message * per_row + 64)
+    # input_ids, labels int32; every registered per-token feature; segment starts int32
+    per_row = seq_len * (4 + 4 + slot_bytes_per_token() + 4)
+    return _align(items_per_message * per_row + 64 * (3 + len(FEATURES)))  # each array 64-byte aligned
 
 
 def _align(n: int, to: int = 64) -> int:
