@@ -59,6 +59,7 @@ PARQUET_WRITE_OPTIONS: dict[str, Any] = {
 # faster than list<int32> (no repetition levels) and the loader reads its values buffer as
 # the flat id array without a copy. ``np.frombuffer(value, "<i4")`` gives one row's ids.
 INPUT_IDS_TYPE = pa.binary()
+LOSS_MASK_TYPE = pa.binary()  # one byte (0/1) per id, the feature column of loader.features
 # Codec of the input_ids column (every other column is zstd). The loader decodes this column
 # on every epoch and is CPU-bound there: lz4 decodes 1.4-1.6x faster than zstd level 3
 # (bench/RESULTS.md, "Token column codec and lane file access"); zstd stores fewer bytes,
@@ -67,11 +68,15 @@ INPUT_IDS_TYPE = pa.binary()
 TOKEN_COMPRESSIONS = ("lz4", "zstd", "none")
 DEFAULT_TOKEN_COMPRESSION = "lz4"
 STATISTICS_COLUMNS = ("key", "order_key", "num_tokens")
-RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens")
+# Columns stored with the token codec (--token-compression): per-token data the loader decodes
+# every epoch. ``loss_mask`` (chat, one byte per id) is a feature column of loader.features.
+TOKEN_COLUMNS = ("input_ids", "loss_mask")
+RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens", "loss_mask")
 
 # Row tuple between AssignLane and WriteLaneFiles. The order key travels as 8 big-endian
-# bytes: Beam's fast coder pickles ints >= 2**63, and bytes compare in unsigned order.
-LaneRow = tuple  # (order_key_be8: bytes, key: str, text: str, kept_values: tuple[str | None, ...])
+# bytes: Beam's fast coder pickles ints >= 2**63, and bytes compare in unsigned order. A chat
+# row (beam_jobs.chat_records) adds its encoding: (input_ids "<i4" bytes, loss_mask uint8 bytes).
+LaneRow = tuple  # (order_key_be8: bytes, key: str, text: str, kept_values: tuple[str | None, ...][, encoded])
 
 
 def files_per_lane_for(total_text_bytes: int, num_lanes: int, target_file_bytes: int) -> int:
@@ -88,18 +93,23 @@ class AssignLaneFn(beam.DoFn):
         self.num_lanes = num_lanes
 
     def process(self, document: tuple, files_per_lane: int) -> Iterator[tuple]:
-        key, text, _text_nbytes, kept_values = document
+        key, text, _text_nbytes, kept_values, *encoded = document  # encoded: chat documents only
         lane_id = lane_of_key(self.seed, key, self.num_lanes)
         order_key = order_key_of(self.seed, key)
         part = file_bucket(order_key, files_per_lane)
-        yield (lane_id, part), (order_key.to_bytes(8, "big"), key, text, kept_values)
+        yield (lane_id, part), (order_key.to_bytes(8, "big"), key, text, kept_values, *encoded)
 
 
-def lane_schema(pretokenized: bool, keep_fields: Sequence[str]):
-    """The Arrow schema of a lane file (documented in :mod:`loader.manifest`)."""
+def lane_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool = False):
+    """The Arrow schema of a lane file (documented in :mod:`loader.manifest`); ``loss_mask``:
+    chat data, pre-tokenized with a per-token loss mask."""
+    if loss_mask and not pretokenized:
+        raise ValueError("a loss_mask column needs the input_ids it is aligned with (pretokenized=True)")
     fields = [pa.field("key", pa.string()), pa.field("order_key", pa.uint64()), pa.field("text", pa.string())]
     if pretokenized:
         fields += [pa.field("input_ids", INPUT_IDS_TYPE), pa.field("num_tokens", pa.int32())]
+    if loss_mask:
+        fields.append(pa.field("loss_mask", LOSS_MASK_TYPE))
     fields += [pa.field(name, pa.string()) for name in keep_fields]
     return pa.schema(fields)
 
@@ -111,9 +121,9 @@ def _type_name(arrow_type) -> str:
     return str(arrow_type)
 
 
-def manifest_schema(pretokenized: bool, keep_fields: Sequence[str]) -> list[dict[str, str]]:
+def manifest_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool = False) -> list[dict[str, str]]:
     """The schema as the manifest records it: ``[{"name": ..., "type": ...}]``."""
-    return [{"name": f.name, "type": _type_name(f.type)} for f in lane_schema(pretokenized, keep_fields)]
+    return [{"name": f.name, "type": _type_name(f.type)} for f in lane_schema(pretokenized, keep_fields, loss_mask)]
 
 
 def row_group_bounds(text_nbytes: np.ndarray) -> list[tuple[int, int]]:
@@ -173,7 +183,11 @@ def sort_rows(rows: Iterable[LaneRow], has_kept_fields: bool) -> list[LaneRow]:
 
 
 def parquet_write_options(schema: pa.Schema, token_compression: str = DEFAULT_TOKEN_COMPRESSION) -> dict[str, Any]:
-    """The writer settings of a lane file with ``schema``: fixed, so equal rows give equal bytes."""
+    """The writer settings of a lane file with ``schema``: fixed, so equal rows give equal bytes.
+
+    The per-token columns (:data:`TOKEN_COLUMNS`) get ``token_compression``: the loader
+    decodes them together every epoch.
+    """
     if token_compression not in TOKEN_COMPRESSIONS:
         raise ValueError(f"token compression must be one of {TOKEN_COMPRESSIONS} (got {token_compression!r})")
     options = dict(PARQUET_WRITE_OPTIONS)
@@ -181,7 +195,9 @@ def parquet_write_options(schema: pa.Schema, token_compression: str = DEFAULT_TO
     options["sorting_columns"] = [pq.SortingColumn(schema.get_field_index("order_key"))]
     if "input_ids" in schema.names:
         codecs = {name: PARQUET_WRITE_OPTIONS["compression"] for name in schema.names}
-        codecs["input_ids"] = token_compression
+        for name in TOKEN_COLUMNS:
+            if name in codecs:
+                codecs[name] = token_compression
         options["compression"] = codecs
         options["compression_level"] = {
             name: PARQUET_WRITE_OPTIONS["compression_level"] for name, codec in codecs.items() if codec == "zstd"
@@ -189,10 +205,28 @@ def parquet_write_options(schema: pa.Schema, token_compression: str = DEFAULT_TO
     return options
 
 
+def encoded_token_columns(rows: Sequence[LaneRow]) -> tuple[pa.Array, np.ndarray, pa.Array]:
+    """``(input_ids, num_tokens, loss_mask)`` columns of chat rows, from each row's encoding."""
+    id_bytes = [row[4][0] for row in rows]
+    num_tokens = np.fromiter((len(b) // 4 for b in id_bytes), dtype=np.int32, count=len(rows))
+    for row, count in zip(rows, num_tokens.tolist()):
+        if len(row[4][1]) != count:
+            raise ValueError(f"row {row[1]!r}: loss_mask holds {len(row[4][1])} bytes for {count} ids")
+    return pa.array(id_bytes, INPUT_IDS_TYPE), num_tokens, pa.array([row[4][1] for row in rows], LOSS_MASK_TYPE)
+
+
 def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[str], tokenizer=None,
-                        token_compression: str = DEFAULT_TOKEN_COMPRESSION) -> SerializedLaneFile:
-    """The exact bytes of one lane part file holding ``sorted_rows`` in that order."""
-    schema = lane_schema(tokenizer is not None, keep_fields)
+                        token_compression: str = DEFAULT_TOKEN_COMPRESSION,
+                        encoded: bool = False) -> SerializedLaneFile:
+    """The exact bytes of one lane part file holding ``sorted_rows`` in that order.
+
+    ``encoded``: chat rows that carry their ``input_ids`` and ``loss_mask``
+    (:mod:`beam_jobs.chat_records`), written as they are; otherwise ``tokenizer`` (if any)
+    tokenizes the text.
+    """
+    if encoded and tokenizer is not None:
+        raise ValueError("encoded rows are already tokenized; pass tokenizer=None")
+    schema = lane_schema(tokenizer is not None or encoded, keep_fields, loss_mask=encoded)
     keys = pa.array([row[1] for row in sorted_rows], pa.string())
     order_keys = pa.array(np.frombuffer(b"".join(row[0] for row in sorted_rows), dtype=">u8").astype(np.uint64))
     texts = pa.array([row[2] for row in sorted_rows], pa.string())
@@ -209,6 +243,10 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
                 input_ids, num_tokens = tokenize_texts(tokenizer, [row[2] for row in sorted_rows[start:stop]])
                 total_tokens += int(num_tokens.sum())
                 columns += [input_ids, pa.array(num_tokens)]
+            elif encoded:
+                input_ids, num_tokens, loss_mask = encoded_token_columns(sorted_rows[start:stop])
+                total_tokens += int(num_tokens.sum())
+                columns += [input_ids, pa.array(num_tokens), loss_mask]
             columns += [column.slice(start, length) for column in kept_columns]
             # One write_table call with row_group_size >= its rows is exactly one row group.
             writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=length)
@@ -216,7 +254,7 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
     return SerializedLaneFile(
         data=sink.getvalue().to_pybytes(),
         rows=len(sorted_rows),
-        tokens=total_tokens if tokenizer is not None else None,
+        tokens=total_tokens if tokenizer is not None or encoded else None,
         row_groups=len(bounds),
         duplicate_keys=duplicate_keys,
     )
@@ -226,7 +264,10 @@ class WriteLaneFileFn(beam.DoFn):
     """``((lane_id, part), rows)`` -> writes ``lane=LLLLL/part-PPPPP.parquet``, yields its FileEntry dict."""
 
     def __init__(self, output: str, keep_fields: Sequence[str], tokenizer_path: Optional[str],
-                 tokenizer_fingerprint: Optional[str], token_compression: str = DEFAULT_TOKEN_COMPRESSION):
+                 tokenizer_fingerprint: Optional[str], token_compression: str = DEFAULT_TOKEN_COMPRESSION,
+                 encoded: bool = False):
+        # encoded: chat rows arrive tokenized (ReadFiles encoded them); tokenizer_path is then None.
+        self.encoded = encoded
         self.output = output
         self.token_compression = token_compression
         self.keep_fields = tuple(keep_fields)
@@ -254,7 +295,8 @@ class WriteLaneFileFn(beam.DoFn):
 
         (lane_id, part), rows = element
         sorted_rows = sort_rows(rows, bool(self.keep_fields))
-        serialized = serialize_lane_file(sorted_rows, self.keep_fields, self.tokenizer, self.token_compression)
+        serialized = serialize_lane_file(sorted_rows, self.keep_fields, self.tokenizer, self.token_compression,
+                                         self.encoded)
         relative_path = lane_file_path(lane_id, part)
         write_atomically(join_output(self.output, relative_path), serialized.data)
         if serialized.duplicate_keys:

@@ -20,12 +20,12 @@ import json
 import logging
 import os
 import shutil
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
 import apache_beam as beam
 
 from loader.errors import ZephonError
-from loader.manifest import MANIFEST_NAME, REJECT_REASONS, REJECTED_DIR, FileEntry, Manifest
+from loader.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, FileEntry, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -224,17 +224,20 @@ def commit_manifest(
     files_per_lane: int,
     reject_counts: dict[str, int],
     rejected_files: Iterable[str],
+    reject_reasons: Sequence[str] = DOCUMENT_REJECT_REASONS,
 ) -> dict:
     """Check the reject fraction, then write ``manifest.json`` atomically. Returns its dict.
 
     ``rejected_files`` is unused except as a side input: it makes this step wait until
-    every rejected-records file is written.
+    every rejected-records file is written. ``reject_reasons``: the reasons this job can emit,
+    each recorded with its count (zeros included): the document reasons for a text job, every
+    reason of :data:`loader.manifest.REJECT_REASONS` for a chat job.
     """
     del rejected_files
     files = [FileEntry.from_dict(entry, f"file entry {entry.get('path')}") for entry in file_entries]
     documents = sum(f.rows for f in files)
-    rejected = {reason: int(reject_counts.get(reason, 0)) for reason in REJECT_REASONS}
-    unknown = set(reject_counts) - set(REJECT_REASONS)
+    rejected = {reason: int(reject_counts.get(reason, 0)) for reason in reject_reasons}
+    unknown = set(reject_counts) - set(reject_reasons)
     if unknown:
         raise ShardJobError(f"internal error: unknown reject reasons {sorted(unknown)}")
     check_reject_fraction(documents, rejected, max_reject_fraction)

@@ -3,7 +3,9 @@
 One :class:`ReadDocumentsFn` call reads one whole input file, so reading is parallel across
 files. Every record becomes exactly one of
 
-* a document, ``(key, text, text_nbytes, kept_values)`` on the main output, or
+* a document, ``(key, text, text_nbytes, kept_values)`` on the main output (a chat record,
+  with ``--messages-field``, adds ``(input_ids bytes, loss_mask bytes)``: see
+  :mod:`beam_jobs.chat_records`), or
 * a rejection, ``(file_index, input_path, record_index, reason, detail, excerpt)`` on
   :data:`REJECTED_TAG`, with ``reason`` one of :data:`loader.manifest.REJECT_REASONS`.
 
@@ -65,6 +67,7 @@ import apache_beam as beam
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
+from beam_jobs.chat_records import ChatEncoder, ChatSpec, InvalidUtf8Record
 from beam_jobs.input_streams import check_parquet_magic, find_corruption, open_stream
 from beam_jobs.inputs import InputFile
 
@@ -91,6 +94,12 @@ class RecordSpec:
     text_field: str = "text"
     id_field: Optional[str] = None
     keep_fields: tuple[str, ...] = ()
+    chat: Optional[ChatSpec] = None  # --messages-field: records are conversations (beam_jobs.chat_records)
+
+    @property
+    def content_fields(self) -> tuple[str, ...]:
+        """The fields a document's content comes from: the text, or the conversation's."""
+        return self.chat.record_fields if self.chat is not None else (self.text_field,)
 
 
 class _InvalidUtf8:
@@ -166,9 +175,12 @@ def _utf8_problem(value: str) -> Optional[str]:
 class RecordConverter:
     """Turns one parsed record (a dict of field values) into a document or a rejection reason."""
 
-    def __init__(self, spec: RecordSpec, input_file: InputFile):
+    def __init__(self, spec: RecordSpec, input_file: InputFile, chat_encoder: Optional[ChatEncoder] = None):
+        if (spec.chat is None) != (chat_encoder is None):
+            raise ValueError("a chat RecordSpec needs its loaded ChatEncoder, and only it")
         self.spec = spec
         self.input_file = input_file
+        self.chat_encoder = chat_encoder
 
     def reject(self, record_index: int, reason: str, detail: str, raw: Union[bytes, str]) -> Rejection:
         return (
@@ -181,8 +193,13 @@ class RecordConverter:
         )
 
     def convert(self, record: dict, record_index: int, raw: Union[bytes, str]) -> tuple[bool, tuple]:
-        """``(True, document)`` or ``(False, rejection)``."""
+        """``(True, document)`` or ``(False, rejection)``.
+
+        A chat document carries a fifth element, ``(input_ids bytes, loss_mask bytes)``.
+        """
         spec = self.spec
+        if self.chat_encoder is not None:
+            return self._convert_chat(record, record_index, raw)
         if spec.text_field not in record:
             return False, self.reject(record_index, "missing_text_field",
                                       f"no field {spec.text_field!r} (set --text-field)", raw)
@@ -196,6 +213,23 @@ class RecordConverter:
         if not text.strip():
             return False, self.reject(record_index, "empty_text",
                                       f"field {spec.text_field!r} is empty or whitespace only", raw)
+        return self._document(record, record_index, raw, text)
+
+    def _convert_chat(self, record: dict, record_index: int, raw: Union[bytes, str]) -> tuple[bool, tuple]:
+        from loader.chat import ConversationRejected
+
+        try:
+            text, encoded = self.chat_encoder.encode(record)
+        except ConversationRejected as exc:
+            return False, self.reject(record_index, exc.reason, exc.detail, raw)
+        except InvalidUtf8Record as exc:
+            return False, self.reject(record_index, "invalid_utf8", str(exc), raw)
+        return self._document(record, record_index, raw, text, encoded)
+
+    def _document(self, record: dict, record_index: int, raw: Union[bytes, str], text: str,
+                  encoded: Optional[tuple] = None) -> tuple[bool, tuple]:
+        """The document of a record whose content is ``text`` (id, kept fields and UTF-8 checked)."""
+        spec = self.spec
         if spec.id_field is not None:
             id_value = record.get(spec.id_field)
             if id_value is None:
@@ -222,6 +256,8 @@ class RecordConverter:
             problem = value is not None and _utf8_problem(value)
             if problem:
                 return False, self.reject(record_index, "invalid_utf8", f"field {name!r}: {problem}", raw)
+        if encoded is not None:
+            return True, (key, text, text_nbytes, tuple(kept), encoded)
         return True, (key, text, text_nbytes, tuple(kept))
 
 
@@ -339,7 +375,7 @@ def _read_parquet(input_file: InputFile, spec: RecordSpec,
     from apache_beam.io.filesystem import CompressionTypes
     from apache_beam.io.filesystems import FileSystems
 
-    wanted = [spec.text_field, *([spec.id_field] if spec.id_field else []), *spec.keep_fields]
+    wanted = [*spec.content_fields, *([spec.id_field] if spec.id_field else []), *spec.keep_fields]
 
     def batches():
         with FileSystems.open(input_file.path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
@@ -423,9 +459,10 @@ def _unreadable(converter: RecordConverter, record_index: int, error: BaseExcept
     return converter.reject(record_index, "unreadable_file", detail, raw)
 
 
-def read_records(input_file: InputFile, spec: RecordSpec) -> Iterator[tuple[bool, tuple]]:
+def read_records(input_file: InputFile, spec: RecordSpec,
+                 chat_encoder: Optional[ChatEncoder] = None) -> Iterator[tuple[bool, tuple]]:
     """Every record of one file as ``(True, document)`` or ``(False, rejection)``."""
-    converter = RecordConverter(spec, input_file)
+    converter = RecordConverter(spec, input_file, chat_encoder)
     if input_file.format == "jsonl":
         return _read_jsonl(input_file, converter)
     if input_file.format == "parquet":
@@ -443,11 +480,16 @@ class ReadDocumentsFn(beam.DoFn):
         self.documents_counter = Metrics.counter("zephon.shard", "documents_read")
         self.rejected_counter = Metrics.counter("zephon.shard", "records_rejected")
         self.files_counter = Metrics.counter("zephon.shard", "files_read")
+        self.chat_encoder: Optional[ChatEncoder] = None
+
+    def setup(self) -> None:
+        if self.spec.chat is not None:
+            self.chat_encoder = ChatEncoder.load(self.spec.chat)
 
     def process(self, file_tuple: tuple) -> Iterator:
         input_file = InputFile.from_tuple(file_tuple)
         documents = rejected = 0
-        for ok, element in read_records(input_file, self.spec):
+        for ok, element in read_records(input_file, self.spec, self.chat_encoder):
             if ok:
                 documents += 1
                 yield element

@@ -17,6 +17,10 @@ Pipeline (step names as they appear in the Beam UI)::
                                                      (side inputs: counts, files written, |    v
                                                       files_per_lane) --------------> CommitManifest
 
+Chat records (``--messages-field``): ``ReadFiles`` renders and tokenizes each conversation
+(:mod:`beam_jobs.chat_records`), refused ones become rejections with their chat reason, and
+``WriteLaneFiles`` writes the encodings with a ``loss_mask`` column.
+
 Before the pipeline is built, :func:`preflight` runs every check that needs no record
 (output location, existing dataset, inputs, option combinations, a lane count the input
 cannot fill when its size tells): each failure is one line naming the option and the fix.
@@ -47,6 +51,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
+from beam_jobs.chat_records import ChatSpec, template_fingerprint
 from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs, is_remote, most_documents
 from beam_jobs.lane_files import (
     DEFAULT_TOKEN_COMPRESSION,
@@ -66,7 +71,7 @@ from beam_jobs.outputs import (
 )
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from loader.errors import ZephonError
-from loader.manifest import Manifest, read_manifest
+from loader.manifest import DOCUMENT_REJECT_REASONS, REJECT_REASONS, Manifest, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +111,16 @@ class ShardOptions:
     target_file_mb: float = DEFAULT_TARGET_FILE_MB
     overwrite: bool = False
     max_reject_fraction: float = DEFAULT_MAX_REJECT_FRACTION
+    messages_field: Optional[str] = None
+    chat_template: Optional[str] = None
+    chat_loss_on: str = "all"
+    chat_max_tokens: Optional[int] = None
+    chat_overflow: str = "reject"
+
+    @property
+    def chat(self) -> bool:
+        """Records are conversations (``--messages-field``), rendered and tokenized offline."""
+        return self.messages_field is not None
 
     def __post_init__(self) -> None:
         problems = []
@@ -136,8 +151,40 @@ class ShardOptions:
             problems.append(f"--keep-fields must not repeat --text-field {self.text_field!r} (it is the 'text' column)")
         if len(set(self.keep_fields)) != len(self.keep_fields):
             problems.append(f"--keep-fields lists a field twice ({', '.join(self.keep_fields)})")
+        problems += self._chat_problems()
         if problems:
             raise ShardConfigError("; ".join(problems))
+
+    def _chat_problems(self) -> list[str]:
+        from loader.chat import LOSS_ON_CHOICES, OVERFLOW_CHOICES
+
+        problems = []
+        if self.chat_loss_on not in LOSS_ON_CHOICES:
+            problems.append(f"--chat-loss-on must be one of {', '.join(LOSS_ON_CHOICES)} (got {self.chat_loss_on!r})")
+        if self.chat_overflow not in OVERFLOW_CHOICES:
+            problems.append(f"--chat-overflow must be one of {', '.join(OVERFLOW_CHOICES)} (got {self.chat_overflow!r})")
+        if self.chat_max_tokens is not None and self.chat_max_tokens < 1:
+            problems.append(f"--chat-max-tokens must be positive (got {self.chat_max_tokens})")
+        if not self.chat:
+            given = [flag for flag, value, default in (
+                ("--chat-template", self.chat_template, None), ("--chat-loss-on", self.chat_loss_on, "all"),
+                ("--chat-max-tokens", self.chat_max_tokens, None), ("--chat-overflow", self.chat_overflow, "reject"),
+            ) if value != default]
+            if given:
+                problems.append(f"{', '.join(given)} apply to chat records only; add --messages-field FIELD "
+                                "(the field holding each record's messages list)")
+            return problems
+        if not self.messages_field:
+            problems.append("--messages-field must not be empty")
+        if self.chat_template is None:
+            problems.append("--messages-field needs --chat-template FILE (a .jinja file or a tokenizer_config.json "
+                            "with a chat_template)")
+        if self.tokenizer is None:
+            problems.append("--messages-field without --tokenizer: online chat rendering lands next; pass "
+                            "--tokenizer TOKENIZER_JSON to render and tokenize the conversations offline")
+        if self.messages_field in self.keep_fields:
+            problems.append(f"--keep-fields must not repeat --messages-field {self.messages_field!r}")
+        return problems
 
     @property
     def target_file_bytes(self) -> int:
@@ -147,8 +194,16 @@ class ShardOptions:
     def resolved_source_name(self) -> str:
         return self.source_name or os.path.basename(self.output.rstrip("/")) or "dataset"
 
-    def record_spec(self) -> RecordSpec:
-        return RecordSpec(text_field=self.text_field, id_field=self.id_field, keep_fields=self.keep_fields)
+    def record_spec(self, chat: Optional[ChatSpec] = None) -> RecordSpec:
+        return RecordSpec(text_field=self.text_field, id_field=self.id_field, keep_fields=self.keep_fields,
+                          chat=chat)
+
+    def chat_spec(self, tokenizer_fingerprint: str, template_fingerprint: str) -> ChatSpec:
+        return ChatSpec(
+            messages_field=self.messages_field, template_path=self.chat_template, tokenizer_path=self.tokenizer,
+            tokenizer_fingerprint=tokenizer_fingerprint, template_fingerprint=template_fingerprint,
+            loss_on=self.chat_loss_on, max_tokens=self.chat_max_tokens, overflow=self.chat_overflow,
+        )
 
 
 def _split_fields(values: Optional[Sequence[str]]) -> tuple[str, ...]:
@@ -204,6 +259,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-file-mb", type=float, default=DEFAULT_TARGET_FILE_MB,
                         help="target text MiB per lane file: files_per_lane = max(1, ceil(total text bytes "
                              "/ num_lanes / target)); also bounds a writer's memory (default: %(default)s)")
+    chat = parser.add_argument_group(
+        "chat / SFT records", "records holding a conversation (a messages list of role/content, optional "
+        "record-level 'tools'), rendered with a chat template and tokenized offline into input_ids plus a "
+        "loss_mask column (1 on the assistant's tokens); the text column holds the rendered conversation")
+    chat.add_argument("--messages-field", default=None, metavar="FIELD",
+                      help="field/column holding each record's messages list; makes the job a chat job "
+                           "(needs --chat-template and --tokenizer; --text-field is not read: the text column "
+                           "holds the rendered conversation) "
+                           "(default: none, records are text documents)")
+    chat.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="chat template (local or gs://): a Jinja file, or a tokenizer_config.json whose "
+                           "chat_template is used with its special tokens; rendered as transformers' "
+                           "apply_chat_template does, {%% generation %%} tags marking assistant tokens "
+                           "(default: none)")
+    chat.add_argument("--chat-loss-on", choices=("all", "last"), default="all",
+                      help="supervise every assistant turn or the last one only (default: %(default)s)")
+    chat.add_argument("--chat-max-tokens", type=int, default=None, metavar="N",
+                      help="longest conversation in tokens; what a longer one gets is --chat-overflow "
+                           "(default: no bound)")
+    chat.add_argument("--chat-overflow", choices=("reject", "truncate"), default="reject",
+                      help="a conversation above --chat-max-tokens: rejected (reason too_long, into "
+                           "_rejected/) or cut to its first N tokens (default: %(default)s)")
     parser.add_argument("--output", required=True,
                         help="(required) dataset directory to write (local or gs://); created if missing, "
                              "refused if it is a file")
@@ -234,6 +311,11 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
         target_file_mb=known.target_file_mb,
         overwrite=known.overwrite,
         max_reject_fraction=known.max_reject_fraction,
+        messages_field=known.messages_field,
+        chat_template=known.chat_template,
+        chat_loss_on=known.chat_loss_on,
+        chat_max_tokens=known.chat_max_tokens,
+        chat_overflow=known.chat_overflow,
     )
     return options, pipeline_args
 
@@ -249,11 +331,15 @@ class ShardDataset(beam.PTransform):
     """``PBegin`` -> the committed manifest dict (one element). See the module docstring."""
 
     def __init__(self, options: ShardOptions, input_files: Sequence[InputFile],
-                 tokenizer_info: Optional[dict] = None, label: Optional[str] = None):
+                 tokenizer_info: Optional[dict] = None, label: Optional[str] = None,
+                 chat: Optional[ChatSpec] = None):
         super().__init__(label)
         self.options = options
         self.input_files = list(input_files)
         self.tokenizer_info = tokenizer_info  # describe(tokenizer).to_dict() when pre-tokenizing
+        self.chat = chat  # set for a chat job: ReadFiles encodes, WriteLaneFiles writes the encodings
+        if (chat is None) == options.chat:
+            raise ShardConfigError("a chat job (--messages-field) needs its ChatSpec, and only a chat job has one")
 
     def expand(self, pbegin):
         opts = self.options
@@ -261,7 +347,8 @@ class ShardDataset(beam.PTransform):
         read = (
             pbegin
             | "ListInputs" >> beam.Create([f.to_tuple() for f in self.input_files])
-            | "ReadFiles" >> beam.ParDo(ReadDocumentsFn(opts.record_spec())).with_outputs(REJECTED_TAG, main="documents")
+            | "ReadFiles" >> beam.ParDo(ReadDocumentsFn(opts.record_spec(self.chat))).with_outputs(
+                REJECTED_TAG, main="documents")
         )
         documents, rejections = read.documents, read[REJECTED_TAG]
 
@@ -277,8 +364,9 @@ class ShardDataset(beam.PTransform):
             | "AssignLane" >> beam.ParDo(AssignLaneFn(opts.seed, opts.num_lanes), AsSingleton(files_per_lane))
             | "GroupByLaneFile" >> beam.GroupByKey()
             | "WriteLaneFiles" >> beam.ParDo(WriteLaneFileFn(
-                opts.output, opts.keep_fields, opts.tokenizer,
-                self.tokenizer_info["fingerprint"] if pretokenized else None, opts.token_compression))
+                opts.output, opts.keep_fields, None if opts.chat else opts.tokenizer,
+                self.tokenizer_info["fingerprint"] if pretokenized and not opts.chat else None,
+                opts.token_compression, encoded=opts.chat))
         )
         rejected_files = (
             rejections
@@ -300,12 +388,13 @@ class ShardDataset(beam.PTransform):
                 seed=opts.seed,
                 num_lanes=opts.num_lanes,
                 source_name=opts.resolved_source_name,
-                schema=manifest_schema(pretokenized, opts.keep_fields),
+                schema=manifest_schema(pretokenized, opts.keep_fields, loss_mask=opts.chat),
                 tokenizer=self.tokenizer_info,
                 max_reject_fraction=opts.max_reject_fraction,
                 files_per_lane=AsSingleton(files_per_lane),
                 reject_counts=AsDict(reject_counts),
                 rejected_files=AsList(rejected_files),
+                reject_reasons=REJECT_REASONS if opts.chat else DOCUMENT_REJECT_REASONS,
             )
         )
 
@@ -346,6 +435,11 @@ def check_output_location(output: str) -> None:
 def check_inputs_against_options(options: ShardOptions, input_files: Sequence[InputFile]) -> None:
     """Refuse option/input combinations that can be known to fail before any record is read."""
     text_files = [f.path for f in input_files if f.format == "text"]
+    if text_files and options.chat:
+        raise ShardConfigError(
+            f"--messages-field {options.messages_field!r} cannot apply to text input (e.g. {text_files[0]}): a "
+            "text file is one document without fields; give the conversations as JSONL or Parquet records."
+        )
     if text_files and options.id_field is not None:
         raise ShardConfigError(
             f"--id-field {options.id_field!r} cannot apply to text input (e.g. {text_files[0]}): a text file "
@@ -357,12 +451,32 @@ def check_inputs_against_options(options: ShardOptions, input_files: Sequence[In
     if inside_output:
         raise ShardConfigError(f"--input matches {len(inside_output)} files inside --output {options.output} "
                                f"(e.g. {inside_output[0]}); write the dataset outside the input folders.")
-    most = most_documents(input_files, options.text_field)
+    most = most_documents(input_files, options.messages_field if options.chat else options.text_field)
     if most is not None and most < options.num_lanes:
         raise ShardConfigError(
             f"--num-lanes {options.num_lanes} is more than the at most {most} documents the "
             f"{len(input_files)} input files can hold, and every lane needs a document; pass a --num-lanes "
             f"well below {max(most, 1)}.")
+
+
+def load_chat_spec(options: ShardOptions) -> ChatSpec:
+    """The chat job's :class:`ChatSpec`, with the template and tokenizer loaded once here to
+    refuse unusable ones before the job starts (the workers check they are still the same)."""
+    from loader.chat import ChatTemplateError, load_chat_template
+    from loader.tokenizer import describe, load_tokenizer
+
+    try:
+        template = load_chat_template(options.chat_template)
+    except (ChatTemplateError, OSError) as exc:
+        raise ShardConfigError(f"--chat-template {options.chat_template}: {exc}") from exc
+    tokenizer = load_tokenizer(options.tokenizer)
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+        # encode_conversation would refuse it on every record, on the workers
+        raise ShardConfigError(
+            f"--tokenizer {options.tokenizer} has truncation or padding enabled, which would cut or pad every "
+            "conversation; save it without them (tokenizer.no_truncation(), tokenizer.no_padding()) and bound "
+            "the length with --chat-max-tokens")
+    return options.chat_spec(describe(tokenizer).fingerprint, template_fingerprint(template))
 
 
 def preflight(options: ShardOptions) -> tuple[list[InputFile], Optional[dict]]:
@@ -396,12 +510,13 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
 
     options = replace(options, output=_normalize_output(options.output))
     input_files, tokenizer_info = preflight(options)
+    chat = load_chat_spec(options) if options.chat else None
     if options.overwrite:
         prepare_output(options.output, overwrite=True)
     logger.info("sharding %d input files into %d lanes at %s", len(input_files), options.num_lanes, options.output)
 
     pipeline = beam.Pipeline(options=PipelineOptions(with_default_runner(pipeline_args)))
-    _ = pipeline | "Shard" >> ShardDataset(options, input_files, tokenizer_info)
+    _ = pipeline | "Shard" >> ShardDataset(options, input_files, tokenizer_info, chat=chat)
     try:
         result = pipeline.run()
         if not wait:

@@ -40,6 +40,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from loader.chat.conversations import REJECT_REASONS as _CONVERSATION_REJECT_REASONS
 from loader.errors import ZephonError
 
 FORMAT_VERSION = 1
@@ -49,8 +50,11 @@ LANE_DIR_FORMAT = "lane={lane:05d}"
 PART_FORMAT = "part-{part:05d}.parquet"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
-# The rejection reasons the Beam job can emit (manifest ``rejected`` keys).
-REJECT_REASONS = (
+# The rejection reasons the Beam job can emit (manifest ``rejected`` keys). A text job records
+# the document reasons (each with its count, zeros included); a chat job (``--messages-field``)
+# records every reason, the chat reasons of ``loader.chat`` included. The manifest keeps
+# whatever keys it was written with, so older manifests load unchanged.
+DOCUMENT_REJECT_REASONS = (
     "malformed_json",
     "missing_text_field",
     "non_string_text",
@@ -59,6 +63,8 @@ REJECT_REASONS = (
     "missing_id_field",
     "unreadable_file",
 )
+CHAT_REJECT_REASONS = _CONVERSATION_REJECT_REASONS
+REJECT_REASONS = DOCUMENT_REJECT_REASONS + CHAT_REJECT_REASONS
 
 
 class ManifestError(ZephonError, ValueError):

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from beam_jobs import inspect_dataset, shard
 from loader.hashing import file_bucket, lane_of_key, order_key_of
-from loader.manifest import MANIFEST_NAME, REJECT_REASONS, read_manifest
+from loader.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, read_manifest
 from loader.tokenizer import describe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -214,7 +214,7 @@ def test_every_rejection_reason_is_counted_and_nothing_valid_is_lost(tmp_path):
     patterns, expected, valid_ids = _bad_inputs(tmp_path)
     manifest = shard.run(["--input", *patterns, "--output", str(tmp_path / "out"), "--id-field", "id",
                           "--num-lanes", "1", "--max-reject-fraction", "1.0", *IN_MEMORY])  # 12 docs: 3 lanes leave one empty
-    assert set(expected) == set(REJECT_REASONS)
+    assert set(expected) == set(DOCUMENT_REJECT_REASONS)
     assert manifest.rejected == expected
     keys = {key for entry in manifest.files
             for key in pq.read_table(tmp_path / "out" / entry.path, columns=["key"]).column("key").to_pylist()}

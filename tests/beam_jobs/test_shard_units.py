@@ -239,9 +239,10 @@ def test_help_documents_every_option_with_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for option in ("--input", "--format", "--text-field", "--id-field", "--keep-fields", "--source-name",
                    "--num-lanes", "--seed", "--tokenizer", "--token-compression", "--target-file-mb", "--output",
-                   "--overwrite", "--max-reject-fraction"):
+                   "--overwrite", "--max-reject-fraction", "--messages-field", "--chat-template", "--chat-loss-on",
+                   "--chat-max-tokens", "--chat-overflow"):
         assert option in text
-    assert text.count("(default") == 12 and text.count("(required)") == 2  # the other 12 options
+    assert text.count("(default") == 17 and text.count("(required)") == 2  # the other 17 options
 
 
 def test_parse_args_splits_job_and_pipeline_options():
