@@ -35,14 +35,14 @@ from typing import Any, Optional, Sequence
 
 from loader.config import LoaderConfig
 from loader.errors import ZephonError
-from loader.fingerprints import StepFingerprint, _parse_steps
+from loader.fingerprints import SUPERVISED_MARKER, StepFingerprint, _parse_steps
 from loader.manifest import Manifest
 
 IDENTICAL_EXIT = 0
 DIFFERENT_EXIT = 1
 TROUBLE_EXIT = 2
 CONFIG_SUFFIXES = (".toml", ".json")
-LOG_FORMAT = "`STEP SHA256 [name=count ...]`, as `zephon fingerprints` prints"
+LOG_FORMAT = "`STEP SHA256 [name=count ...] [supervised: name=count ...]`, as `zephon fingerprints` prints"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 COUNT = re.compile(r"([^=\s]+)=(\d+)")
 # LoaderConfig fields that never change the batches (README "Loader configuration").
@@ -61,8 +61,21 @@ class DiffError(ZephonError, ValueError):
 
 
 # -- fingerprint logs ----------------------------------------------------------------------
+def _parse_counts(parts: Sequence[str], where: str, got: str, what: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for part in parts:
+        match = COUNT.fullmatch(part)
+        if match is None:
+            raise DiffError(f"{where}: {what} are name=count, got {part!r:.80}; expected {LOG_FORMAT}")
+        if match[1] in counts:
+            raise DiffError(f"{where}: source {match[1]!r} is counted twice in the {what} {got}")
+        counts[match[1]] = int(match[2])
+    return counts
+
+
 def parse_log_line(text: str, where: str) -> StepFingerprint:
-    """One ``STEP SHA256 [name=count ...]`` line; ``where`` (``file:line``) starts every error."""
+    """One ``STEP SHA256 [name=count ...] [supervised: name=count ...]`` line (the supervised
+    counts only with a ``loss_mask`` source); ``where`` (``file:line``) starts every error."""
     parts = text.split()
     got = f"(got {text.strip()!r:.120})"
     if len(parts) < 2:
@@ -72,15 +85,13 @@ def parse_log_line(text: str, where: str) -> StepFingerprint:
         raise DiffError(f"{where}: the step must be a non-negative integer, got {step!r}; expected {LOG_FORMAT}")
     if not SHA256_HEX.fullmatch(sha):
         raise DiffError(f"{where}: the hash must be 64 lowercase hex digits, got {sha!r:.80}; expected {LOG_FORMAT}")
-    counts: dict[str, int] = {}
-    for part in parts[2:]:
-        match = COUNT.fullmatch(part)
-        if match is None:
-            raise DiffError(f"{where}: per-source counts are name=count, got {part!r:.80}; expected {LOG_FORMAT}")
-        if match[1] in counts:
-            raise DiffError(f"{where}: source {match[1]!r} is counted twice {got}")
-        counts[match[1]] = int(match[2])
-    return StepFingerprint(int(step), sha, counts)
+    rest = parts[2:]
+    cut = rest.index(SUPERVISED_MARKER) if SUPERVISED_MARKER in rest else len(rest)
+    counts = _parse_counts(rest[:cut], where, got, "per-source counts")
+    supervised = _parse_counts(rest[cut + 1:], where, got, "supervised-token counts")
+    if cut < len(rest) and not supervised:
+        raise DiffError(f"{where}: {SUPERVISED_MARKER!r} must be followed by name=count per source {got}")
+    return StepFingerprint(int(step), sha, counts, supervised_counts=supervised)
 
 
 def parse_log(path: str) -> list[StepFingerprint]:
@@ -160,7 +171,10 @@ def load_side(label: str, path: str, steps: Optional[tuple[int, int]]) -> Side:
 
 # -- steps and sequences ---------------------------------------------------------------------
 def _step_line(result: StepFingerprint) -> dict[str, Any]:
-    return {"sha256": result.sha256, "source_counts": result.source_counts}
+    line: dict[str, Any] = {"sha256": result.sha256, "source_counts": result.source_counts}
+    if result.supervised_counts:  # a line without them reports as it did before
+        line["supervised_counts"] = result.supervised_counts
+    return line
 
 
 def differing_sequences(a: Side, b: Side, step: int) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@
 ``zephon fingerprints CONFIG --world-size W --num-workers K --micro-batch M --steps A:B``
 builds all ``W`` rank loaders, reassembles every global batch in global-index order and
 prints ``STEP SHA256`` per step (plus ``name=count`` per source when the config mixes
-several sources).
+several sources, and ``supervised: name=count ...`` per source when some source has a
+``loss_mask``: the positions whose label is not -100 and whose loss mask is 1, counted by the
+sequence's source, or by each token's source under token mixing).
 
 Byte layout of the hash (documented in README "Batch fingerprints"): for each sequence of
 the global batch in increasing global index, its ``input_ids`` then its ``labels``, each as
@@ -23,6 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from loader.config import LoaderConfig
+from loader.features import IGNORE_INDEX
 from loader.state import StateError, dumps, loads, merge_rank_states
 
 
@@ -42,10 +45,33 @@ class StepFingerprint:
     # source name) per sequence in global-index order, so ``zephon diff`` can name the
     # sequences that differ. Not part of ``line()``.
     sequences: list[tuple[str, str]] = field(default_factory=list)
+    # Supervised tokens per source (every source, zeros included) when some source has a
+    # ``loss_mask``; empty otherwise, and then ``line()`` is the line printed before chat.
+    supervised_counts: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
         counts = " ".join(f"{name}={count}" for name, count in self.source_counts.items())
-        return f"{self.step} {self.sha256}" + (f" {counts}" if counts else "")
+        text = f"{self.step} {self.sha256}" + (f" {counts}" if counts else "")
+        if self.supervised_counts:
+            supervised = " ".join(f"{name}={count}" for name, count in self.supervised_counts.items())
+            text += f" {SUPERVISED_MARKER} {supervised}"
+        return text
+
+
+# Starts the per-source supervised-token counts of a line; has no ``=``, so it is never a
+# ``name=count`` of the sequence counts before it.
+SUPERVISED_MARKER = "supervised:"
+
+
+def supervised_per_source(labels, loss_mask, source: int, token_sources, num_sources: int) -> np.ndarray:
+    """Supervised tokens of one sequence per source id: label != -100 and loss_mask == 1, by
+    ``token_sources`` (token mixing) or all on the sequence's ``source``."""
+    supervised = (np.asarray(labels) != IGNORE_INDEX) & (np.asarray(loss_mask) == 1)
+    if token_sources is None:
+        counts = np.zeros(num_sources, np.int64)
+        counts[source] = int(supervised.sum())
+        return counts
+    return np.bincount(np.asarray(token_sources)[supervised], minlength=num_sources)[:num_sources]
 
 
 def collect_fingerprints(
@@ -65,8 +91,11 @@ def collect_fingerprints(
     """
     from loader.pipeline import ZephonLoader  # torch: not for a config or state file that is refused first
 
-    if "labels" not in config.batch_fields:  # the fingerprint hashes labels too
-        config = config.replace(batch_fields=config.batch_fields + ("labels",))
+    # The fingerprint hashes labels; the supervised counts read loss_mask and token sources
+    # (runtime fields: adding them never changes the batches).
+    missing = tuple(f for f in ("labels", "loss_mask", "token_source_ids") if f not in config.batch_fields)
+    if missing:
+        config = config.replace(batch_fields=config.batch_fields + missing)
     loaders = [ZephonLoader(config, rank=r, world_size=world_size) for r in range(world_size)]
     saved: Optional[dict] = None
     results: list[StepFingerprint] = []
@@ -79,6 +108,7 @@ def collect_fingerprints(
             raise StateError(f"the loaded state resumes at step {first}, but --steps starts at {start_step}")
         names = loaders[0].source_names
         micro_per_step = loaders[0].topology.micro_steps_per_step
+        count_supervised = "loss_mask" in loaders[0].features
         for step in range(first, end_step):
             if save_state_step is not None and step == save_state_step:
                 saved = merge_rank_states([loader.state_dict() for loader in loaders])
@@ -86,16 +116,21 @@ def collect_fingerprints(
             if not all([loader.step_available() for loader in loaders]):
                 break
             rows: dict[int, tuple[bytes, int]] = {}
+            supervised_rows: dict[int, np.ndarray] = {}
             for loader in loaders:
                 for _ in range(micro_per_step):
                     batch = next(loader)
                     if batch["step"] != step:
                         raise RuntimeError(f"rank produced step {batch['step']} while step {step} was expected")
-                    for index, ids, labels, source in zip(
+                    for row, (index, ids, labels, source) in enumerate(zip(
                         batch["global_indices"].tolist(), batch["input_ids"].numpy(),
                         batch["labels"].numpy(), batch["source_ids"].tolist(),
-                    ):
+                    )):
                         rows[index] = (sequence_bytes(ids, labels), source)
+                        if count_supervised:
+                            token_sources = batch["token_source_ids"][row].numpy() if "token_source_ids" in batch else None
+                            supervised_rows[index] = supervised_per_source(
+                                labels, batch["loss_mask"][row].numpy(), source, token_sources, len(names))
             expected = range(step * config.global_batch_size, (step + 1) * config.global_batch_size)
             if sorted(rows) != list(expected):
                 raise RuntimeError(f"step {step}: ranks did not cover the global batch exactly")
@@ -108,7 +143,11 @@ def collect_fingerprints(
                 source_counts = {name: counts.get(k, 0) for k, name in enumerate(names)} if len(names) > 1 else {}
                 sequences = [(hashlib.sha256(rows[i][0]).hexdigest(), names[rows[i][1]]) for i in expected] \
                     if keep_sequences else []
-                results.append(StepFingerprint(step, digest.hexdigest(), source_counts, sequences))
+                supervised_counts = {}
+                if count_supervised:
+                    totals = np.sum([supervised_rows[i] for i in expected], axis=0)
+                    supervised_counts = {name: int(totals[k]) for k, name in enumerate(names)}
+                results.append(StepFingerprint(step, digest.hexdigest(), source_counts, sequences, supervised_counts))
         if save_state_step is not None and save_state_step == end_step:
             saved = merge_rank_states([loader.state_dict() for loader in loaders])
     finally:

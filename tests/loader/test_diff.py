@@ -191,11 +191,35 @@ def test_a_shorter_log_that_agrees_still_differs_in_coverage(tmp_path, capsys):
 
 
 SHA = "0f" * 32
+
+
+def test_lines_with_and_without_supervised_counts_parse_and_compare(tmp_path, capsys):
+    from loader.diff import parse_log_line
+
+    old, new = f"3 {SHA} web=4 code=4", f"3 {SHA} web=4 code=4 supervised: web=0 code=1234"
+    assert parse_log_line(old, "a:1").line() == old and parse_log_line(old, "a:1").supervised_counts == {}
+    parsed = parse_log_line(new, "b:1")
+    assert parsed.line() == new and parsed.source_counts == {"web": 4, "code": 4}
+    assert parsed.supervised_counts == {"web": 0, "code": 1234}
+    single = f"0 {SHA} supervised: chat=77"  # one source: no sequence counts, still the suffix
+    assert parse_log_line(single, "c:1").line() == single and parse_log_line(single, "c:1").source_counts == {}
+    # Only the supervised counts differ: a different step, the counts in the report.
+    (tmp_path / "a.txt").write_text(new + "\n")
+    (tmp_path / "b.txt").write_text(new.replace("1234", "1233") + "\n")
+    code, report = _diff(capsys, str(tmp_path / "a.txt"), str(tmp_path / "b.txt"))
+    assert code == 1 and report["first_differing_step"] == 3
+    assert report["at_first_difference"]["b"]["supervised_counts"] == {"web": 0, "code": 1233}
+    assert cli.main(["diff", str(tmp_path / "a.txt"), str(tmp_path / "a.txt")]) == 0
+    capsys.readouterr()
+
+
 MALFORMED = [
     (f"0 {SHA}\n1 nothex\n", 2, "the hash must be 64 lowercase hex digits"),
     (f"0 {SHA}\nstep1 {SHA}\n", 2, "the step must be a non-negative integer"),
     (f"0 {SHA} web=4 code=four\n", 1, "per-source counts are name=count"),
     (f"0 {SHA}\n{SHA}\n", 2, "expected `STEP SHA256"),
+    (f"0 {SHA} web=4 supervised:\n", 1, "'supervised:' must be followed by name=count"),
+    (f"0 {SHA} supervised: web=x\n", 1, "supervised-token counts are name=count"),
     (f"0 {SHA}\n\n0 {SHA}\n", 3, "step 0 is already on line 1"),
 ]
 
