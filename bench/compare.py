@@ -1,7 +1,14 @@
-"""Side-by-side benchmark: Zephon vs peer loaders on one generated corpus (issue 6).
+"""Side-by-side benchmark: Zephon vs peer loaders on one generated corpus (issues 6 and 16).
 
     bash bench/setup_peers.sh                      # once: bench/_work/peers-venv
-    python -m bench.compare --quick --out bench/RESULTS.md
+    python -m bench.compare --quick                # smoke test (~10 min on 2 cores)
+    python -m bench.compare                        # the full profile, recorded in bench/RESULTS.md
+
+The default measurements (``--only floors,trainer,replay,rss``) are those of issue 16 (see
+``bench/workers_report.py``: the busy-trainer overhead of every loader in-process and with 2
+workers, replay throughput against the floors, first batch and restore, peak RSS against
+dataset size, and the goals); they replace the section "## Issue 16: workers and the honest
+harness" of ``--out``. ``--only throughput,resume,elastic`` runs the issue 6 comparison below.
 
 This process only orchestrates (standard library); every measurement runs in a fresh
 subprocess of the peers venv (``bench.peers.run``), one per loader and repeat, because the
@@ -24,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import signal
 import statistics
@@ -34,9 +40,14 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from bench import workers_report
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Zephon vs peer loaders (issue 6)"
-LOADERS = ("zephon", "zephon_full", "streaming", "litdata", "grain", "energon", "torchdata", "hf_datasets")
+LOADERS = ("zephon", "zephon_full", "streaming", "litdata", "grain", "energon", "torchdata", "hf_datasets",
+           "streaming_packed", "grain_packed", "torchdata_packed", "hf_packed")
+# Pre-packed rows (pre-tokenized only), prepared per seq_len: each peer's offline LLM path.
+PACKED = ("streaming_packed", "grain_packed", "torchdata_packed", "hf_packed")
 # Zephon twice: delivering what the consuming loop reads (input_ids, as every peer delivers)
 # and delivering the full trainer batch. The second reads the first's data and is measured
 # for throughput only: its stream, state and resume are the first's.
@@ -52,6 +63,10 @@ PEER_LABELS = {
     "energon": "Megatron-Energon",
     "torchdata": "torchdata StatefulDataLoader",
     "hf_datasets": "HF datasets",
+    "streaming_packed": "MosaicML Streaming, pre-packed",
+    "grain_packed": "Grain, pre-packed",
+    "torchdata_packed": "torchdata, pre-packed",
+    "hf_packed": "HF datasets, pre-packed",
 }
 DISTRIBUTIONS = {  # for the versions line
     "streaming": "mosaicml-streaming", "litdata": "litdata", "grain": "grain", "energon": "megatron-energon",
@@ -65,14 +80,21 @@ MODE_TITLES = {
 }
 
 PROFILES = {
-    # docs per source, seq_len, global batch, workers, throughput repeats / seconds,
-    # resume (seq_len, global batch, steps, deadline), elasticity steps
-    "quick": dict(num_docs=20000, seq_len=1024, global_batch=16, num_workers=0, repeats=3, seconds=2.0,
+    # corpus (docs per source, files per source, sources), seq_len, global batch, workers of the
+    # issue 6 runs, repeats, seconds per throughput window and its cap in passes over the corpus,
+    # the busy trainer (GIL-holding ms, sleeping ms, timed steps / seconds, warm-up steps),
+    # resume (seq_len, global batch, steps, deadline), elasticity steps, timeout of one run
+    "quick": dict(num_docs=20000, files_per_source=10, sources=("web", "caps"), seq_len=2048, global_batch=8,
+                  num_workers=0, repeats=1, seconds=1.0, replay_epochs=2.0,
+                  busy_ms=1.0, sleep_ms=4.0, trainer_steps=150, trainer_seconds=1.0, trainer_warmup=10,
                   resume_seq_len=64, resume_batch=2, resume_steps=(10, 1000, 100000), resume_deadline=40.0,
                   elastic_steps=6, timeout=180.0),
-    "full": dict(num_docs=100000, seq_len=2048, global_batch=32, num_workers=0, repeats=5, seconds=10.0,
+    # >= 100 M tokens (400,000 documents, ~115 M tokens), web only: the issue 16 runs have no mix
+    "full": dict(num_docs=400000, files_per_source=10, sources=("web",), seq_len=2048, global_batch=8,
+                 num_workers=0, repeats=3, seconds=3.0, replay_epochs=3.0, text_window_factor=1.5,
+                 busy_ms=1.0, sleep_ms=4.0, trainer_steps=600, trainer_seconds=2.5, trainer_warmup=20,
                  resume_seq_len=64, resume_batch=2, resume_steps=(10, 1000, 100000), resume_deadline=600.0,
-                 elastic_steps=20, timeout=1200.0),
+                 elastic_steps=20, timeout=300.0),
 }
 
 
@@ -143,10 +165,12 @@ def prepare_data(r: Runner, work: str, prof: dict, loaders: list[str], tokenizer
     status: dict[str, Any] = {}
     stamp = os.path.join(work, "prepared.json")
     prepared = json.load(open(stamp)) if os.path.exists(stamp) else {}
-    want = {"num_docs": prof["num_docs"], "tokenizer": tokenizer}
+    want = {"num_docs": prof["num_docs"], "tokenizer": tokenizer, "files_per_source": prof["files_per_source"],
+            "sources": list(prof["sources"])}
     if prepared.get("corpus") != want or not os.path.exists(info_path):
         prepared = {"corpus": want}
-        cmd = [r.python, "-m", "bench.peers.corpus", work, "--num-docs", str(prof["num_docs"])]
+        cmd = [r.python, "-m", "bench.peers.corpus", work, "--num-docs", str(prof["num_docs"]),
+               "--files-per-source", str(prof["files_per_source"]), "--sources", ",".join(prof["sources"])]
         if tokenizer:
             cmd += ["--tokenizer", tokenizer]
         t0 = time.perf_counter()
@@ -157,12 +181,16 @@ def prepare_data(r: Runner, work: str, prof: dict, loaders: list[str], tokenizer
     for name in loaders:
         if name in THROUGHPUT_ONLY:
             continue  # reads the datasets of DATA_OF[name]
-        if prepared.get(name, {}).get("ok"):
+        if prepared.get(name, {}).get("ok") and (name not in PACKED or prepared[name].get("seq_len") == prof["seq_len"]):
             status[name] = prepared[name]
             continue
         options = {"beam_python": beam_python} if name == "zephon" else {}
+        if name in PACKED:
+            options = {"seq_len": prof["seq_len"]}
         res = r.run("prepare", {"loader": name, "data_dir": work, "options": options}, timeout=1800)
         res["ok"] = "error" not in res
+        if name in PACKED:
+            res["seq_len"] = prof["seq_len"]
         prepared[name] = status[name] = res
         print(f"  prepare {name}: {res.get('error') or str(res.get('seconds')) + ' s'}", flush=True)
     with open(stamp, "w") as fh:
@@ -181,6 +209,8 @@ def measure_throughput(r: Runner, work: str, prof: dict, loaders: list[str]) -> 
     out: dict = {}
     for mode in MODES:
         for name in loaders:
+            if name in PACKED and mode != "pretok":
+                continue
             runs = []
             for rep in range(prof["repeats"]):
                 res = r.run("throughput", {"spec": spec(name, mode, work, prof), "seconds": prof["seconds"]},
@@ -215,7 +245,7 @@ def measure_floors(r: Runner, work: str, prof: dict) -> dict:
         runs = [r.run("floor", {"data_dir": work, "kind": kind, "seconds": prof["seconds"]}, timeout=prof["timeout"])
                 for _ in range(prof["repeats"])]
         ok = [x["tokens_per_s"] for x in runs if "error" not in x]
-        out[kind] = {"tokens_per_s": statistics.median(ok)} if ok else {"error": runs[0]["error"]}
+        out[kind] = {"tokens_per_s": statistics.median(ok), "runs": ok} if ok else {"error": runs[0]["error"]}
         print(f"  floor {kind}: {out[kind]}", flush=True)
     return out
 
@@ -318,11 +348,10 @@ def compare_fingerprints(r: Runner, name: str, runs: dict) -> dict:
 # Report.
 
 
-def machine_line() -> str:
-    from bench.machine import cpu_model, memory_gib
+def machine_line(load: bool = False) -> str:
+    from bench.machine import machine_line as line
 
-    return (f"nproc {os.cpu_count()}, {cpu_model()}, RAM {memory_gib()}, Linux {platform.release()}, "
-            f"Python {platform.python_version()}")
+    return line(load)
 
 
 def peer_versions(python: str) -> dict:
@@ -548,12 +577,14 @@ SETUP_NOTES = {
 
 
 def write_section(path: str, section: str) -> None:
+    """Replace the section whose heading is ``section``'s first line (or append it)."""
+    heading = section.splitlines()[0]
     text = open(path).read() if os.path.exists(path) else "# Benchmark results\n\n"
-    start = text.find(SECTION)
+    start = text.find(heading)
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + section
     else:
-        nxt = text.find("\n## ", start + len(SECTION))
+        nxt = text.find("\n## ", start + len(heading))
         text = text[:start] + section + (text[nxt + 1:] if nxt >= 0 else "")
     with open(path, "w") as fh:
         fh.write(text.rstrip("\n") + "\n")
@@ -593,17 +624,25 @@ def default_beam_python() -> str:
         return "python3"
 
 
+ISSUE6 = ("throughput", "resume", "elastic")
+TRAINER_TIMEOUT_S = 150.0  # one busy-trainer run: a hung peer (seen once: HF datasets + 2 workers) costs this
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small corpus, short runs (~10 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="small corpus, short runs, one repeat: a smoke test")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "RESULTS.md"))
-    p.add_argument("--chart", default=os.path.join(REPO, "bench", "compare_throughput.png"))
+    p.add_argument("--chart", default=None, help="chart PNG (default bench/compare_throughput.png for the "
+                                                  "issue 6 run, bench/workers_overhead.png for issue 16; "
+                                                  "--quick: in the work dir)")
     p.add_argument("--python", default=os.path.join(REPO, "bench", "_work", "peers-venv", "bin", "python"),
                    help="interpreter of the peers venv (bench/setup_peers.sh)")
     p.add_argument("--beam-python", default=None, help="interpreter with apache-beam for beam_jobs.shard")
     p.add_argument("--work", default=None, help="data/work dir (default bench/_work/compare-<profile>)")
     p.add_argument("--loaders", default=",".join(LOADERS))
-    p.add_argument("--only", default="throughput,resume,elastic", help="which measurements to run")
+    p.add_argument("--only", default=",".join(workers_report.MEASUREMENTS),
+                   help="which measurements to run: issue 16 " + ",".join(workers_report.MEASUREMENTS)
+                        + " (the default); issue 6 " + ",".join(ISSUE6))
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the shipped one)")
     p.add_argument("--num-docs", type=int, default=None, help="override the profile's documents per source")
     p.add_argument("--seconds", type=float, default=None, help="override the timed seconds per run")
@@ -612,7 +651,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--resume-deadline", type=float, default=None, help="seconds allowed to reach the last step")
     p.add_argument("--elastic-steps", type=int, default=None)
     p.add_argument("--render-only", action="store_true",
-                   help="rewrite the section from the work dir's results.json without measuring")
+                   help="rewrite the section(s) from the work dir's saved results without measuring")
+    p.add_argument("--cases", default=None,
+                   help="issue 16: re-measure only these cases (comma-separated keys such as zephon|pretok|k2, "
+                        "as in the log) and merge them into the work dir's saved results (every other figure "
+                        "is kept; the section names the re-measured cases)")
     a = p.parse_args(argv)
 
     name = "quick" if a.quick else "full"
@@ -629,18 +672,44 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         raise SystemExit(f"unknown loaders {sorted(unknown)}; known: {LOADERS}")
     only = set(a.only.split(","))
+    bad = only - set(ISSUE6) - set(workers_report.MEASUREMENTS)
+    if bad:
+        raise SystemExit(f"unknown measurements {sorted(bad)}; known: {ISSUE6 + workers_report.MEASUREMENTS}")
     work = os.path.abspath(a.work or os.path.join(REPO, "bench", "_work", f"compare-{name}"))
     os.makedirs(work, exist_ok=True)
     r = Runner(a.python, os.path.join(work, "compare.log"))
+    command = "python -m bench.compare" + "".join(" " + shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
     if a.render_only:
-        return render_only(a, work, loaders, r)
+        if only & set(ISSUE6):
+            a.chart = a.chart or os.path.join(REPO, "bench", "compare_throughput.png")
+            render_only(a, work, loaders, r)
+        if only & set(workers_report.MEASUREMENTS):
+            render_issue16(work, a.out, r)
+        return 0
     t0 = time.perf_counter()
-    command = "python -m bench.compare" + (" " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])) if (argv or sys.argv[1:]) else "")
     print(f"[compare] profile {name}, work dir {work}, log {r.log.name}", flush=True)
-    results: dict = {"out": a.out}
+    print("[compare] " + machine_line(load=True), flush=True)
     print("[compare] preparing data", flush=True)
-    results["prepare"] = prepare_data(r, work, prof, loaders, a.tokenizer, a.beam_python or default_beam_python())
-    ok = [n for n in loaders if not results["prepare"].get(DATA_OF.get(n, n), {}).get("error")]
+    prepare_status = prepare_data(r, work, prof, loaders, a.tokenizer, a.beam_python or default_beam_python())
+    ok = [n for n in loaders if not prepare_status.get(DATA_OF.get(n, n), {}).get("error")]
+    if only & set(workers_report.MEASUREMENTS):
+        # the quick profile is a smoke test: its chart stays in the (git-ignored) work dir
+        chart16 = a.chart or (os.path.join(work, "workers_quick.png") if a.quick
+                              else os.path.join(REPO, "bench", "workers_overhead.png"))
+        run_issue16(r, work, prof, ok, only, command, a.out, chart16, prepare_status, t0,
+                    cases_filter=set(a.cases.split(",")) if a.cases else None)
+    if only & set(ISSUE6):
+        run_issue6(r, work, prof, loaders, ok, only, command, a.out,
+                   a.chart or os.path.join(REPO, "bench", "compare_throughput.png"), prepare_status, name, t0)
+    return 0
+
+
+def run_issue6(r: Runner, work: str, prof: dict, loaders: list[str], ok: list[str], only: set, command: str,
+               out: str, chart_path: str, prepare_status: dict, name: str, t0: float) -> None:
+    """The issue 6 comparison: throughput of three modes, resume, elasticity."""
+    loaders = [n for n in loaders if n not in PACKED]  # its tables predate the pre-packed rows
+    ok = [n for n in ok if n not in PACKED]
+    results: dict = {"out": out, "prepare": prepare_status}
     for n in loaders:
         if n not in ok:
             err = {"error": "data preparation failed: " + results["prepare"][DATA_OF.get(n, n)]["error"]}
@@ -664,21 +733,173 @@ def main(argv: Optional[list[str]] = None) -> int:
             for n in loaders]
     title = (f"tokens/s per loader, seq_len {prof['seq_len']}, global batch {prof['global_batch']}, "
              f"{prof['num_workers']} workers, {machine_line().split(',')[0]} ({name} profile)")
-    chart_res = r.run("chart", {"rows": rows, "out": a.chart, "title": title}, timeout=120)
-    chart = a.chart if "error" not in chart_res else None
+    chart_res = r.run("chart", {"kind": "throughput_chart", "kwargs": {"rows": rows, "out": chart_path, "title": title}},
+                      timeout=120)
+    chart = chart_path if "error" not in chart_res else None
     if chart is None:
         print(f"[compare] chart failed: {chart_res['error']}", flush=True)
-    versions = peer_versions(a.python)
+    versions = peer_versions(r.python)
     elapsed = time.perf_counter() - t0
     saved = {k: ({"|".join(kk): vv for kk, vv in v.items()} if k == "throughput" else v) for k, v in results.items()}
     saved.update({"profile": prof, "command": command, "elapsed": elapsed, "chart": chart, "versions": versions})
     with open(os.path.join(work, "results.json"), "w") as fh:
         json.dump(saved, fh, indent=1, default=str)
     section = render(results, prof, loaders, command, versions, work, elapsed, chart)
-    write_section(a.out, section)
-    print(f"[compare] wrote {a.out} and {a.chart} in {elapsed / 60:.1f} min", flush=True)
-    return 0
+    write_section(out, section)
+    print(f"[compare] wrote {out} and {chart_path} in {elapsed / 60:.1f} min", flush=True)
 
+
+# --------------------------------------------------------------------------------------
+# Issue 16.
+
+
+def run_issue16(r: Runner, work: str, prof: dict, ok: list[str], only: set, command: str, out: str,
+                chart_path: str, prepare_status: dict, t0: float, cases_filter: Optional[set] = None) -> None:
+    """Floors, busy-trainer overhead, replay throughput and RSS (``bench/workers_report.py``);
+    the section is rewritten after every stage, so an interrupted run still records what it has.
+    ``cases_filter``: re-measure only those cases, merged into the saved results."""
+    info = json.load(open(os.path.join(work, "corpus", "info.json")))
+    corpus_tokens = info["sources"]["web"]["tokens"]
+    path = os.path.join(work, "results16.json")
+    results: dict = {"profile": prof, "command": command, "corpus_tokens": corpus_tokens,
+                     "load_start": machine_line(load=True), "loaders": ok, "chart": chart_path,
+                     "prepare_errors": {k: v["error"] for k, v in prepare_status.items()
+                                        if isinstance(v, dict) and v.get("error")}}
+    if cases_filter:
+        with open(path) as fh:
+            saved = json.load(fh)
+        saved.setdefault("reruns", []).append({"command": command, "cases": sorted(cases_filter),
+                                               "load_start": machine_line(load=True), "code": code_version()})
+        results = saved
+        only = only - {"floors"}
+        t0 -= results.get("elapsed", 0.0)  # elapsed: the first run's plus this one's
+
+    def chosen(cases: dict) -> dict:
+        return cases if not cases_filter else {k: v for k, v in cases.items() if k in cases_filter}
+
+    def mk(loader: str, mode: str, **kw) -> dict:
+        return spec(loader, mode, work, prof, **kw)
+
+    def stage_done() -> None:
+        results["elapsed"] = time.perf_counter() - t0
+        results["load_end" if not cases_filter else "load_end_reruns"] = machine_line(load=True)
+        workers_report.save(path, results)
+        render_issue16(work, out, r)
+
+    if not cases_filter:
+        results["versions"] = peer_versions(r.python)
+        results["code"] = code_version()
+    loaders = [n for n in ok if n not in THROUGHPUT_ONLY]
+
+    def replay() -> None:
+        cases = chosen(workers_report.replay_cases(loaders, mk, prof, corpus_tokens))
+        results.setdefault("replay", {}).update(workers_report.run_rounds(
+            r.run, "throughput", cases, prof["repeats"], prof["timeout"],
+            lambda k, x: f"{x['tokens_per_s'] / 1e6:8.2f} M tok/s ({x['tokens'] / corpus_tokens:.2f} epochs)"))
+
+    def rss() -> None:
+        if "zephon" not in loaders:
+            return
+        small = sum(f["tokens"] or 0 for f in json.load(open(os.path.join(
+            work, "formats", "zephon", workers_report.RSS_DATASETS["N"], "manifest.json")))["files"])
+        results.setdefault("rss", {}).update(workers_report.run_rounds(
+            r.run, "throughput", chosen(workers_report.rss_cases(mk, prof, small)), prof["repeats"], prof["timeout"],
+            lambda k, x: f"{x['tree_rss_mb']:.0f} MB ({x['descendants']} workers)"))
+
+    def trainer(modes: tuple[str, ...]) -> None:
+        if "calibration" not in results:
+            cal = r.run("calibrate", {"busy_ms": prof["busy_ms"]}, timeout=120)
+            if "error" in cal:
+                raise SystemExit(f"calibration failed: {cal['error']}")
+            results["calibration"] = cal
+        cal = results["calibration"]
+        print(f"[compare] trainer {'/'.join(modes)} (busy loop: {cal['busy_iters']} iterations = "
+              f"{cal['busy_ms_median']:.2f} ms median)", flush=True)
+        cases = chosen(workers_report.trainer_cases(loaders, mk, prof, cal["busy_iters"], modes))
+        nominal = prof["busy_ms"] + prof["sleep_ms"]
+        results.setdefault("trainer", {}).update(workers_report.run_rounds(
+            r.run, "trainer", cases, prof["repeats"], TRAINER_TIMEOUT_S,
+            lambda k, x: f"{(x['step_ms'] - nominal) * 1e3:+7.0f} us/step, next p99 {x['next_p99_ms']:.3f} ms, "
+                         f"{x['tokens_per_s'] / 1e6:.2f} M tok/s, first {x['first_batch_s']:.2f} s, "
+                         f"restore {x.get('restore_new_s', float('nan')):.2f} s"))
+
+    # The goals' cases first (pre-tokenized with the busy trainer, replay, RSS), the text cases of
+    # the busy trainer last: an interrupted run has recorded what the goals need.
+    stages = [("floors", lambda: results.__setitem__("floors", measure_floors(r, work, prof))),
+              ("trainer", lambda: trainer(("pretok",))), ("replay", replay), ("rss", rss),
+              ("trainer", lambda: trainer(("text",)))]
+    for name, stage in stages:
+        if name in only:
+            started = time.perf_counter()
+            if name in ("floors", "replay", "rss"):
+                print(f"[compare] {name}", flush=True)
+            stage()
+            results.setdefault("stage_minutes", []).append([name, round((time.perf_counter() - started) / 60, 2)])
+            stage_done()
+    print(f"[compare] wrote {out} in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+
+
+def code_version() -> str:
+    """The commit measured, and whether the working tree had changes (other engineers' too)."""
+    def git(*args: str) -> str:
+        proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else "?"
+
+    dirty = git("status", "--porcelain", "--", "loader")
+    return git("rev-parse", "--short", "HEAD") + (" + uncommitted changes in loader/" if dirty else "")
+
+
+def render_issue16(work: str, out: str, r: Optional[Runner] = None) -> None:
+    with open(os.path.join(work, "results16.json")) as fh:
+        results = json.load(fh)
+    prof = results["profile"]
+    info = json.load(open(os.path.join(work, "corpus", "info.json")))
+    chart = results.get("chart")
+    if r is not None and chart:
+        res = r.run("chart", {"kind": "workers_chart", "kwargs": {
+            "panels": workers_report.chart_rows(results, prof), "out": chart,
+            "title": f"seq_len {prof['seq_len']}, batch {prof['global_batch']}, {machine_line().split(',')[0]}, "
+                     f"{results['corpus_tokens'] / 1e6:.0f} M-token corpus"}}, timeout=120)
+        if "error" in res:
+            print(f"[compare] chart failed: {res['error']}", flush=True)
+            chart = None
+    elif chart and not os.path.exists(chart):
+        chart = None
+    src = info["sources"]["web"]
+    header = [
+        f"Generated by `{results['command']}` in {results.get('elapsed', 0) / 60:.1f} min (every figure below; "
+        "do not edit by hand, rerun the command, or `--render-only` to redraw from the saved results).",
+        "",
+        f"- Machine: {machine_line()}. Load average (1 / 5 / 15 min) at the start: "
+        f"{results['load_start'].rsplit('load average ', 1)[-1]}, at the end: {results.get('load_end', '').rsplit('load average ', 1)[-1]}"
+        " (the machine is shared with other work; each case runs once per round, the rounds interleaved).",
+        f"- Code: Zephon at {results.get('code', '?')}. Versions: "
+        + ", ".join(f"{k} {v}" for k, v in results.get("versions", {}).items()),
+        f"- Corpus: `bench/peers/corpus.py` (seed {info['seed']}), source `web`: {src['docs']:,} documents, "
+        f"{src['tokens']:,} tokens (mean {src['mean_doc_tokens']:.0f} per document, EOS after each), "
+        f"{info.get('files_per_source', 4)} JSONL files; tokenizer `{os.path.relpath(info['tokenizer'], REPO)}` "
+        f"(vocab {info['vocab_size']}). Zephon reads it sharded by `python -m beam_jobs.shard --num-lanes 16` "
+        "(`web-ids` pre-tokenized, `web-text` text, `web-ids-tenth` = the first JSONL file of ten, for the RSS pair).",
+        f"- Every loader: seq_len {prof['seq_len']}, batch {prof['global_batch']} rows, world size 1, seed 0, each "
+        f"case in a fresh process of the peers venv, medians of {prof['repeats']} repeat(s). Peers are set up as "
+        "their docs recommend: batched tokenization (`encode_batch_fast`, 64 documents per call, in the workers "
+        "where the peer's loader has a collate step: Streaming, LitData, torchdata; HF `map(batched=True)`; "
+        "Energon and Grain hand out single documents and are batched in the consuming process), their "
+        "pre-packed format as separate rows (LitData `optimize` + `TokensLoader`; MDS rows as llm-foundry's "
+        "`concat_tokens`; ArrayRecord rows for Grain; a `.npy` of rows for torchdata; an Arrow dataset of "
+        "`group_texts` rows for HF datasets), their own worker processes (`num_workers=2`: torch "
+        "`DataLoader`/`StatefulDataLoader`/`StreamingDataLoader` workers, Grain `mp_prefetch`, Energon "
+        "`WorkerConfig`; Zephon's own workers). Setup per peer: the docstring of each `bench/peers/<peer>.py`.",
+    ]
+    for rerun in results.get("reruns", []):
+        header.append(f"- Re-measured after the run and merged in (every other figure is the run's): "
+                      f"{', '.join('`' + c + '`' for c in rerun['cases'])}, by `{rerun['command']}` (Zephon at "
+                      f"{rerun['code']}; load average at its start {rerun['load_start'].rsplit('load average ', 1)[-1]}).")
+    if results.get("prepare_errors"):
+        header.append("- Left out (data preparation failed): " + "; ".join(
+            f"{k}: {v}" for k, v in results["prepare_errors"].items()))
+    section = workers_report.render(results, prof, header, chart, out)
+    write_section(out, section)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,16 @@ Cases and goals:
 * ``pre_best_fit_k0``           the same with best-fit packing (reported, no goal).
 * ``pre_concat_ids_k0``         ``pre_concat_k0`` delivering ``input_ids`` only
                  (``batch_fields``): the token ids the scan floor delivers (reported, no goal).
+* ``pre_concat_k0_hash`` / ``_nochecks``   issue 14: ``pre_concat_k0`` (the defaults: the
+                 footer, row-group and token checks on) with the full-file SHA-256 of local lane
+                 files (``verify_local_files = true``), and without any lane-file check (the
+                 footer, row-group, token and unlisted-file checks made no-ops in the child);
+                 ``_1epoch`` pairs: one epoch instead of ``PRE_EPOCHS``, the hash's worst case
+                 (it is paid once per file and process); ``pre_concat_k0_hash_1epoch`` also
+                 reports the CPU time spent inside the checks (timed per call, on every thread),
+                 which does not depend on the machine's load as wall-time ratios do. Ratios
+                 within each round, median over rounds; run them alone with
+                 ``--only scan pre_concat_k0``.
 * ``text_concat_k0`` / ``_k2``  the loader on the text lanes (online tokenization). Goal:
                  k0 >= 0.8 x tokenizer (same cores: the in-process loader tokenizes on the
                  same thread pool as the floor); k2 reported.
@@ -194,25 +204,9 @@ def child_scan(dataset: str, page_checksums: bool = False) -> dict:
 
 
 def _scan_pass(dataset: str, page_checksums: bool) -> int:
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from bench.floors import scan_pass  # the one scan floor (also bench.compare's); repo root on sys.path
 
-    tokens = 0
-    for path in _lane_files(dataset):
-        # pre_buffer=False and use_threads=False below: how the loader reads local files
-        parquet = pq.ParquetFile(path, page_checksum_verification=page_checksums, pre_buffer=False)
-        for group in range(parquet.metadata.num_row_groups):
-            # use_threads=False as the loader reads: for one column it is the faster setting
-            table = parquet.read_row_group(group, columns=["input_ids"], use_threads=False)
-            column = table.column(0).combine_chunks()
-            if column.type == pa.binary():  # what the Beam job writes: int32 ids as bytes, zero-copy
-                ends = np.frombuffer(column.buffers()[1], dtype=np.int32)[column.offset:column.offset + len(column) + 1]
-                tokens += len(np.frombuffer(column.buffers()[2], dtype="<i4", count=int(ends[-1] - ends[0]) // 4,
-                                            offset=int(ends[0])))
-            else:  # list<int32> (datasets written before the binary column)
-                tokens += len(column.flatten().to_numpy(zero_copy_only=False))
-    return tokens
+    return scan_pass(_lane_files(dataset), page_checksums)
 
 
 def child_tokenizer(dataset: str) -> dict:
@@ -250,10 +244,53 @@ def _consume(batch) -> int:
     return total
 
 
-def child_loader(dataset: str, packing: str, num_workers: int, steps: int, batch_fields=None) -> dict:
+def _disable_integrity_checks() -> None:
+    """The lane-file checks of issue 14 made no-ops (footer against the manifest, rows of every
+    row group, tokens of every file, unlisted files): only for measuring their cost."""
+    from loader import lane_reader
+
+    for name in ("check_footer", "check_row_group", "check_no_unlisted_files"):
+        setattr(lane_reader, name, lambda *args: None)
+    lane_reader.LaneTokenStream._note_group_tokens = lambda self, *args: None
+
+
+def _account_integrity_checks() -> dict:
+    """Wrap the lane-file checks so that the CPU time spent inside them (on whichever thread:
+    ``thread_time``) adds up in the returned dict: ``hash_cpu_s`` (the full-file SHA-256),
+    ``checks_cpu_s`` (the rest). Exact attribution where wall-time ratios drown in load."""
+    from loader import lane_reader
+
+    spent = {"hash_cpu_s": 0.0, "checks_cpu_s": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*args):
+            start = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                spent[key] += time.thread_time() - start
+        return wrapper
+
+    lane_reader.verify_local_file = timed(lane_reader.verify_local_file, "hash_cpu_s")
+    for name in ("check_footer", "check_row_group", "check_no_unlisted_files"):
+        setattr(lane_reader, name, timed(getattr(lane_reader, name), "checks_cpu_s"))
+    stream = lane_reader.LaneTokenStream
+    stream._note_group_tokens = timed(stream._note_group_tokens, "checks_cpu_s")
+    return spent
+
+
+def child_loader(dataset: str, packing: str, num_workers: int, steps: int, batch_fields=None,
+                 verify_local_files: bool = None, integrity_checks: bool = True,
+                 account_checks: bool = False) -> dict:
     from loader.pipeline import ZephonLoader
 
+    # Both only patch this process: the cases with them run with num_workers 0.
+    if not integrity_checks:
+        _disable_integrity_checks()
+    spent = _account_integrity_checks() if account_checks else {}
     fields = {"batch_fields": batch_fields} if batch_fields else {}
+    if verify_local_files is not None:
+        fields["verify_local_files"] = verify_local_files
     config = _config(dataset, THROUGHPUT, packing=packing, num_workers=num_workers, **fields)
     micro_batches = steps * config.global_batch_size // config.micro_batch_size
     loader = ZephonLoader(config)
@@ -268,7 +305,7 @@ def child_loader(dataset: str, packing: str, num_workers: int, steps: int, batch
         tokens += batch["input_ids"].numel()
     seconds = clock.read()["seconds"]
     loader.close()  # joins the workers, so that their CPU time is counted
-    return {"tokens": tokens, **clock.read(), "seconds": seconds, "startup_s": startup}
+    return {"tokens": tokens, **clock.read(), "seconds": seconds, "startup_s": startup, **spent}
 
 
 def _state_path(dataset: str, step: int) -> Path:
@@ -374,6 +411,14 @@ def plan(docs: int, writer: str) -> dict[str, dict]:
     ):
         cases[name] = {"kind": "loader", "dataset": dataset, "packing": packing, "num_workers": k, "steps": steps}
     cases["pre_concat_ids_k0"] = dict(cases["pre_concat_k0"], batch_fields=["input_ids"])
+    # Issue 14: the cost of the integrity checks. pre_concat_k0 has the defaults: the footer,
+    # row-group and token checks on, the full-file SHA-256 (verify_local_files) off.
+    cases["pre_concat_k0_hash"] = dict(cases["pre_concat_k0"], verify_local_files=True)
+    cases["pre_concat_k0_nochecks"] = dict(cases["pre_concat_k0"], integrity_checks=False)
+    # The SHA-256 is paid once per file and process, in the first epoch: its worst case is a run of one.
+    for name in ("pre_concat_k0", "pre_concat_k0_hash"):
+        cases[f"{name}_1epoch"] = dict(cases[name], steps=max(2, pre_steps // PRE_EPOCHS))
+    cases["pre_concat_k0_hash_1epoch"]["account_checks"] = True  # CPU time inside the checks, reported apart
     for data, dataset, workers in (("pre", pre, (0, 2)), ("text", text, (0,))):
         for k in workers:
             for step in RESTORE_STEPS:
@@ -425,6 +470,8 @@ def report(results: dict[str, list[dict]]) -> list[str]:
     for name, floor, goal in (
         ("pre_concat_k0", "scan", GOAL_SCAN_RATIO), ("pre_concat_k2", "scan", None),
         ("pre_best_fit_k0", "scan", None), ("pre_concat_ids_k0", "scan", None),
+        ("pre_concat_k0_hash", "scan", None), ("pre_concat_k0_nochecks", "scan", None),
+        ("pre_concat_k0_1epoch", "scan", None), ("pre_concat_k0_hash_1epoch", "scan", None),
         ("text_concat_k0", "tokenizer", GOAL_TOKENIZER_RATIO), ("text_concat_k2", "tokenizer", None),
     ):
         if not has(name, floor):
@@ -440,6 +487,22 @@ def report(results: dict[str, list[dict]]) -> list[str]:
         lines.append(f"| loader {name} (start-up {startup:.2f} s) | {rate / 1e6:.2f} M tok/s | "
                      f"{ratio:.2f} x {floor} | {goal_text} | {status} | "
                      f"{_rate(results[name], 'cpu_s') / 1e6:.2f} M ({cpu_ratio:.2f}) |")
+    for name, base, what in (
+        ("pre_concat_k0", "pre_concat_k0_nochecks", "the footer, row-group and token checks (the defaults)"),
+        ("pre_concat_k0_hash", "pre_concat_k0", "the full-file SHA-256 (verify_local_files)"),
+        ("pre_concat_k0_hash_1epoch", "pre_concat_k0_1epoch", "the full-file SHA-256, a one-epoch run"),
+    ):
+        if has(name, base):  # median over rounds of the ratio within a round (same machine load)
+            ratio, cpu_ratio = (statistics.median(a["tokens"] / a[per] / (b["tokens"] / b[per])
+                                                  for a, b in zip(results[name], results[base]))
+                                for per in ("seconds", "cpu_s"))
+            lines.append(f"| issue 14, cost of {what}: {name} / {base} | {ratio:.3f} | | | | ({cpu_ratio:.3f}) |")
+    if has("pre_concat_k0_hash_1epoch"):
+        runs = results["pre_concat_k0_hash_1epoch"]
+        for key, what in (("hash_cpu_s", "the full-file SHA-256"), ("checks_cpu_s", "the footer, row-group and token checks")):
+            share = statistics.median(r[key] / r["cpu_s"] for r in runs)
+            lines.append(f"| issue 14, CPU inside {what}, one epoch: {_median(runs, key) * 1e3:.1f} ms | "
+                         f"{share:.2%} of the run's CPU | | | | |")
     for data, k in (("pre", 0), ("pre", 2), ("text", 0)):
         early, late = (f"restore_{data}_step{s}_k{k}" for s in RESTORE_STEPS)
         if has(early, late):

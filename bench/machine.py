@@ -28,3 +28,12 @@ def memory_gib() -> str:
 
 def load_average() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def machine_line(load: bool = True) -> str:
+    """One line for every benchmark report: cores, CPU, RAM, kernel, Python (and the load)."""
+    import platform as _platform
+
+    line = (f"nproc {os.cpu_count()}, {cpu_model()}, RAM {memory_gib()}, Linux {_platform.release()}, "
+            f"Python {_platform.python_version()}")
+    return line + (f"; load average {load_average()}" if load else "")

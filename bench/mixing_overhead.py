@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -286,9 +285,9 @@ def report(pairs: dict[str, list[tuple[dict, dict]]], cases: dict[str, dict]) ->
 
 
 def machine_line() -> str:
-    from bench.machine import cpu_model, load_average  # the repo root is on sys.path by now
+    from bench.machine import machine_line as line  # the repo root is on sys.path by now
 
-    return f"nproc {os.cpu_count()}, {cpu_model()}, Python {platform.python_version()}; load average {load_average()}"
+    return line()
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,15 @@ per global step, the wall time, the CPU time of the trainer's thread (and of it 
 builder, ``ZephonLoader._collate``), the CPU time of the read-ahead threads, the time the
 trainer's thread waited for a block, and the wall / CPU time of one block read on the
 read-ahead thread compared with the same reads on an otherwise idle thread.
+
+    python bench/thread_profile.py --workers 2 [--batches 1500] [--pace-ms 5] [--no-read-ahead]
+        [--work bench/_work/compare-full]
+
+Issue 16, with worker processes (the full profile's shape: seq_len 2048, batch 8, the
+``bench.compare`` full corpus): the longest waits inside ``next()`` and at which micro-batch
+they happen (with ``--pace-ms`` of sleep after each batch, a trainer that leaves the workers
+time), and the CPU the worker processes and the trainer process spend per micro-batch,
+consumed as fast as possible and paced.
 """
 
 from __future__ import annotations
@@ -34,8 +43,16 @@ def main(argv=None) -> int:
                         help="pretok: measurement (1) of the comparison; mix: (3), the 0.7/0.3 two-source mix")
     parser.add_argument("--read-ahead-threads", type=int, default=None,
                         help="LoaderConfig.read_ahead_threads (default: the loader's default)")
-    parser.add_argument("--work", default=str(REPO_ROOT / "bench" / "_work" / "compare-quick"))
+    parser.add_argument("--work", default=None, help="bench.compare work dir (default: compare-quick, with "
+                                                        "--workers compare-full)")
+    parser.add_argument("--workers", type=int, default=0, help="> 0: the worker-process profile (issue 16)")
+    parser.add_argument("--batches", type=int, default=1500)
+    parser.add_argument("--pace-ms", type=float, default=5.0)
+    parser.add_argument("--no-read-ahead", action="store_true")
     args = parser.parse_args(argv)
+    if args.workers > 0:
+        return worker_profile(args)
+    args.work = args.work or str(REPO_ROOT / "bench" / "_work" / "compare-quick")
 
     from bench.machine import cpu_model, load_average
     from bench.peers import zephon
@@ -119,6 +136,49 @@ def main(argv=None) -> int:
     print(f"block read on the read-ahead thread: {mean(background, 1):.2f} ms wall, {mean(background, 2):.2f} ms CPU "
           f"({len(background)} reads); on an idle thread: {mean(idle, 1):.2f} ms wall, {mean(idle, 2):.2f} ms CPU "
           f"({len(idle)} reads)")
+    return 0
+
+
+def worker_profile(args) -> int:
+    import numpy as np
+
+    from bench.machine import machine_line
+    from bench.peers import zephon
+    from bench.peers.common import Layout, Spec
+    from bench.peers.run import tree_cpu_s
+
+    layout = Layout(args.work or str(REPO_ROOT / "bench" / "_work" / "compare-full"))
+    options = {"read_ahead": False} if args.no_read_ahead else {}
+    spec = Spec(loader="zephon", mode="pretok", data_dir=layout.root, seq_len=2048, global_batch=8,
+                num_workers=args.workers, options=options)
+    print(f"python bench/thread_profile.py --workers {args.workers} --batches {args.batches} --pace-ms {args.pace_ms:g}"
+          + (" --no-read-ahead" if args.no_read_ahead else "") + f"\n{machine_line()}")
+    started = time.perf_counter()
+    session = zephon.open_session(spec, layout)
+    batches = iter(session)
+    waits = []
+    for _ in range(args.batches):
+        t = time.perf_counter()
+        next(batches)
+        waits.append(time.perf_counter() - t)
+        time.sleep(args.pace_ms / 1e3)
+    w = np.array(waits) * 1e3
+    top = np.argsort(w)[::-1][:6]
+    print(f"{args.batches} micro-batches in {time.perf_counter() - started:.1f} s; longest next() waits "
+          "(micro-batch: ms): " + ", ".join(f"{int(i)}: {w[i]:.1f}" for i in top)
+          + f"; p50 {np.percentile(w, 50):.3f} ms, p99 {np.percentile(w, 99):.3f} ms")
+    for label, pace in (("as fast as possible", 0.0), (f"paced {args.pace_ms:g} ms", args.pace_ms / 1e3)):
+        n = 500 if pace == 0 else 300
+        before, t = tree_cpu_s(), time.perf_counter()
+        for _ in range(n):
+            next(batches)
+            if pace:
+                time.sleep(pace)
+        after = tree_cpu_s()
+        print(f"{label}: {n} micro-batches in {time.perf_counter() - t:.2f} s; CPU per micro-batch: workers "
+              f"{(after['workers_cpu_s'] - before['workers_cpu_s']) / n * 1e3:.3f} ms, trainer process "
+              f"{(after['own_cpu_s'] - before['own_cpu_s']) / n * 1e3:.3f} ms")
+    session.close()
     return 0
 
 

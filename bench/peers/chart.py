@@ -36,3 +36,61 @@ def throughput_chart(rows: list[dict], out: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def workers_chart(panels: dict, out: str, title: str) -> None:
+    """Issue 16 at a glance. Top row, pre-tokenized: trainer overhead per step, ``next()`` p99
+    under the busy trainer, replay tokens/s; bottom row, online tokenization: overhead and
+    tokens/s under the busy trainer. One row per loader, light bar in-process, dark bar 2
+    workers; Zephon orange, peers blue. ``panels`` from ``bench.workers_report.chart_rows``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    modes = [m for m in ("pretok", "text") if panels.get(m, {}).get("loaders")]
+    if not modes:
+        return
+    top = [("overhead_us", "trainer overhead per 5 ms step (us)", 10.0), ("p99_ms", "next() wait p99 (ms)", 1e-3),
+           ("replay_tok_s", "replay, nothing else in the loop (M tok/s)", 1e4)]
+    bottom = [("overhead_us", "trainer overhead per 5 ms step (us)", 10.0),
+              ("busy_tok_s", "tokens/s under the busy trainer (M tok/s)", 1e4)]
+    heights = [len(panels[m]["loaders"]) + 1.5 for m in modes]
+    fig = plt.figure(figsize=(16, 1.2 + 0.28 * sum(heights)))
+    grid = fig.add_gridspec(len(modes), 3, height_ratios=heights)
+    for row, mode in enumerate(modes):
+        data = panels[mode]
+        names = data["loaders"]
+        y = np.arange(len(names))
+        specs = top if mode == "pretok" else bottom
+        for col, (metric, heading, floor) in enumerate(specs):
+            ax = fig.add_subplot(grid[row, col])
+            for k, offset in (("0", -0.2), ("2", 0.2)):
+                vals = data[metric].get(k, [None] * len(names))
+                for i, v in enumerate(vals):
+                    if v is None:
+                        continue
+                    zephon = names[i] == "Zephon"
+                    color = ("#d95f02" if zephon else "#1f78b4") if k == "2" else ("#fdb863" if zephon else "#a6cee3")
+                    shown = max(v, floor)
+                    ax.barh(y[i] + offset, shown, height=0.38, color=color)
+                    scale = 1e-6 if metric.endswith("tok_s") else 1.0
+                    text = f"{v * scale:+.0f}" if metric == "overhead_us" else f"{v * scale:.3g}"
+                    ax.text(shown, y[i] + offset, " " + text, va="center", fontsize=6)
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            if metric.endswith("tok_s"):
+                ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1e6:g}"))
+            if metric == "p99_ms":
+                ax.axvline(panels.get("p99_goal_ms", 0.2), color="k", ls="--", lw=0.8)
+                ax.text(panels.get("p99_goal_ms", 0.2), len(names) - 0.5, " goal 0.2 ms", fontsize=6)
+            ax.set_yticks(y, names if col == 0 else [""] * len(names), fontsize=8)
+            ax.set_ylim(len(names) - 0.4, -0.9)
+            ax.grid(axis="x", alpha=0.3)
+            ax.set_title(("pre-tokenized: " if mode == "pretok" else "online tokenization: ") + heading, fontsize=9)
+    fig.suptitle(f"Issue 16: what each loader costs a trainer that holds the GIL 1 ms and waits 4 ms per batch "
+                 f"({title}). Light = in-process, dark = 2 workers; orange = Zephon. Log scales.", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

@@ -45,6 +45,8 @@ class Spec:
     seed: int = 0
     weights: tuple[float, float] = (0.7, 0.3)
     profile: str = "main"  # "main" or "resume" (a second, smaller-seq_len copy of the formats)
+    dataset: str = ""  # Zephon only: another dataset of its formats (the RSS goal's small twin)
+    options: dict = field(default_factory=dict)  # Zephon only: LoaderConfig overrides, for profiling runs
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,6 +92,10 @@ class Layout:
     def info(self) -> dict:
         with open(self.info_path) as fh:
             return json.load(fh)
+
+    def sources(self) -> list[str]:
+        """The sources this corpus has (a corpus for runs without the mix has ``web`` only)."""
+        return [s for s in SOURCES if s in self.info()["sources"]]
 
 
 SOURCES = ("web", "caps")  # source A (weight 0.7) and source B (weight 0.3) of the mix
@@ -216,14 +222,113 @@ class PackedSession:
         pass
 
 
-class TextToIds:
-    """Document text -> ids with one ``Tokenizer.encode`` call per document (no special tokens)."""
+TOKENIZE_BATCH = 64  # documents per encode_batch_fast call where a peer tokenizes text
 
-    def __init__(self, layout: Layout) -> None:
-        self.tok = load_tokenizer(layout)
 
-    def __call__(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+class TokenizeTexts:
+    """Documents' texts -> their ids (int32 arrays, no special tokens), one
+    ``encode_batch_fast`` call per batch: batched tokenization, as every tokenizer's docs
+    recommend. Usable as a ``collate_fn`` (a list of texts, or of dicts with ``key``), so
+    that with worker processes the workers tokenize; the tokenizer loads lazily in the
+    process that calls it (picklable before that)."""
+
+    def __init__(self, tokenizer_path: str, key: Optional[str] = None) -> None:
+        self.path, self.key, self.tok = tokenizer_path, key, None
+
+    def __call__(self, batch: list) -> list[np.ndarray]:
+        if self.tok is None:
+            from tokenizers import Tokenizer
+
+            self.tok = Tokenizer.from_file(self.path)
+        texts = [b[self.key] for b in batch] if self.key else list(batch)
+        return [np.asarray(e.ids, dtype=np.int32) for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def __getstate__(self):
+        return {"path": self.path, "key": self.key, "tok": None}
+
+
+def flatten(batches: Iterable[list]) -> Iterator:
+    """The documents of a stream of document batches, one by one."""
+    for batch in batches:
+        yield from batch
+
+
+def tokenized_in_batches(texts: Iterable[str], tokenize: TokenizeTexts, size: int = TOKENIZE_BATCH) -> Iterator:
+    """Ids of a stream of texts, tokenized ``size`` at a time in this process (for a peer
+    whose pipeline hands out single documents, so a collate function cannot batch them)."""
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield from tokenize(batch)
+            batch = []
+    if batch:
+        yield from tokenize(batch)
+
+
+# --------------------------------------------------------------------------------------
+# Pre-packed rows: the offline packing several peers recommend for LLM pre-training
+# (LitData's TokensLoader chunks, llm-foundry's concat_tokens MDS, a packed ArrayRecord).
+
+
+def packed_rows(layout: Layout, source: str, seq_len: int) -> np.ndarray:
+    """[rows, seq_len] int32 (memory-mapped): ``source``'s documents in corpus order, each
+    followed by EOS, concatenated and cut every ``seq_len`` tokens (the last partial row
+    dropped). Built once per seq_len under ``corpus/packed``; what each peer's pre-packed
+    format is written from."""
+    path = os.path.join(layout.corpus, "packed", f"{source}-{seq_len}.npy")
+    if not os.path.exists(path):
+        tokens, offsets = load_flat(layout, source)
+        stream = np.insert(np.asarray(tokens), offsets[1:], np.int32(eos_id(layout)))
+        rows = len(stream) // seq_len
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.save(path + ".tmp.npy", stream[: rows * seq_len].reshape(rows, seq_len))
+        os.replace(path + ".tmp.npy", path)
+    return np.load(path, mmap_mode="r")
+
+
+class SampledRowsSession:
+    """Batches of a map-style dataset of pre-packed rows: ``DistributedSampler(shuffle=True)``
+    + torchdata ``StatefulDataLoader(batch_size=rows)``, epoch after epoch (the torchdata and
+    HF datasets pre-packed rows). State: the epoch + the loader's state (it fast-forwards the
+    sampler on restore)."""
+
+    def __init__(self, ds, spec: Spec, collate_fn: Optional[Callable] = None, field: Optional[str] = None) -> None:
+        from torch.utils.data.distributed import DistributedSampler
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        self.sampler = DistributedSampler(ds, num_replicas=spec.world_size, rank=spec.rank, shuffle=True,
+                                          seed=spec.seed, drop_last=True)
+        self.dl = StatefulDataLoader(ds, batch_size=spec.rank_batch, sampler=self.sampler, drop_last=True,
+                                     num_workers=spec.num_workers, collate_fn=collate_fn,
+                                     persistent_workers=spec.num_workers > 0)
+        self.field = field
+        self.epoch = 0
+        self._it = None
+
+    def _batches(self):
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            for batch in self.dl:
+                yield batch if self.field is None else batch[self.field]
+            self.epoch += 1
+
+    def __iter__(self):
+        if self._it is None:
+            self._it = self._batches()
+        return self._it
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "dl": self.dl.state_dict()}
+
+    def load_state_dict(self, state) -> None:
+        self.epoch = state["epoch"]
+        self.sampler.set_epoch(self.epoch)
+        self.dl.load_state_dict(state["dl"])
+        self._it = None
+
+    def close(self) -> None:
+        pass
 
 
 # --------------------------------------------------------------------------------------

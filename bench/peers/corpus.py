@@ -74,8 +74,12 @@ def _make_text(rng: random.Random, words: list[str], costs: list[int], target: i
 
 
 def make_corpus(data_dir: str, *, num_docs: int, tokenizer_path: str, seed: int = 0,
-                files_per_source: int = 4) -> dict:
-    """Generate, tokenize and lay out the corpus; returns (and writes) info.json."""
+                files_per_source: int = 4, sources: tuple[str, ...] = SOURCES) -> dict:
+    """Generate, tokenize and lay out the corpus; returns (and writes) info.json.
+
+    ``sources``: ``("web",)`` for runs without the mix (half the work on a large corpus);
+    the share tables then cover ``web`` only. Texts are tokenized in chunks so that a large
+    corpus is never held as Python lists of ids all at once."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
@@ -96,13 +100,20 @@ def make_corpus(data_dir: str, *, num_docs: int, tokenizer_path: str, seed: int 
     info: dict = {"seed": seed, "num_docs_per_source": num_docs, "tokenizer": os.path.abspath(tokenizer_path),
                   "eos_id": int(eos), "vocab_size": tok.get_vocab_size(), "sources": {}}
     seen: dict[str, np.ndarray] = {}
-    for si, source in enumerate(SOURCES):
+    unknown = set(sources) - set(SOURCES)
+    if unknown or not sources or sources[0] != "web":
+        raise ValueError(f"sources must start with 'web' and be among {SOURCES} (got {sources=})")
+    info["files_per_source"] = files_per_source
+    for si, source in enumerate(sources):
         rng = random.Random(f"{seed}:{source}")
         texts = [_make_text(rng, words[source], costs[source], n) for n in lengths]
-        ids = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+        ids = []
+        for lo in range(0, len(texts), 8192):
+            ids += [np.asarray(e.ids, dtype=np.int32)
+                    for e in tok.encode_batch_fast(texts[lo:lo + 8192], add_special_tokens=False)]
         counts = np.array([len(x) for x in ids], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(offsets[-1]))
+        flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
         os.makedirs(os.path.dirname(layout.flat(source)), exist_ok=True)
         np.save(layout.flat(source) + ".tokens.npy", flat)
         np.save(layout.flat(source) + ".offsets.npy", offsets)
@@ -120,13 +131,15 @@ def make_corpus(data_dir: str, *, num_docs: int, tokenizer_path: str, seed: int 
             pq.write_table(pa.table({"id": keys, "text": texts[lo:hi]}),
                            os.path.join(pdir, f"text-{f:04d}.parquet"), row_group_size=1024)
             pq.write_table(
-                pa.table({"id": keys, "input_ids": pa.array(ids[lo:hi], type=pa.list_(pa.int32()))}),
+                pa.table({"id": keys, "input_ids": pa.array([x.tolist() for x in ids[lo:hi]],
+                                                              type=pa.list_(pa.int32()))}),
                 os.path.join(pdir, f"ids-{f:04d}.parquet"), row_group_size=1024)
         seen[source] = np.bincount(flat, minlength=tok.get_vocab_size())
         info["sources"][source] = {"docs": num_docs, "tokens": int(offsets[-1]),
                                    "text_bytes": int(sum(len(t.encode()) for t in texts)),
                                    "mean_doc_tokens": float(counts.mean())}
-    a, b = seen["web"], seen["caps"]
+    a = seen["web"]
+    b = seen.get("caps", np.zeros_like(a))
     a_ids = np.flatnonzero((a > 0) & (b == 0))
     b_ids = np.flatnonzero((b > 0) & (a == 0))
     info["share"] = {
@@ -163,8 +176,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--num-docs", type=int, required=True)
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--files-per-source", type=int, default=4)
+    p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated, 'web' first")
     a = p.parse_args(argv)
-    info = make_corpus(a.data_dir, num_docs=a.num_docs, tokenizer_path=a.tokenizer or default_tokenizer(), seed=a.seed)
+    info = make_corpus(a.data_dir, num_docs=a.num_docs, tokenizer_path=a.tokenizer or default_tokenizer(), seed=a.seed,
+                       files_per_source=a.files_per_source, sources=tuple(a.sources.split(",")))
     print(json.dumps({k: v for k, v in info.items() if k != "share"}))
     return 0
 

@@ -23,7 +23,8 @@ import tarfile
 import numpy as np
 
 from bench.peers.common import (
-    SOURCES, Layout, PackedBatches, PackedSession, Spec, TextToIds, eos_id, iter_docs_jsonl, load_flat,
+    Layout, PackedBatches, PackedSession, Spec, TokenizeTexts, eos_id, iter_docs_jsonl, load_flat,
+    tokenized_in_batches,
 )
 
 DOCS_PER_SHARD = 2000
@@ -65,7 +66,7 @@ def _energon_prepare(path: str) -> None:
 
 def prepare(layout: Layout) -> dict:
     root = layout.formats("energon")
-    for source in SOURCES:
+    for source in layout.sources():
         tokens, offsets = load_flat(layout, source)
         out = os.path.join(root, f"{source}-ids")
         _write_shards(out, ((f"{source}{i:08d}", "ids", tokens[offsets[i]:offsets[i + 1]].astype("<i4").tobytes())
@@ -112,9 +113,12 @@ class Session(PackedSession):
         ds = get_train_dataset(path, worker_config=wc, batch_size=None, shuffle_buffer_size=100,
                                max_samples_per_sequence=100, task_encoder=_task_encoder(spec.mode == "text"))
         self.loader = get_savable_loader(ds)
-        tok = TextToIds(layout) if spec.mode == "text" else None
-        to_ids = (lambda s: tok(s.doc)) if tok else (lambda s: s.doc)
-        self.packed = PackedBatches(lambda: (to_ids(s) for s in self.loader), spec.seq_len, spec.rank_batch,
+        if spec.mode == "text":  # batched in this process: the loader hands out single documents
+            tokenize = TokenizeTexts(layout.info()["tokenizer"])
+            docs = lambda: tokenized_in_batches((s.doc for s in self.loader), tokenize)  # noqa: E731
+        else:
+            docs = lambda: (s.doc for s in self.loader)  # noqa: E731
+        self.packed = PackedBatches(docs, spec.seq_len, spec.rank_batch,
                                     eos_id(layout), self.loader.save_state_rank, self.loader.restore_state_rank)
 
 

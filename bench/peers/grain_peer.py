@@ -9,7 +9,15 @@ Records: one per document, the ids + EOS as int32 bytes (``*-ids``), or the UTF-
       -> ConcatThenSplitIterDataset({"ids": seq_len}) -> .batch(rank_batch)
 
 Mixing: ``MapDataset.mix([web, caps], weights)`` of the two shuffled, repeated sources, then
-the same packing. State: the iterator's ``get_state()`` / ``set_state()``.
+the same packing. State: the iterator's ``get_state()`` / ``set_state()``. Text: records are
+tokenized with ``encode_batch_fast``, ``TOKENIZE_BATCH`` documents per call: ``.batch(64)``
+then a map over the batch before ``mp_prefetch`` (in the workers), flattened back into
+documents for the packing by ``FlatMapIterDataset``.
+
+``grain_packed`` (pre-tokenized only): ArrayRecord records of pre-packed ``seq_len`` rows
+(documents + EOS concatenated offline), ``MapDataset.source .shuffle .repeat [rank::world]
+.map(decode) .batch(rows) .to_iter_dataset() [.mp_prefetch]``: batches made before the
+workers hand them over, as Grain's docs put batching.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ import os
 
 import numpy as np
 
-from bench.peers.common import SOURCES, Layout, Spec, eos_id, iter_docs_jsonl, load_flat
+from bench.peers.common import (
+    SOURCES, TOKENIZE_BATCH, Layout, Spec, TokenizeTexts, eos_id, iter_docs_jsonl, load_flat, packed_rows,
+)
 
 FILES_PER_SOURCE = 4
 
@@ -53,7 +63,7 @@ def prepare(layout: Layout) -> dict:
     root = layout.formats("grain")
     os.makedirs(root, exist_ok=True)
     eos = np.array([eos_id(layout)], dtype=np.int32)
-    for source in SOURCES:
+    for source in layout.sources():
         tokens, offsets = load_flat(layout, source)
         _write(_paths(root, f"{source}-ids"),
                (np.concatenate([tokens[offsets[i]:offsets[i + 1]], eos]).astype("<i4").tobytes()
@@ -62,26 +72,44 @@ def prepare(layout: Layout) -> dict:
     return {}
 
 
+def prepare_packed(layout: Layout, seq_len: int) -> dict:
+    rows = packed_rows(layout, "web", seq_len)
+    root = layout.formats("grain_packed")
+    os.makedirs(root, exist_ok=True)
+    _write(_paths(root, f"web-{seq_len}"), (rows[i].astype("<i4").tobytes() for i in range(len(rows))))
+    return {"rows": len(rows)}
+
+
+class _DecodeRow:
+    def __call__(self, record: bytes) -> np.ndarray:
+        return np.frombuffer(record, dtype="<i4")
+
+
+class _TokenizeRecords:
+    """A batch of UTF-8 records -> their ids + EOS, one ``encode_batch_fast`` call."""
+
+    def __init__(self, tokenizer_path: str, eos: int) -> None:
+        self.tokenize, self.eos = TokenizeTexts(tokenizer_path), np.array([eos], dtype=np.int32)
+
+    def __call__(self, records) -> list:
+        return [{"ids": np.concatenate([ids, self.eos])} for ids in self.tokenize([r.decode() for r in records])]
+
+
+def _flat_map_class():
+    from grain.experimental import FlatMapTransform
+
+    class Unbatch(FlatMapTransform):
+        max_fan_out = 4 * TOKENIZE_BATCH
+
+        def flat_map(self, element):
+            return element
+
+    return Unbatch
+
+
 class _DecodeIds:
     def __call__(self, record: bytes) -> dict:
         return {"ids": np.frombuffer(record, dtype="<i4").astype(np.int32)}
-
-
-class _Tokenize:
-    def __init__(self, tokenizer_path: str, eos: int) -> None:
-        self.path, self.eos, self.tok = tokenizer_path, eos, None
-
-    def __call__(self, record: bytes) -> dict:
-        if self.tok is None:
-            from tokenizers import Tokenizer
-
-            self.tok = Tokenizer.from_file(self.path)
-        ids = self.tok.encode(record.decode(), add_special_tokens=False).ids
-        ids.append(self.eos)
-        return {"ids": np.asarray(ids, dtype=np.int32)}
-
-    def __getstate__(self):
-        return {"path": self.path, "eos": self.eos, "tok": None}
 
 
 class Session:
@@ -95,19 +123,32 @@ class Session:
             ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(_paths(root, name)))
             return ds.shuffle(seed=seed).repeat()
 
+        def prefetch(it_ds):
+            if spec.num_workers > 0:
+                return it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=spec.num_workers))
+            return it_ds
+
+        if spec.loader == "grain_packed":
+            root = layout.formats("grain_packed")
+            ds = source(f"web-{spec.seq_len}", spec.seed)[spec.rank::spec.world_size]
+            self.ds = prefetch(ds.map(_DecodeRow()).batch(spec.rank_batch).to_iter_dataset())
+            self.it = iter(self.ds)
+            self.packed_rows = True
+            return
+        self.packed_rows = False
         if spec.mode == "mix":
             ds = grain.MapDataset.mix([source(f"{s}-ids", spec.seed + i) for i, s in enumerate(SOURCES)],
                                       weights=list(spec.weights))
         else:
             ds = source("web-ids" if spec.mode == "pretok" else "web-text", spec.seed)
         ds = ds[spec.rank::spec.world_size]
-        if spec.mode == "text":
-            ds = ds.map(_Tokenize(layout.info()["tokenizer"], eos_id(layout)))
+        if spec.mode == "text":  # batched tokenization in the workers, then one document per element again
+            from grain.experimental import FlatMapIterDataset
+
+            ds = ds.batch(TOKENIZE_BATCH, batch_fn=list).map(_TokenizeRecords(layout.info()["tokenizer"], eos_id(layout)))
+            it_ds = FlatMapIterDataset(prefetch(ds.to_iter_dataset()), _flat_map_class()())
         else:
-            ds = ds.map(_DecodeIds())
-        it_ds = ds.to_iter_dataset()
-        if spec.num_workers > 0:
-            it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=spec.num_workers))
+            it_ds = prefetch(ds.map(_DecodeIds()).to_iter_dataset())
         it_ds = ConcatThenSplitIterDataset(it_ds, length_struct={"ids": spec.seq_len})
         self.ds = it_ds.batch(spec.rank_batch)
         self.it = iter(self.ds)
@@ -116,7 +157,8 @@ class Session:
         return self
 
     def __next__(self):
-        return next(self.it)["ids"]
+        batch = next(self.it)
+        return batch if self.packed_rows else batch["ids"]
 
     def state_dict(self):
         return self.it.get_state()

@@ -12,6 +12,12 @@ Pipeline (HF's documented recipes)::
 ``group_texts`` is the packing of HF's causal-LM examples: it drops the remainder of each
 1000-document map batch (< seq_len tokens), so a few tokens per 1000 documents are lost.
 State: the ``StatefulDataLoader`` state (which holds the dataset's ``state_dict()``) + epoch.
+
+``hf_packed`` (pre-tokenized only): the map-style path of HF's ``run_clm.py`` example, whose
+``group_texts`` output is an Arrow dataset of packed ``seq_len`` rows: here the same rows as
+every pre-packed format (``Dataset(pyarrow table).save_to_disk``), read with
+``load_from_disk(...).with_format("numpy")`` through ``StatefulDataLoader(batch_size=rows,
+sampler=DistributedSampler(shuffle=True))``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import glob
 import os
 
 
-from bench.peers.common import SOURCES, Layout, Spec, eos_id
+from bench.peers.common import SOURCES, Layout, SampledRowsSession, Spec, eos_id, packed_rows
 
 
 def version() -> str:
@@ -36,6 +42,21 @@ def imports() -> None:
 
 def prepare(layout: Layout) -> dict:
     return {"note": "reads corpus/parquet directly"}
+
+
+def _packed_dir(layout: Layout, seq_len: int) -> str:
+    return os.path.join(layout.formats("hf_packed"), f"web-{seq_len}")
+
+
+def prepare_packed(layout: Layout, seq_len: int) -> dict:
+    import numpy as np
+    import pyarrow as pa
+    from datasets import Dataset
+
+    rows = packed_rows(layout, "web", seq_len)
+    ids = pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(rows).reshape(-1)), seq_len)
+    Dataset(pa.table({"input_ids": ids})).save_to_disk(_packed_dir(layout, seq_len))
+    return {"rows": len(rows)}
 
 
 class _GroupTexts:
@@ -60,7 +81,7 @@ class _Tokenize:
             from tokenizers import Tokenizer
 
             self.tok = Tokenizer.from_file(self.path)
-        return {"input_ids": [e.ids for e in self.tok.encode_batch(batch["text"], add_special_tokens=False)]}
+        return {"input_ids": [e.ids for e in self.tok.encode_batch_fast(batch["text"], add_special_tokens=False)]}
 
 
 def _stack_ids(rows: list[dict]):
@@ -134,7 +155,13 @@ class Session:
         pass
 
 
-def open_session(spec: Spec, layout: Layout) -> Session:
+def open_session(spec: Spec, layout: Layout):
+    if spec.loader == "hf_packed":
+        import datasets
+
+        datasets.disable_progress_bars()
+        ds = datasets.load_from_disk(_packed_dir(layout, spec.seq_len)).with_format("numpy")
+        return SampledRowsSession(ds, spec, collate_fn=_stack_ids, field="input_ids")
     return Session(spec, layout)
 
 

@@ -4,7 +4,9 @@ Pre-tokenized: each document's ids + EOS are written with ``item_loader=TokensLo
 contiguous token stream per chunk), and ``TokensLoader(block_size=seq_len)`` cuts it into
 rows at read time: LitData's own packing. Chunks hold 2**18 tokens, a multiple of every
 seq_len used here, so no tokens are dropped at chunk ends.
-Text: one ``{"text": str}`` item per document; the concat packer from common.py packs.
+Text: one ``{"text": str}`` item per document, ``TOKENIZE_BATCH`` per loader batch, tokenized by
+the ``collate_fn`` with ``encode_batch_fast`` (in the workers, if any); the concat packer from
+common.py packs.
 Mixing: ``CombinedStreamingDataset([web, caps], weights=(0.7, 0.3))`` over packed rows.
 Ranks: LitData reads WORLD_SIZE / GLOBAL_RANK from the environment.
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import os
 
-from bench.peers.common import SOURCES, Layout, PackedBatches, Spec, TextToIds, eos_id, load_flat
+from bench.peers.common import (
+    TOKENIZE_BATCH, Layout, PackedBatches, Spec, TokenizeTexts, eos_id, flatten, load_flat,
+)
 
 CHUNK_TOKENS = 1 << 18
 
@@ -65,7 +69,7 @@ def prepare(layout: Layout) -> dict:
 
     root = layout.formats("litdata")
     eos = eos_id(layout)
-    for source in SOURCES:
+    for source in layout.sources():
         _, offsets = load_flat(layout, source)
         optimize(fn=_TokenDocs(layout.flat(source), eos), inputs=_doc_ranges(len(offsets) - 1),
                  output_dir=os.path.join(root, f"{source}-ids"), chunk_size=CHUNK_TOKENS,
@@ -89,10 +93,6 @@ def prepare(layout: Layout) -> dict:
     return {}
 
 
-def _first(batch):
-    return batch[0]
-
-
 class Session:
     def __init__(self, spec: Spec, layout: Layout) -> None:
         os.environ.update({"WORLD_SIZE": str(spec.world_size), "GLOBAL_RANK": str(spec.rank), "NNODES": "1"})
@@ -104,9 +104,9 @@ class Session:
         if spec.mode == "text":
             ds = StreamingDataset(os.path.join(root, "web-text"), shuffle=True, seed=spec.seed,
                                   cache_dir=cache)
-            self.dl = StreamingDataLoader(ds, batch_size=1, num_workers=spec.num_workers, collate_fn=_first)
-            tok = TextToIds(layout)
-            self.packed = PackedBatches(lambda: (tok(s["text"]) for s in _forever(self.dl)), spec.seq_len,
+            self.dl = StreamingDataLoader(ds, batch_size=TOKENIZE_BATCH, num_workers=spec.num_workers,
+                                          collate_fn=TokenizeTexts(layout.info()["tokenizer"], key="text"))
+            self.packed = PackedBatches(lambda: flatten(_forever(self.dl)), spec.seq_len,
                                         spec.rank_batch, eos_id(layout), self.dl.state_dict, self.dl.load_state_dict)
             return
 
@@ -117,7 +117,7 @@ class Session:
         if spec.mode == "pretok":
             ds = tokens_ds("web")
         else:
-            ds = CombinedStreamingDataset([tokens_ds(s) for s in SOURCES], seed=spec.seed,
+            ds = CombinedStreamingDataset([tokens_ds(s) for s in layout.sources()], seed=spec.seed,
                                           weights=list(spec.weights), iterate_over_all=False)
         self.dl = StreamingDataLoader(ds, batch_size=spec.rank_batch, num_workers=spec.num_workers)
         self._it = None

@@ -9,6 +9,13 @@ Tasks:
                  elasticity check (the parent merges ranks and hashes)
 ``resume_save``  run to each step in ``steps``, pickle the state there, record the next 10 batches
 ``resume_load``  construct, ``load_state_dict`` a saved state, time until the 1st and 10th batch
+``calibrate``    pure-Python loop iterations that hold the GIL for ``busy_ms`` (run once per run)
+``trainer``      the busy-trainer measurement (issue 16): per batch a simulated training step
+                 that holds the GIL for ``busy_ms`` (``busy_iters`` of the calibrated loop) and
+                 then sleeps ``sleep_ms`` (GIL released, as a trainer waiting on the device);
+                 reports the wall time per step, the time inside ``next()`` (p50/p99/max),
+                 tokens/s, the first batch from construction and after a restore (into the
+                 running loader and into a new one), and the peak RSS of the process tree
 
 The consuming loop is the same for every loader: take the batch, view it as an int64 numpy
 array of shape [rank_batch, seq_len], count its tokens. For the mix, the source share is
@@ -36,12 +43,17 @@ ADAPTERS = {
     "zephon": "bench.peers.zephon",
     "zephon_full": "bench.peers.zephon",  # the full trainer batch (throughput only)
     "streaming": "bench.peers.streaming_mds",
+    "streaming_packed": "bench.peers.streaming_mds",  # pre-packed rows (pre-tokenized only)
     "litdata": "bench.peers.litdata_peer",
     "grain": "bench.peers.grain_peer",
+    "grain_packed": "bench.peers.grain_peer",
     "energon": "bench.peers.energon_peer",
     "torchdata": "bench.peers.torchdata_peer",
+    "torchdata_packed": "bench.peers.torchdata_peer",
     "hf_datasets": "bench.peers.hf_datasets_peer",
+    "hf_packed": "bench.peers.hf_datasets_peer",
 }
+PACKED = tuple(name for name in ADAPTERS if name.endswith("_packed"))  # prepared per seq_len
 
 
 def adapter(name: str):
@@ -62,6 +74,35 @@ def rss() -> dict:
     return {"rss_mb": round(own, 1), "children_rss_mb": round(kids, 1)}
 
 
+def tree_peak_rss_mb() -> dict:
+    """Peak RSS (``VmHWM``) of this process plus that of every live descendant (worker
+    processes), in MB, and how many descendants there were. Read while the loader runs:
+    ``RUSAGE_CHILDREN`` only covers children already reaped, and only the largest one.
+    Shared memory mapped by several processes counts in each (an upper bound)."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    parents[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, frontier = [os.getpid()], [os.getpid()]
+    while frontier:
+        frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
+        tree += frontier
+    total = 0.0
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) / 1024.0
+        except OSError:
+            pass
+    return {"tree_rss_mb": round(total, 1), "descendants": len(tree) - 1}
+
+
 def check_shape(rows: np.ndarray, spec: Spec) -> None:
     if rows.shape != (spec.rank_batch, spec.seq_len):
         raise AssertionError(f"batch shape {rows.shape} != {(spec.rank_batch, spec.seq_len)}")
@@ -71,7 +112,8 @@ def task_prepare(args: dict) -> dict:
     layout = Layout(args["data_dir"])
     mod = adapter(args["loader"])
     t0 = time.perf_counter()
-    out = mod.prepare(layout, **args.get("options", {})) or {}
+    prepare = mod.prepare_packed if args["loader"] in PACKED else mod.prepare
+    out = prepare(layout, **args.get("options", {})) or {}
     out["seconds"] = round(time.perf_counter() - t0, 2)
     out["version"] = mod.version()
     return out
@@ -99,15 +141,19 @@ def task_throughput(args: dict) -> dict:
     shares: list[float] = []
     tokens = steps = 0
     budget, max_steps = float(args["seconds"]), int(args.get("max_steps", 10**9))
+    # max_tokens: one corpus' worth (or a few), so that no loader replays its data many times
+    # inside a window however fast it is
+    max_tokens = int(args.get("max_tokens", 10**15))
     start = time.perf_counter()
     while True:
         rows = as_rows(next(it))
         tokens += rows.size
         steps += 1
         elapsed = time.perf_counter() - start
-        if elapsed >= budget or steps >= max_steps:
+        if elapsed >= budget or steps >= max_steps or tokens >= max_tokens:
             break
     total = time.perf_counter() - t0
+    tree = tree_peak_rss_mb()
     if meter is not None:
         # The source shares are read back from the batches that follow the timed window (as
         # many as it held, up to SHARE_BATCHES): metering inside the window would charge the
@@ -126,6 +172,216 @@ def task_throughput(args: dict) -> dict:
                     "dev_max": float(np.nanmax(np.abs(s - target))), "target": target})
     sess.close()
     out.update(rss())
+    out.update(tree)
+    return out
+
+
+def tree_cpu_s() -> dict:
+    """CPU seconds (user + system) so far of this process and of its live descendants."""
+    tick = os.sysconf("SC_CLK_TCK")
+    me, kids = os.getpid(), 0.0
+    own = 0.0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        if int(name) == me:
+            own = cpu
+        elif int(fields[1]) == me or _descends(int(fields[1]), me):
+            kids += cpu
+    return {"own_cpu_s": own, "workers_cpu_s": kids}
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    for _ in range(8):  # a few generations: the loaders' workers are children or grandchildren
+        if pid <= 1:
+            return False
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
+
+
+def busy_loop(iters: int) -> int:
+    """The simulated trainer's Python work: holds the GIL for as long as it runs."""
+    x = 0
+    for i in range(iters):
+        x += i
+    return x
+
+
+def task_calibrate(args: dict) -> dict:
+    """Iterations of :func:`busy_loop` that take ``busy_ms``: the fastest of many timings
+    (the machine is shared: the fastest is the loop's own cost, the rest is other work)."""
+    probe = 20000
+    best = min(_timed(busy_loop, probe) for _ in range(200))
+    iters = max(1, round(probe * float(args["busy_ms"]) / 1e3 / best))
+    check = sorted(_timed(busy_loop, iters) for _ in range(200))
+    return {"busy_iters": iters, "busy_ms_min": check[0] * 1e3, "busy_ms_median": check[100] * 1e3}
+
+
+def _timed(fn, *a) -> float:
+    t = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t
+
+
+class _NoLoader:
+    """Baseline of the trainer measurement: ``next()`` returns one prepared batch (the
+    trainer's own cost: sleep overshoot, the busy loop under load, the loop itself)."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.batch = np.zeros((spec.rank_batch, spec.seq_len), dtype=np.int64)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.batch
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _open(spec: Spec, layout: Layout):
+    return _NoLoader(spec) if spec.loader == "none" else adapter(spec.loader).open_session(spec, layout)
+
+
+class _ZephonTimers:
+    """``breakdown``: where Zephon's ``next()`` spends its time, by wrapping (in this process
+    only) the worker pool's ``receive`` (waiting on the pipe + reading a message), the
+    message reader, and the batch builder ``ZephonLoader._collate``. Totals in seconds."""
+
+    def __init__(self) -> None:
+        from loader import pipeline
+        from loader.workers import pool
+
+        self.totals = {"receive_s": 0.0, "read_message_s": 0.0, "collate_s": 0.0, "receives": 0}
+        receive, read_message, collate = pool.WorkerPool.receive, pool.read_message, pipeline.ZephonLoader._collate
+        totals = self.totals
+
+        def timed(fn, name):
+            def wrapper(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    totals[name] += time.perf_counter() - t
+                    if name == "receive_s":
+                        totals["receives"] += 1
+            return wrapper
+
+        pool.WorkerPool.receive = timed(receive, "receive_s")
+        pool.read_message = timed(read_message, "read_message_s")
+        pipeline.ZephonLoader._collate = timed(collate, "collate_s")
+
+    def snapshot(self) -> dict:
+        return dict(self.totals)
+
+
+def task_trainer(args: dict) -> dict:
+    spec = Spec(**args["spec"])
+    layout = Layout(spec.data_dir)
+    if spec.loader != "none":
+        getattr(adapter(spec.loader), "imports", lambda: None)()
+    timers = _ZephonTimers() if args.get("breakdown") and spec.loader.startswith("zephon") else None
+    busy_iters, sleep_s = int(args["busy_iters"]), float(args["sleep_ms"]) / 1e3
+    steps, warmup = int(args["steps"]), int(args.get("warmup", 20))
+    t0 = time.perf_counter()
+    sess = _open(spec, layout)
+    it = iter(sess)
+    check_shape(as_rows(next(it)), spec)
+    first_batch_s = time.perf_counter() - t0
+    waits = np.zeros(steps)
+    busy = np.zeros(steps)
+    tokens = 0
+    max_seconds = float(args.get("max_seconds", 1e9))  # a slow loader ends its window early
+    start = time.perf_counter()
+    before = timers.snapshot() if timers else None
+    cpu_before = tree_cpu_s()
+    second_batch_wait_s = None
+    done = 0
+    warmup_deadline = time.perf_counter() + float(args.get("max_warmup_seconds", 1e9))
+    step = -warmup
+    while step < steps:
+        if step < -1 and time.perf_counter() > warmup_deadline:
+            step = -1  # a slow loader: its last warm-up step now (the same rule for every loader)
+        a = time.perf_counter()
+        batch = next(it)
+        b = time.perf_counter()
+        n = as_rows(batch).size  # what a trainer does first: take the batch as a tensor
+        c = time.perf_counter()
+        busy_loop(busy_iters)  # the step's Python work (kernel launches), GIL held
+        d = time.perf_counter()
+        time.sleep(sleep_s)  # the device computing, GIL released
+        if step == -warmup:  # the second batch: with lanes split over workers it needs the other worker
+            second_batch_wait_s = b - a
+        if step == -1:
+            start = time.perf_counter()
+            before = timers.snapshot() if timers else None
+            cpu_before = tree_cpu_s()
+        elif step >= 0:
+            waits[step] = b - a
+            busy[step] = d - c
+            tokens += n
+            done = step + 1
+            if time.perf_counter() - start >= max_seconds:
+                break
+        step += 1
+    wall = time.perf_counter() - start
+    cpu_after = tree_cpu_s()
+    waits, busy = waits[:done], busy[:done]
+    out = {"steps": done, "tokens": tokens, "seconds": wall, "step_ms": wall / done * 1e3,
+           "tokens_per_s": tokens / wall, "first_batch_s": first_batch_s, "second_batch_wait_s": second_batch_wait_s,
+           "next_p50_ms": float(np.percentile(waits, 50) * 1e3), "next_p99_ms": float(np.percentile(waits, 99) * 1e3),
+           "next_max_ms": float(waits.max() * 1e3), "next_mean_ms": float(waits.mean() * 1e3),
+           "busy_ms_mean": float(busy.mean() * 1e3), "next_max_at_step": int(waits.argmax()),
+           # CPU per timed step: the trainer process (all its threads, the busy loop included)
+           # and its worker processes (those alive at both ends of the window)
+           "own_cpu_ms_per_step": (cpu_after["own_cpu_s"] - cpu_before["own_cpu_s"]) * 1e3 / done,
+           "workers_cpu_ms_per_step": (cpu_after["workers_cpu_s"] - cpu_before["workers_cpu_s"]) * 1e3 / done}
+    if timers is not None:  # per timed step, in ms
+        after = timers.snapshot()
+        out["breakdown_ms_per_step"] = {k: (after[k] - before[k]) * (1e3 if k.endswith("_s") else 1) / done
+                                        for k in after}
+    out.update(tree_peak_rss_mb())
+    out.update(rss())
+    # Restores, timed to the first batch: into the running loader, then into a new loader
+    # (built, restored, first batch: what a resumed job does once its imports are done).
+    # Each on its own: some loaders refuse the first (Energon: not while its workers run).
+    state = sess.state_dict()
+    try:
+        a = time.perf_counter()
+        sess.load_state_dict(state)
+        next(iter(sess))
+        out["restore_inplace_s"] = time.perf_counter() - a
+    except Exception as exc:  # noqa: BLE001 - a loader that cannot restore still has its other numbers
+        out["restore_inplace_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    sess.close()
+    try:
+        a = time.perf_counter()
+        sess = _open(spec, layout)
+        sess.load_state_dict(state)
+        next(iter(sess))
+        out["restore_new_s"] = time.perf_counter() - a
+        sess.close()
+    except Exception as exc:  # noqa: BLE001
+        out["restore_new_error"] = f"{type(exc).__name__}: {exc}"[:200]
     return out
 
 
@@ -207,51 +463,33 @@ def task_resume_load(args: dict) -> dict:
 
 
 def task_floor(args: dict) -> dict:
-    """Floors: a bare pyarrow scan of the pre-tokenized Parquet, bare ``encode_batch`` on its text."""
-    import glob
+    """The floors (:mod:`bench.floors`) on the lane files Zephon reads: a bare pyarrow scan of
+    ``formats/zephon/web-ids``, ``encode_batch_fast`` on the text of ``formats/zephon/web-text``."""
+    from bench import floors
 
     layout = Layout(args["data_dir"])
-    pdir = os.path.join(layout.corpus, "parquet", "web")
     budget = float(args["seconds"])
-    tokens = 0
     if args["kind"] == "scan":
-        import pyarrow.parquet as pq
-
-        start = time.perf_counter()
-        files = sorted(glob.glob(os.path.join(pdir, "ids-*.parquet")))
-        while time.perf_counter() - start < budget:
-            for f in files:
-                for rb in pq.ParquetFile(f).iter_batches(columns=["input_ids"], batch_size=1024):
-                    flat = rb.column(0).values.to_numpy()  # int32 ids of the batch, zero-copy
-                    tokens += len(flat)
+        out = floors.scan_floor(floors.lane_files(os.path.join(layout.formats("zephon"), "web-ids")), budget)
     else:
-        import pyarrow.parquet as pq
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(layout.info()["tokenizer"])
-        files = sorted(glob.glob(os.path.join(pdir, "text-*.parquet")))
-        texts = [t for f in files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
-        start = time.perf_counter()
-        i = 0
-        while time.perf_counter() - start < budget:
-            chunk = texts[i:i + 256] or texts[:256]
-            i = i + 256 if i + 256 < len(texts) else 0
-            tokens += sum(len(e.ids) for e in tok.encode_batch(chunk, add_special_tokens=False))
-    elapsed = time.perf_counter() - start
-    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed, **rss()}
+        groups = floors.text_row_groups(floors.lane_files(os.path.join(layout.formats("zephon"), "web-text")),
+                                        int(args.get("max_docs", 40000)))
+        out = floors.tokenizer_floor(layout.info()["tokenizer"], groups, budget)
+    return {"tokens_per_s": out["tokens"] / out["seconds"], **out, **rss()}
 
 
 def task_chart(args: dict) -> dict:
-    from bench.peers.chart import throughput_chart
+    from bench.peers import chart
 
-    throughput_chart(args["rows"], args["out"], args["title"])
-    return {"out": args["out"]}
+    getattr(chart, args.get("kind", "throughput_chart"))(**args["kwargs"])
+    return {"out": args["kwargs"]["out"]}
 
 
 RESUME_CHECK_BATCHES = 10
 
-TASKS = {"floor": task_floor, "chart": task_chart, "prepare": task_prepare, "throughput": task_throughput, "fingerprints": task_fingerprints,
-         "resume_save": task_resume_save, "resume_load": task_resume_load}
+TASKS = {"floor": task_floor, "chart": task_chart, "prepare": task_prepare, "throughput": task_throughput,
+         "fingerprints": task_fingerprints, "resume_save": task_resume_save, "resume_load": task_resume_load,
+         "calibrate": task_calibrate, "trainer": task_trainer}
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,13 @@ them one by one and the concat packer from common.py packs. State: the loader's
 ``state_dict()`` (it fast-forwards the sampler on restore) + the sampler epoch + the packer.
 Mixing: ``torchdata.nodes.MultiNodeWeightedSampler`` over one ``SamplerWrapper`` ->
 ``Mapper`` chain per source, under a ``nodes.Loader`` (whose ``state_dict`` is used).
+Text: ``TOKENIZE_BATCH`` documents per loader batch, tokenized by the ``collate_fn`` with
+``encode_batch_fast`` (in the workers when there are workers).
+
+``torchdata_packed`` (pre-tokenized only): the nanoGPT-style path, a map-style dataset of
+pre-packed ``seq_len`` rows (one ``.npy`` of [rows, seq_len] int32, memory-mapped: documents
++ EOS concatenated offline), ``DistributedSampler(shuffle=True)`` and
+``StatefulDataLoader(batch_size=rows)`` with the default collate (torch tensors).
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ import os
 
 import numpy as np
 
-from bench.peers.common import SOURCES, Layout, PackedBatches, PackedSession, Spec, eos_id, load_tokenizer
+from bench.peers.common import (
+    SOURCES, TOKENIZE_BATCH, Layout, PackedBatches, PackedSession, SampledRowsSession, Spec, TokenizeTexts, eos_id,
+    flatten, packed_rows,
+)
 
 
 def version() -> str:
@@ -33,6 +43,30 @@ def imports() -> None:
 
 def prepare(layout: Layout) -> dict:
     return {"note": "reads corpus/flat (npy) and corpus/parquet directly"}
+
+
+def prepare_packed(layout: Layout, seq_len: int) -> dict:
+    return {"rows": len(packed_rows(layout, "web", seq_len))}
+
+
+class PackedRows:
+    """Map-style dataset: pre-packed row i (a copy out of the memory-mapped rows file)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.rows = None
+        self.n = np.load(path, mmap_mode="r").shape[0]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if self.rows is None:  # opened lazily so that worker processes map it themselves
+            self.rows = np.load(self.path, mmap_mode="r")
+        return np.array(self.rows[i])
+
+    def __getstate__(self):
+        return {"path": self.path, "rows": None, "n": self.n}
 
 
 class TokenDocs:
@@ -86,20 +120,22 @@ class Session(PackedSession):
             return
         if spec.mode == "pretok":
             ds = TokenDocs(layout.flat("web"))
-            to_ids = _as_ids
         else:
             ds = TextDocs(sorted(glob.glob(os.path.join(layout.corpus, "parquet", "web", "text-*.parquet"))))
-            tok = load_tokenizer(layout)
-            to_ids = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
         self.sampler = DistributedSampler(ds, num_replicas=spec.world_size, rank=spec.rank, shuffle=True,
                                           seed=spec.seed, drop_last=True)
-        self.dl = StatefulDataLoader(ds, batch_size=None, sampler=self.sampler, num_workers=spec.num_workers)
+        if spec.mode == "pretok":
+            self.dl = StatefulDataLoader(ds, batch_size=None, sampler=self.sampler, num_workers=spec.num_workers)
+        else:  # batched tokenization in the collate function (in the workers, if any)
+            self.dl = StatefulDataLoader(ds, batch_size=TOKENIZE_BATCH, sampler=self.sampler,
+                                         num_workers=spec.num_workers,
+                                         collate_fn=TokenizeTexts(layout.info()["tokenizer"]))
+        text = spec.mode == "text"
 
         def docs():
             while True:
                 self.sampler.set_epoch(self.epoch)
-                for doc in self.dl:
-                    yield to_ids(doc)
+                yield from (flatten(self.dl) if text else (_as_ids(doc) for doc in self.dl))
                 self.epoch += 1
 
         self.packed = PackedBatches(docs, spec.seq_len, spec.rank_batch, eos_id(layout),
@@ -127,5 +163,7 @@ class Session(PackedSession):
                                     self.dl.state_dict, self.dl.load_state_dict)
 
 
-def open_session(spec: Spec, layout: Layout) -> Session:
+def open_session(spec: Spec, layout: Layout):
+    if spec.loader == "torchdata_packed":  # default collate: torch tensors
+        return SampledRowsSession(PackedRows(os.path.join(layout.corpus, "packed", f"web-{spec.seq_len}.npy")), spec)
     return Session(spec, layout)

@@ -18,6 +18,10 @@ from bench.peers.common import Layout, Spec
 
 NUM_LANES = 16
 DATASETS = {"web-ids": ("web", True), "web-text": ("web", False), "caps-ids": ("caps", True)}
+# The dataset-size pair of the RSS goal (issue 16): "web-ids" (10N) and this one (N), the first
+# tenth of the web documents (the first of every ten JSONL files), built when the corpus has
+# a multiple of ten files per source.
+SMALL = "web-ids-tenth"
 
 
 def version() -> str:
@@ -39,13 +43,18 @@ def prepare(layout: Layout, beam_python: str = "python3") -> dict:
     os.makedirs(out_root, exist_ok=True)
     tokenizer = layout.info()["tokenizer"]
     done = {}
-    for name, (source, tokenized) in DATASETS.items():
+    jobs = {name: (source, tokenized, [os.path.join(layout.source_jsonl_dir(source), "*.jsonl")])
+            for name, (source, tokenized) in DATASETS.items() if source in layout.sources()}
+    files = layout.info().get("files_per_source", 4)
+    if files % 10 == 0:
+        tenth = [os.path.join(layout.source_jsonl_dir("web"), f"part-{i:04d}.jsonl") for i in range(0, files, 10)]
+        jobs[SMALL] = ("web", True, tenth)
+    for name, (source, tokenized, patterns) in jobs.items():
         out = os.path.join(out_root, name)
         if os.path.exists(os.path.join(out, "manifest.json")):
             done[name] = "cached"
             continue
-        cmd = [beam_python, "-m", "beam_jobs.shard", "--input",
-               os.path.join(layout.source_jsonl_dir(source), "*.jsonl"), "--output", out,
+        cmd = [beam_python, "-m", "beam_jobs.shard", "--input", *patterns, "--output", out,
                "--num-lanes", str(NUM_LANES), "--seed", "0", "--id-field", "id",
                "--source-name", source, "--overwrite"]
         if tokenized:
@@ -73,7 +82,9 @@ class Session:
         # "zephon_full": also labels, position ids and cu_seqlens, as a trainer gets them.
         batch_fields = BATCH_FIELDS if spec.loader == "zephon_full" else ("input_ids",)
         root = layout.formats("zephon")
-        if spec.mode == "pretok":
+        if spec.dataset:
+            datasets = [{"path": os.path.join(root, spec.dataset), "weight": 1.0}]
+        elif spec.mode == "pretok":
             datasets = [{"path": os.path.join(root, "web-ids"), "weight": 1.0}]
         elif spec.mode == "text":
             datasets = [{"path": os.path.join(root, "web-text"), "weight": 1.0}]
@@ -108,8 +119,9 @@ class Session:
 
 
 def open_session(spec: Spec, layout: Layout, **config_overrides) -> Session:
-    """``config_overrides``: LoaderConfig fields for profiling runs (the comparison passes none)."""
-    return Session(spec, layout, **config_overrides)
+    """``config_overrides`` (or ``spec.options``): LoaderConfig fields for profiling runs (the
+    comparison passes none)."""
+    return Session(spec, layout, **{**spec.options, **config_overrides})
 
 
 def merge_ranks(per_rank: list[np.ndarray]) -> np.ndarray:
