@@ -44,6 +44,31 @@ def read_bytes(path: str, options: "StorageOptions | None" = None) -> bytes:
         return fh.read()
 
 
+def read_user_text(path: str, options, *, error: type, noun: str, named_by: str, directory_hint: str) -> str:
+    """A file a user named (a tokenizer, a chat template) as UTF-8 text, local or ``gs://``.
+
+    Every failure is an ``error`` naming the ``noun`` ("tokenizer", "chat template"), the path
+    and where the path came from (``named_by``, e.g. "config field 'tokenizer'"); a failed
+    ``gs://`` read stays the :class:`StorageError` that already names the object.
+    """
+    try:
+        raw = read_bytes(path, options)
+    except StorageNotFoundError as exc:
+        raise error(f"{noun} file {path} does not exist ({named_by})") from exc
+    except StorageError:
+        raise
+    except FileNotFoundError as exc:
+        raise error(f"{noun} file {path} does not exist ({named_by})") from exc
+    except IsADirectoryError as exc:
+        raise error(f"{noun} {path} is a directory; {directory_hint}") from exc
+    except OSError as exc:
+        raise error(f"{noun} file {path} cannot be read ({exc.strerror or exc})") from exc
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{noun} file {path} is not UTF-8 text ({exc})") from exc
+
+
 def open_input(path: str) -> BinaryIO:
     """A seekable binary file object for ``path`` (ranged reads on ``gs://``)."""
     if is_gcs(path):

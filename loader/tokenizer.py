@@ -37,24 +37,10 @@ def load_tokenizer(path: str, storage_options=None):
     hint = "pass the tokenizer.json saved by `tokenizer.save(...)` / `AutoTokenizer.save_pretrained(...)`"
     if not isinstance(path, str) or not path:
         raise TokenizerError(f"tokenizer path must be a non-empty string (got {path!r})")
-    try:
-        raw = storage.read_bytes(path, storage_options)
-    except storage.StorageNotFoundError as exc:
-        raise TokenizerError(f"tokenizer file {path} does not exist (config field 'tokenizer')") from exc
-    except storage.StorageError:
-        raise  # a gs:// read that failed: already names the object
-    except FileNotFoundError as exc:
-        raise TokenizerError(f"tokenizer file {path} does not exist (config field 'tokenizer')") from exc
-    except IsADirectoryError as exc:
-        raise TokenizerError(
-            f"tokenizer {path} is a directory; point 'tokenizer' at the tokenizer.json file inside it"
-        ) from exc
-    except OSError as exc:
-        raise TokenizerError(f"tokenizer file {path} cannot be read ({exc.strerror or exc})") from exc
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TokenizerError(f"{path} is not a Hugging Face tokenizers file (not UTF-8 text: {exc}); {hint}") from exc
+    text = storage.read_user_text(
+        path, storage_options, error=TokenizerError, noun="tokenizer", named_by="config field 'tokenizer'",
+        directory_hint="point 'tokenizer' at the tokenizer.json file inside it",
+    )
     try:
         return Tokenizer.from_str(text)
     except Exception as exc:  # tokenizers raises a plain Exception on bad JSON

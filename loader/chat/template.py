@@ -410,22 +410,10 @@ def load_chat_template(
 def _read_text(path: str, storage_options) -> str:
     from loader import storage
 
-    try:
-        raw = storage.read_bytes(path, storage_options)
-    except FileNotFoundError as exc:  # local, or gs:// (StorageNotFoundError is one)
-        raise ChatTemplateError(f"chat template file {path} does not exist (option --chat-template)") from exc
-    except storage.StorageError:
-        raise  # a gs:// read that failed: already names the object
-    except IsADirectoryError as exc:
-        raise ChatTemplateError(
-            f"chat template {path} is a directory; point at its tokenizer_config.json or chat_template.jinja"
-        ) from exc
-    except OSError as exc:
-        raise ChatTemplateError(f"chat template file {path} cannot be read ({exc.strerror or exc})") from exc
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ChatTemplateError(f"chat template file {path} is not UTF-8 text ({exc})") from exc
+    return storage.read_user_text(
+        path, storage_options, error=ChatTemplateError, noun="chat template", named_by="option --chat-template",
+        directory_hint="point at its tokenizer_config.json or chat_template.jinja",
+    )
 
 
 def _json_object_or_none(text: str) -> Optional[dict]:
