@@ -9,7 +9,6 @@ starting a new process.
 Protocol (``multiprocessing.connection`` framing over two pipes)::
 
     trainer -> worker   ("start", run_id, input_path, start_position)   lanes, states: in a private file
-                        ("wake",)                                       a slot is free (sent only while waiting)
                         ("stop",)                                       or end-of-file: exit
     worker -> trainer   ("ready", pid)
                         ("items", run_id, slot or None, descriptor)     see loader.workers.messages
@@ -48,7 +47,7 @@ BOOTSTRAP = (
 )
 
 
-_SLOT_WAIT_S = 0.01  # safety net only: a waiting worker is woken by the trainer's "wake"
+_SLOT_WAIT_S = 0.001  # how long a worker with no free slot waits before it looks again
 WORKER_NICENESS = 5  # the trainer's own thread comes first when the cores are busy
 
 
@@ -60,7 +59,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
         pass
     segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"])
     messages.send(("ready", os.getpid()))
-    flags, waiting = segment.flags, segment.waiting
+    flags = segment.flags
     run_id = None
     items = None  # the current run's item generator
     lanes: dict = {}
@@ -75,27 +74,19 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                 kind = command[0]
                 if kind == "stop":
                     return
-                if kind == "wake":  # a slot is free again
-                    continue
                 if kind == "start":
                     _close_lanes(lanes)
                     run_id, input_path, start_position = command[1:]
                     flags[:] = 0
-                    waiting[0] = 0
                     try:
                         lanes, items = _start(input_path, start_position)
                     except BaseException:  # noqa: BLE001 - the trainer gets the traceback
                         lanes, items = {}, None
                         messages.send(("error", run_id, traceback.format_exc()))
             slot = segment.free_slot()
-            if slot is None:  # `prefetch` messages ahead of the trainer: wait until it gives one back
-                waiting[0] = 1
-                slot = segment.free_slot()  # given back before the trainer could see the flag
-                if slot is None:
-                    commands.poll(_SLOT_WAIT_S)  # a "wake" from the trainer, or the safety timeout
-                    waiting[0] = 0
-                    continue
-                waiting[0] = 0
+            if slot is None:  # `prefetch` messages ahead of the trainer: wait for it
+                commands.poll(_SLOT_WAIT_S)
+                continue
             try:
                 batch = []
                 for item in items:

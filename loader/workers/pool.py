@@ -211,17 +211,11 @@ class WorkerPool:
             if slot is None:
                 return read_message(descriptor, memoryview(b""), None)
             segment = self.segments[worker_id]
-            return read_message(descriptor, segment.view(slot),
-                                lambda: self._give_back(worker_id, segment, run_id, slot))
+            return read_message(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot))
 
-    def _give_back(self, worker_id: int, segment: Segment, run_id: int, slot: int) -> None:
-        if run_id != self.run_id:  # a later start has reclaimed every slot already
-            return
-        segment.flags[slot] = 0
-        waiting = segment.waiting
-        if waiting[0]:
-            waiting[0] = 0
-            self._send(worker_id, ("wake",))
+    def _give_back(self, segment: Segment, run_id: int, slot: int) -> None:
+        if run_id == self.run_id:  # a later start has reclaimed every slot already
+            segment.flags[slot] = 0
 
     def _died(self, worker_id: int) -> WorkerError:
         process = self.processes[worker_id]

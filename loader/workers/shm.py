@@ -9,13 +9,10 @@ views of the slot, copies them once into the micro-batch, and gives the slot bac
     trainer: recv descriptor ── views of the slot ── collate (the one copy) ── clear the flag
 
 The segment starts with one flag byte per slot (1: the worker wrote it and the trainer
-has not copied it out yet) and a *waiting* byte. Giving a slot back is a store into shared
-memory: the trainer's hot path makes no system call for it, unless the worker has said it
-is waiting for a slot (it is ``prefetch`` messages ahead): then the trainer clears the
-waiting byte and sends one "wake" through the command pipe. The worker sets the byte,
-looks for a free slot once more (one may have come back meanwhile) and blocks on its pipe,
-with a short timeout as a safety net: a waiting worker wakes once per slot given back, not
-on a timer.
+has not copied it out yet). Giving a slot back is a store into shared memory, not a
+message: the trainer's hot path makes no system call for it, and wakes nobody. The
+flag is cleared after the copy; a worker that finds no free slot waits on its command pipe
+for a millisecond and looks again (it only waits when it is ``prefetch`` messages ahead).
 
 Segments never outlive the run, whoever dies. The trainer creates the file under
 ``/dev/shm`` (name ``zephon-<trainer pid>-<token>-w<k>``), the worker maps it and the
@@ -68,12 +65,7 @@ class Segment:
 
     @staticmethod
     def size_of(num_slots: int, slot_size: int) -> int:
-        return _align(num_slots + 1) + num_slots * slot_size
-
-    @property
-    def waiting(self) -> np.ndarray:
-        """One uint8 after the flags: 1 while the worker waits for a free slot."""
-        return np.frombuffer(self._map, dtype=np.uint8, count=1, offset=self.num_slots)
+        return _align(num_slots) + num_slots * slot_size
 
     @property
     def flags(self) -> np.ndarray:
@@ -121,7 +113,7 @@ class Segment:
             self._map = None
 
     def view(self, slot: int) -> memoryview:
-        start = _align(self.num_slots + 1) + slot * self.slot_size
+        start = _align(self.num_slots) + slot * self.slot_size
         return memoryview(self._map)[start : start + self.slot_size]
 
 
