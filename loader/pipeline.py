@@ -517,7 +517,7 @@ class ZephonLoader:
         items_held = self.topology.per_rank_batch if self.finite else self.config.micro_batch_size
         pool = WorkerPool(
             num_workers=min(self.config.num_workers, len(self.rank_lanes)), seq_len=self.config.seq_len,
-            num_slots=slots_per_worker(self.config.prefetch, items_held), name=f"zephon-worker-{self.topology.rank}",
+            num_slots=slots_per_worker(self.config.prefetch, items_held),
         )
         self._pool = pool
         self._finalizer = weakref.finalize(

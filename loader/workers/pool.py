@@ -84,9 +84,8 @@ def slots_per_worker(prefetch: int, items_held: int) -> int:
 
 
 class WorkerPool:
-    def __init__(self, *, num_workers: int, seq_len: int, num_slots: int, name: str) -> None:
+    def __init__(self, *, num_workers: int, seq_len: int, num_slots: int) -> None:
         remove_stale_segments()
-        self.name = name
         self.num_slots = num_slots
         self.slot_size = slot_bytes(seq_len, ITEMS_PER_MESSAGE)
         self.processes: list[WorkerProcess] = []
@@ -125,7 +124,7 @@ class WorkerPool:
         self.messages.append(Connection(message_r, writable=False))
         self.commands[-1].send({
             "sys_path": list(sys.path), "segment_path": segment.path,
-            "num_slots": self.num_slots, "slot_size": self.slot_size, "name": f"{self.name}-{worker_id}",
+            "num_slots": self.num_slots, "slot_size": self.slot_size,
         })
 
     def all_ready(self) -> bool:
@@ -198,11 +197,8 @@ class WorkerPool:
             except (EOFError, OSError):  # its write end closed: it died, maybe mid-message
                 process.join(timeout=1.0)
                 raise self._died(worker_id) from None
-            kind = message[0]
-            if kind == "ready":
-                self._mark_ready(worker_id)
-                continue
-            run_id = message[1]
+            # "ready" never arrives here: a run is started only after all_ready() took it.
+            kind, run_id = message[0], message[1]
             if run_id != self.run_id:
                 continue  # an earlier run's: its slot was reclaimed by the new start
             if kind == "error":
