@@ -88,7 +88,7 @@ class ChatEncoder:
 
     @classmethod
     def load(cls, spec: ChatSpec) -> "ChatEncoder":
-        from loader.tokenizer import describe, load_tokenizer
+        from loader.stages.tokenizer import describe, load_tokenizer
 
         template = load_chat_template(spec.template_path)
         tokenizer = load_tokenizer(spec.tokenizer_path)

@@ -1,6 +1,6 @@
 """``zephon inspect DATASET [--json]``: a summary of a sharded dataset from its manifest.
 
-Reads only ``manifest.json`` (through :func:`loader.manifest.read_manifest`, so local paths
+Reads only ``manifest.json`` (through :func:`loader.io.manifest.read_manifest`, so local paths
 and ``gs://`` both work, and a manifest whose fingerprint does not match its content is
 refused). Nothing here imports Beam, so the command starts fast. ``--plot FILE.png`` also
 reads one column (document lengths) of the lane files, or of a sample of them
@@ -18,7 +18,7 @@ import statistics
 import sys
 from typing import Any, Optional, Sequence
 
-from loader.manifest import Manifest, read_manifest
+from loader.io.manifest import Manifest, read_manifest
 
 PLOT_MAX_FILES = 64  # lane files read for the length histogram by default (a column each)
 
@@ -146,7 +146,7 @@ def command(argv: Sequence[str]) -> int:
     summary = summarize(manifest, args.dataset)
     if args.plot is not None:
         from beam_jobs.inspect_plot import dataset_figure, document_lengths
-        from loader.plotting import new_figure, save_figure
+        from loader.commands.plotting import new_figure, save_figure
 
         new_figure(1, 1)  # matplotlib missing: say so before reading any lane file
         lengths = document_lengths(args.dataset, manifest, args.plot_max_files)

@@ -3,7 +3,7 @@
 ::
 
     document (key, text, ...)
-      lane      = lane_of_key(seed, key, L)           # loader.hashing, shared with the loader
+      lane      = lane_of_key(seed, key, L)           # loader.order.hashing, shared with the loader
       order_key = order_key_of(seed, key)             # uint64, rows are sorted by it
       part      = file_bucket(order_key, files_per_lane)  # contiguous ranges of order_key
       -> ((lane, part), row) -> GroupByKey -> sort -> lane=LLLLL/part-PPPPP.parquet
@@ -33,8 +33,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 
-from loader.hashing import file_bucket, lane_of_key, order_key_of
-from loader.manifest import FileEntry, lane_file_path
+from loader.order.hashing import file_bucket, lane_of_key, order_key_of
+from loader.io.manifest import FileEntry, lane_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ PARQUET_WRITE_OPTIONS: dict[str, Any] = {
 # faster than list<int32> (no repetition levels) and the loader reads its values buffer as
 # the flat id array without a copy. ``np.frombuffer(value, "<i4")`` gives one row's ids.
 INPUT_IDS_TYPE = pa.binary()
-LOSS_MASK_TYPE = pa.binary()  # one byte (0/1) per id, the feature column of loader.features
+LOSS_MASK_TYPE = pa.binary()  # one byte (0/1) per id, the feature column of loader.stages.features
 # Codec of the input_ids column (every other column is zstd). The loader decodes this column
 # on every epoch and is CPU-bound there: lz4 decodes 1.4-1.6x faster than zstd level 3
 # (bench/RESULTS.md, "Token column codec and lane file access"); zstd stores fewer bytes,
@@ -69,7 +69,7 @@ TOKEN_COMPRESSIONS = ("lz4", "zstd", "none")
 DEFAULT_TOKEN_COMPRESSION = "lz4"
 STATISTICS_COLUMNS = ("key", "order_key", "num_tokens")
 # Columns stored with the token codec (--token-compression): per-token data the loader decodes
-# every epoch. ``loss_mask`` (chat, one byte per id) is a feature column of loader.features.
+# every epoch. ``loss_mask`` (chat, one byte per id) is a feature column of loader.stages.features.
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
 RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens", "loss_mask")
 
@@ -101,7 +101,7 @@ class AssignLaneFn(beam.DoFn):
 
 
 def lane_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool = False):
-    """The Arrow schema of a lane file (documented in :mod:`loader.manifest`); ``loss_mask``:
+    """The Arrow schema of a lane file (documented in :mod:`loader.io.manifest`); ``loss_mask``:
     chat data, pre-tokenized with a per-token loss mask."""
     if loss_mask and not pretokenized:
         raise ValueError("a loss_mask column needs the input_ids it is aligned with (pretokenized=True)")
@@ -279,7 +279,7 @@ class WriteLaneFileFn(beam.DoFn):
     def setup(self) -> None:
         if self.tokenizer_path is None:
             return
-        from loader.tokenizer import describe, load_tokenizer
+        from loader.stages.tokenizer import describe, load_tokenizer
 
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         actual = describe(self.tokenizer).fingerprint

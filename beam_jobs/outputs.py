@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import apache_beam as beam
 
 from loader.errors import ZephonError
-from loader.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, FileEntry, Manifest
+from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, FileEntry, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def commit_manifest(
     ``rejected_files`` is unused except as a side input: it makes this step wait until
     every rejected-records file is written. ``reject_reasons``: the reasons this job can emit,
     each recorded with its count (zeros included): the document reasons for a text job, every
-    reason of :data:`loader.manifest.REJECT_REASONS` for a chat job.
+    reason of :data:`loader.io.manifest.REJECT_REASONS` for a chat job.
     """
     del rejected_files
     files = [FileEntry.from_dict(entry, f"file entry {entry.get('path')}") for entry in file_entries]

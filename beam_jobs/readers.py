@@ -7,7 +7,7 @@ files. Every record becomes exactly one of
   with ``--messages-field``, adds ``(input_ids bytes, loss_mask bytes)``: see
   :mod:`beam_jobs.chat_records`), or
 * a rejection, ``(file_index, input_path, record_index, reason, detail, excerpt)`` on
-  :data:`REJECTED_TAG`, with ``reason`` one of :data:`loader.manifest.REJECT_REASONS`.
+  :data:`REJECTED_TAG`, with ``reason`` one of :data:`loader.io.manifest.REJECT_REASONS`.
 
 Both are plain tuples on purpose: Beam's fast coder handles tuples of str/int/bytes/None
 natively and would fall back to pickling for a dataclass.

@@ -22,7 +22,7 @@ Guarantees:
 
 * Same arguments and same library versions (NumPy, pyarrow, zstandard) give byte-identical
   files. Randomness comes from NumPy ``PCG64`` generators seeded through
-  :func:`loader.hashing.stable_hash64`; no timestamps or paths go into any file.
+  :func:`loader.order.hashing.stable_hash64`; no timestamps or paths go into any file.
 * Prefix stability: document ``<source>-<n>`` depends only on (seed, source, n), not on
   ``--docs``, so a larger sample extends a smaller one.
 * Documents 1, 2, 3 and 4 of every source are an empty, a whitespace-only, a one-word and
@@ -46,7 +46,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from loader.hashing import stable_hash64
+from loader.order.hashing import stable_hash64
 
 logger = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ from beam_jobs.outputs import (
 )
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from loader.errors import ZephonError
-from loader.manifest import DOCUMENT_REJECT_REASONS, REJECT_REASONS, Manifest, read_manifest
+from loader.io.manifest import DOCUMENT_REJECT_REASONS, REJECT_REASONS, Manifest, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -463,7 +463,7 @@ def load_chat_spec(options: ShardOptions) -> ChatSpec:
     """The chat job's :class:`ChatSpec`, with the template and tokenizer loaded once here to
     refuse unusable ones before the job starts (the workers check they are still the same)."""
     from loader.chat import ChatTemplateError, load_chat_template
-    from loader.tokenizer import describe, load_tokenizer
+    from loader.stages.tokenizer import describe, load_tokenizer
 
     try:
         template = load_chat_template(options.chat_template)
@@ -492,7 +492,7 @@ def preflight(options: ShardOptions) -> tuple[list[InputFile], Optional[dict]]:
     check_inputs_against_options(options, input_files)
     tokenizer_info = None
     if options.tokenizer is not None:
-        from loader.tokenizer import describe, load_tokenizer
+        from loader.stages.tokenizer import describe, load_tokenizer
 
         tokenizer_info = describe(load_tokenizer(options.tokenizer)).to_dict()
     if not options.overwrite:

@@ -64,10 +64,10 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from loader import gcs, storage  # noqa: E402
-from loader.hashing import sha256_hex  # noqa: E402
-from loader.manifest import FileEntry, lane_file_path  # noqa: E402
-from loader.storage import StorageOptions  # noqa: E402
+from loader.io import gcs, storage  # noqa: E402
+from loader.order.hashing import sha256_hex  # noqa: E402
+from loader.io.manifest import FileEntry, lane_file_path  # noqa: E402
+from loader.io.storage import StorageOptions  # noqa: E402
 
 log = logging.getLogger("bench.gcs_throughput")
 BUCKET = "zephon-bench"

@@ -247,7 +247,7 @@ def _consume(batch) -> int:
 def _disable_integrity_checks() -> None:
     """The lane-file checks of issue 14 made no-ops (footer against the manifest, rows of every
     row group, tokens of every file, unlisted files): only for measuring their cost."""
-    from loader import lane_reader
+    from loader.io import lane_reader
 
     for name in ("check_footer", "check_row_group", "check_no_unlisted_files"):
         setattr(lane_reader, name, lambda *args: None)
@@ -258,7 +258,7 @@ def _account_integrity_checks() -> dict:
     """Wrap the lane-file checks so that the CPU time spent inside them (on whichever thread:
     ``thread_time``) adds up in the returned dict: ``hash_cpu_s`` (the full-file SHA-256),
     ``checks_cpu_s`` (the rest). Exact attribution where wall-time ratios drown in load."""
-    from loader import lane_reader
+    from loader.io import lane_reader
 
     spent = {"hash_cpu_s": 0.0, "checks_cpu_s": 0.0}
 
@@ -315,7 +315,7 @@ def _state_path(dataset: str, step: int) -> Path:
 def child_make_states(dataset: str) -> dict:
     """Run the small-sequence config to the restore steps once and save the states (cached)."""
     from loader.pipeline import ZephonLoader
-    from loader.state import dumps
+    from loader.checkpoint.state import dumps
 
     config = _config(dataset, RESTORE)
     clock = _Clock()
@@ -329,7 +329,7 @@ def child_make_states(dataset: str) -> dict:
 
 def child_restore(dataset: str, step: int, num_workers: int) -> dict:
     from loader.pipeline import ZephonLoader
-    from loader.state import loads
+    from loader.checkpoint.state import loads
 
     config = _config(dataset, RESTORE, num_workers=num_workers)
     state = loads(_state_path(dataset, step).read_text())

@@ -3,7 +3,7 @@
     python bench/shard_throughput.py [--docs 20000] [--repeats 3]
 
 Both sides read the same generated sample corpus (:mod:`beam_jobs.sample_data`, JSONL),
-key each document with :mod:`loader.hashing`, group rows by (lane, file bucket), sort by
+key each document with :mod:`loader.order.hashing`, group rows by (lane, file bucket), sort by
 order key, optionally tokenize with ``tokenizers`` (``encode_batch_fast`` per row group),
 and write zstd Parquet with the same settings. The baseline's files are checked to be
 byte-identical to the Beam job's, so the comparison is like for like.
@@ -61,7 +61,7 @@ def run_baseline(input_dir: str, output: str, tokenize: bool) -> dict:
 
     from beam_jobs.lane_files import (INPUT_IDS_TYPE, ROW_GROUP_MAX_ROWS, ROW_GROUP_TEXT_BYTES,
                                       parquet_write_options, tokenize_texts)
-    from loader.hashing import file_bucket, lane_of_key, order_key_of
+    from loader.order.hashing import file_bucket, lane_of_key, order_key_of
 
     tokenizer = Tokenizer.from_file(tokenizer_path()) if tokenize else None
     documents, total_text_bytes = [], 0

@@ -8,7 +8,7 @@ into 64 lanes (cached under ``bench/_work/state_validation/``). Each packing run
 times (medians printed):
 
 * ``load_state_dict`` and ``load_state_dict`` + the first micro-batch (the restore);
-* the checks alone, as ``load_state_dict`` runs them (``loader.checkpoint_schema``: shape,
+* the checks alone, as ``load_state_dict`` runs them (``loader.checkpoint.schema``: shape,
   stream settings, ranges, and the bins handed over as arrays);
 * for best fit, the conversion of the bins' token lists to arrays that ``set_state`` did
   before the checks existed (the checks do it now, once): the checks' net cost is the
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
-from loader import checkpoint_schema, state as state_mod  # noqa: E402
+from loader.checkpoint import schema as checkpoint_schema, state as state_mod  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
 from loader.pipeline import ZephonLoader  # noqa: E402
 from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402

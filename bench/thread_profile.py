@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     from bench.machine import cpu_model, load_average
     from bench.peers import zephon
     from bench.peers.common import Layout, Spec
-    from loader import lane_reader, pipeline
+    from loader.io import lane_reader
+    from loader import pipeline
 
     reads: list[tuple[str, float, float]] = []  # (thread, wall s, cpu s) per block read
     waits = [0.0]
@@ -109,8 +110,8 @@ def main(argv=None) -> int:
 
     # The same kind of reads on an idle thread: 3 epochs of every lane, read directly.
     manifest_path = Path(layout.formats("zephon")) / "web-ids"
-    from loader.lane_reader import LaneTokenStream, TokenFormat
-    from loader.manifest import read_manifest
+    from loader.io.lane_reader import LaneTokenStream, TokenFormat
+    from loader.io.manifest import read_manifest
 
     manifest = read_manifest(str(manifest_path))
     reads.clear()

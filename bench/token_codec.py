@@ -14,7 +14,7 @@ default), zstd and none; cached under ``bench/_work/token_codec/``. For each cod
 * loader: tokens/s of ``ZephonLoader`` (concat, seq_len 1024, global batch 16, 0 workers,
   read-ahead on) for ``--seconds`` after 50 warm-up steps, delivering ``input_ids`` only
   and the full batch, with lane files opened as native Arrow files (``pa.OSFile``, what
-  ``loader.storage`` does), as Python file objects (what it did before) or memory-mapped
+  ``loader.io.storage`` does), as Python file objects (what it did before) or memory-mapped
   (both patched in for the comparison; lz4 only). Every loader
   run is a fresh process; the runs of one repeat go round-robin over all setups and the
   table gives the median and each ratio to the lz4 + native file setup of the same repeat.
@@ -91,7 +91,7 @@ def storage_and_decode(dataset: Path) -> dict:
 def child(spec: dict) -> dict:
     """One loader run in this (fresh) process."""
     sys.path.insert(0, str(REPO_ROOT))
-    from loader import storage
+    from loader.io import storage
     from loader.config import BATCH_FIELDS, LoaderConfig
     from loader.pipeline import ZephonLoader
 

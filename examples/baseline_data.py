@@ -71,8 +71,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
 from loader.config import LoaderConfig
-from loader.manifest import read_manifest
-from loader.tokenizer import EOS_CANDIDATES, BOS_CANDIDATES, load_tokenizer, resolve_special_token
+from loader.io.manifest import read_manifest
+from loader.stages.tokenizer import EOS_CANDIDATES, BOS_CANDIDATES, load_tokenizer, resolve_special_token
 
 IGNORE_INDEX = -100
 

@@ -322,7 +322,7 @@ def online_documents(config: Path) -> Optional[dict]:
 def cross_check_cli(config: Path, ref: dict[int, dict], steps: int) -> int:
     """The trainer's fingerprints against ``zephon fingerprints`` (W=1, no training)."""
     from loader.config import LoaderConfig
-    from loader.fingerprints import collect_fingerprints
+    from loader.commands.fingerprints import collect_fingerprints
 
     results, _ = collect_fingerprints(LoaderConfig.from_file(str(config)), world_size=1, end_step=steps)
     bad = [r.step for r in results if r.sha256 != ref[r.step]["fingerprint"]]

@@ -28,7 +28,7 @@ What it guarantees, and how:
   ``CKPT_DIR``: the latest complete one).
 * **Batch fingerprints.** After each step the ranks' sequences are gathered on rank 0 with
   their global indices, ordered by global index and hashed exactly like ``zephon
-  fingerprints`` (``loader.fingerprints.sequence_bytes``: input_ids then labels as ``<i4``).
+  fingerprints`` (``loader.commands.fingerprints.sequence_bytes``: input_ids then labels as ``<i4``).
   Rank 0 appends one JSON line per step to ``--log-file``: step, loss (global-batch token mean),
   fingerprint, tokens, per-source counts, learning rate, topology.
 
@@ -71,10 +71,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from examples.baseline_data import BaselineData, OnlineBaselineData, load_or_prepack
 from examples.tiny_gpt import GPTConfig, TinyGPT, lm_loss_sum
 from loader.config import LoaderConfig
-from loader.fingerprints import sequence_bytes
+from loader.commands.fingerprints import sequence_bytes
 from loader.pipeline import ZephonLoader
-from loader.tokenizer import load_tokenizer
-from loader.torch_data import LoaderStateful
+from loader.stages.tokenizer import load_tokenizer
+from loader.integrations.torch_data import LoaderStateful
 
 log = logging.getLogger("train_gpt")
 

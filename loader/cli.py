@@ -37,10 +37,10 @@ SUBCOMMANDS = {
     "make-sample": ("beam_jobs.sample_data", "generate a deterministic sample corpus (JSONL, .gz, .zst, Parquet)"),
     "shard": ("beam_jobs.shard", "run the Beam sharding job: raw documents -> lane-indexed Parquet + manifest"),
     "inspect": ("beam_jobs.inspect_dataset", "summarise a sharded dataset (lanes, documents, tokens, balance, rejects)"),
-    "fingerprints": ("loader.fingerprints", "print one SHA-256 per global batch for a loader config (the audit command)"),
-    "diff": ("loader.diff", "first differing step of two fingerprint logs or configs, and the config/manifest fields behind it"),
-    "plot-mix": ("loader.plot_mix", "plot each source's share per step from a fingerprint log against the schedule's target"),
-    "quickstart": ("loader.quickstart", "generate sample data, shard it, inspect it and stream batches, end to end"),
+    "fingerprints": ("loader.commands.fingerprints", "print one SHA-256 per global batch for a loader config (the audit command)"),
+    "diff": ("loader.commands.diff", "first differing step of two fingerprint logs or configs, and the config/manifest fields behind it"),
+    "plot-mix": ("loader.commands.plot_mix", "plot each source's share per step from a fingerprint log against the schedule's target"),
+    "quickstart": ("loader.commands.quickstart", "generate sample data, shard it, inspect it and stream batches, end to end"),
 }
 
 DEBUG_FLAG = "--debug"

@@ -19,7 +19,7 @@ from loader.validation import (
 )
 
 from loader.errors import ZephonError
-from loader.features import BATCH_FEATURE_FIELDS
+from loader.stages.features import BATCH_FEATURE_FIELDS
 
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
@@ -28,7 +28,7 @@ EXHAUSTION_POLICIES = ("repeat", "stop")
 # batch builder a pass over the batch each, so a trainer that derives them itself (or does
 # not use them) can leave them out. Per-sequence entries (source_ids, global_indices, step,
 # micro_step) are always there.
-# Then one field per per-token feature (loader.features registry: token_source_ids,
+# Then one field per per-token feature (loader.stages.features registry: token_source_ids,
 # loss_mask), present in a batch when the loader's sources carry the feature.
 BATCH_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens") + BATCH_FEATURE_FIELDS
 
@@ -81,7 +81,7 @@ STORAGE_TOP_LEVEL = {"cache_dir": "cache_dir", "cache_max_bytes": "cache_max_byt
 
 
 def _storage_options_class() -> type:
-    from loader.storage import StorageOptions  # pyarrow: only when a storage table is checked
+    from loader.io.storage import StorageOptions  # pyarrow: only when a storage table is checked
 
     return StorageOptions
 
@@ -166,8 +166,8 @@ class LoaderConfig:
             fail(ConfigError, "loader config", problems)
 
     def storage_options(self):
-        """The :class:`loader.storage.StorageOptions` for every read (manifest, tokenizer, lanes)."""
-        from loader.storage import StorageOptions
+        """The :class:`loader.io.storage.StorageOptions` for every read (manifest, tokenizer, lanes)."""
+        from loader.io.storage import StorageOptions
 
         top_level = {name: getattr(self, ours) for name, ours in STORAGE_TOP_LEVEL.items()}
         top_level.update({name: getattr(self, name) for name in _storage_top_level() - set(STORAGE_TOP_LEVEL)})

@@ -23,7 +23,7 @@ prefetched work.
 data-parallel dimension) are the *data-parallel* rank and size: tensor- and
 pipeline-parallel peers of one data-parallel rank pass the same ``dp_rank`` and get the
 same micro-batches. Without any of them ``RANK`` / ``WORLD_SIZE`` are used, which is only
-right for pure data parallelism (:mod:`loader.data_parallel`).
+right for pure data parallelism (:mod:`loader.order.data_parallel`).
 """
 
 from __future__ import annotations
@@ -36,20 +36,20 @@ from typing import Any, Optional
 
 import torch
 
-from loader import checkpoint_schema, state as state_mod
+from loader.checkpoint import schema as checkpoint_schema, state as state_mod
 from loader.config import ConfigError, LoaderConfig
-from loader.data_parallel import resolve_data_parallel
-from loader.lane import LaneSpec, SourceSpec
-from loader.lane_reader import TokenFormat
-from loader.manifest import Manifest, ManifestError, read_manifest
-from loader.mixing import MixingSchedule, MixturePhase, exact_weights
-from loader.collate import OUTPUTS, Collator, to_torch
-from loader.features import FEATURES
-from loader.ordering import Topology, lanes_of_worker
-from loader.producer import End, Item, build_lanes, produce_one
-from loader.step_states import StepStateHistory
+from loader.order.data_parallel import resolve_data_parallel
+from loader.stages.lane import LaneSpec, SourceSpec
+from loader.io.lane_reader import TokenFormat
+from loader.io.manifest import Manifest, ManifestError, read_manifest
+from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
+from loader.stages.collate import OUTPUTS, Collator, to_torch
+from loader.stages.features import FEATURES
+from loader.order.ordering import Topology, lanes_of_worker
+from loader.stages.producer import End, Item, build_lanes, produce_one
+from loader.checkpoint.step_states import StepStateHistory
 from loader.workers.pool import WorkerError, WorkerPool, slots_per_worker  # noqa: F401 - WorkerError re-exported
-from loader.tokenizer import (
+from loader.stages.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
     load_tokenizer,
@@ -120,7 +120,7 @@ class ZephonLoader:
         pad_id = eos_id if config.pad_token is None else resolve_special_token(tokenizer, config.pad_token, (), "pad_token")
         self.phases = self._initial_phases()
         needs_text = any(not m.pretokenized for m in self.manifests)
-        # Per-token features of this loader's sequences (loader.features): a column feature
+        # Per-token features of this loader's sequences (loader.stages.features): a column feature
         # when any pre-tokenized source's lane files hold its column, token_sources under
         # token mixing. Every sequence, and so every micro-batch, holds all of them.
         columns = {c.get("name") for m in self.manifests if m.pretokenized for c in m.schema}
@@ -225,7 +225,7 @@ class ZephonLoader:
         ``step=t``: the state at the boundary before step ``t`` (steps ``0..t-1`` consumed,
         nothing of step ``t``), as a trainer whose framework fetched ahead needs it; the
         newest ``step_states_kept`` boundaries handed out are kept, an older or future
-        step is a :class:`~loader.state.StateError`.
+        step is a :class:`~loader.checkpoint.state.StateError`.
         """
         if step is None:
             lane_states, position = self._current_lane_states(), self.rank_position
@@ -299,7 +299,7 @@ class ZephonLoader:
             raise state_mod.StateError(
                 f"global_state_dict() with world_size={self.topology.world_size} gathers the ranks' states "
                 "through torch.distributed, which is not initialised; gather state_dict(step=t) of every "
-                "rank yourself and merge them with loader.state.merge_rank_states()"
+                "rank yourself and merge them with loader.checkpoint.state.merge_rank_states()"
             )
         group = self.dp_group if group is None else group
         gathered: list = [None] * dist.get_world_size(group)
@@ -322,8 +322,8 @@ class ZephonLoader:
 
     def _checked_lane_states(self, state: Any) -> tuple[int, int, dict[int, dict]]:
         """``(rank position, next global index, this rank's lane states)`` of a state whose every
-        field passed :mod:`loader.checkpoint_schema`: shape, then the stream settings against
-        ours, then ranges against our datasets; a :class:`~loader.state.StateError` names the
+        field passed :mod:`loader.checkpoint.schema`: shape, then the stream settings against
+        ours, then ranges against our datasets; a :class:`~loader.checkpoint.state.StateError` names the
         JSON path of each bad field."""
         header = checkpoint_schema.parse_header(state)
         state_mod.compare_with(state, self._expected_header())
@@ -332,7 +332,7 @@ class ZephonLoader:
                 raise state_mod.StateError(
                     f"rank, world_size: this is rank {header.rank} of {header.world_size}'s own state; to resume on rank "
                     f"{self.topology.rank} of {self.topology.world_size}, merge all ranks' states with "
-                    "loader.state.merge_rank_states() (or use torch.distributed.checkpoint) and load that"
+                    "loader.checkpoint.state.merge_rank_states() (or use torch.distributed.checkpoint) and load that"
                 )
             position = header.rank_position
             next_index = self.topology.rank + position * self.topology.world_size
@@ -533,7 +533,7 @@ class ZephonLoader:
             self._finalizer = None
 
     def _collate(self, items: list[Item]) -> dict[str, Any]:
-        """The micro-batch of ``items``: NumPy arrays (loader.collate), as torch tensors unless
+        """The micro-batch of ``items``: NumPy arrays (loader.stages.collate), as torch tensors unless
         ``output="numpy"``."""
         batch = self._collator.collate(items, self.rank_position)
         return batch if self.output == "numpy" else to_torch(batch)

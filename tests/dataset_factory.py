@@ -1,6 +1,6 @@
 """Small lane-sharded datasets for loader tests, written without Beam (fast).
 
-It follows the dataset format of :mod:`loader.manifest` with the same hashing functions as
+It follows the dataset format of :mod:`loader.io.manifest` with the same hashing functions as
 the Beam job, so the loader cannot tell the difference; the Beam job's own tests check that
 real job output has this layout.
 """
@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from beam_jobs.lane_files import parquet_write_options
-from loader.hashing import file_bucket, lane_of_key, order_key_of, sha256_hex
-from loader.manifest import FileEntry, Manifest, lane_file_path
-from loader.tokenizer import describe
+from loader.order.hashing import file_bucket, lane_of_key, order_key_of, sha256_hex
+from loader.io.manifest import FileEntry, Manifest, lane_file_path
+from loader.stages.tokenizer import describe
 
 
 def synthetic_texts(count: int, seed: int = 0, *, max_words: int = 300) -> list[str]:

@@ -23,7 +23,7 @@ checkpoint before anything was consumed). Each segment is built by ``make(k)``, 
 can change the world size, worker count, micro-batch or prefetch at every resume.
 
 Drivers: :class:`LoaderRun` (W rank loaders reassembled into global batches, the same
-fingerprint as :func:`loader.fingerprints.collect_fingerprints`) and :class:`StageRun`
+fingerprint as :func:`loader.commands.fingerprints.collect_fingerprints`) and :class:`StageRun`
 (any object with ``get_state``/``set_state`` and a function producing its next output).
 """
 
@@ -38,8 +38,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import numpy as np
 
 from loader.config import LoaderConfig
-from loader.fingerprints import StepFingerprint, sequence_bytes
-from loader.state import merge_rank_states, to_jsonable
+from loader.commands.fingerprints import StepFingerprint, sequence_bytes
+from loader.checkpoint.state import merge_rank_states, to_jsonable
 
 JSON_LEAF_TYPES = (str, int, float, bool, type(None))
 

@@ -96,7 +96,7 @@ def encode_conversation(
     ``max_tokens`` / ``overflow``: the length bound and what a longer conversation gets.
     ``messages_field`` / ``tools_field``: where the record holds its messages and tools.
     Bad options raise :class:`loader.chat.spans.ChatOptionError`; a tokenizer with truncation
-    or padding enabled a :class:`loader.tokenizer.TokenizerError`.
+    or padding enabled a :class:`loader.stages.tokenizer.TokenizerError`.
     """
     check_choice("loss_on", loss_on, LOSS_ON_CHOICES)
     check_choice("overflow", overflow, OVERFLOW_CHOICES)

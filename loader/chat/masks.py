@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from loader.tokenizer import TokenizerError
+from loader.stages.tokenizer import TokenizerError
 
 
 @dataclass(frozen=True)

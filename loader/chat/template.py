@@ -386,7 +386,7 @@ def load_chat_template(
     variables. Anything else is Jinja text (no special tokens then; give them with
     ``extra_variables``, e.g. ``{"bos_token": "<|begin_of_text|>"}``).
     """
-    from loader import storage
+    from loader.io import storage
 
     text = _read_text(path, storage_options)
     options = dict(template_name=template_name, extra_variables=dict(extra_variables or {}))
@@ -408,7 +408,7 @@ def load_chat_template(
 
 
 def _read_text(path: str, storage_options) -> str:
-    from loader import storage
+    from loader.io import storage
 
     return storage.read_user_text(
         path, storage_options, error=ChatTemplateError, noun="chat template", named_by="option --chat-template",

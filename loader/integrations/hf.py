@@ -55,7 +55,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from loader.config import LoaderConfig
 from loader.errors import ZephonError
 from loader.pipeline import ZephonLoader
-from loader.state import StateError, dumps, loads
+from loader.checkpoint.state import StateError, dumps, loads
 
 log = logging.getLogger(__name__)
 

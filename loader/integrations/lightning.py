@@ -52,7 +52,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from loader.config import LoaderConfig
 from loader.errors import ZephonError
 from loader.pipeline import ZephonLoader
-from loader.state import dumps, loads
+from loader.checkpoint.state import dumps, loads
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from loader.config import LoaderConfig
 from loader.pipeline import ZephonLoader
-from loader.state import StateError
-from loader.torch_data import LoaderStateful
+from loader.checkpoint.state import StateError
+from loader.integrations.torch_data import LoaderStateful
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from typing import Any, Iterable
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from loader.pipeline import ZephonLoader
-from loader.state import StateError, merge_rank_states
-from loader.torch_data import ZephonIterableDataset
+from loader.checkpoint.state import StateError, merge_rank_states
+from loader.integrations.torch_data import ZephonIterableDataset
 
 # Keys of torchdata 0.11's single-process iterator state (stateful_dataloader.py).
 DATASET_STATE = "dataset_state"
@@ -91,7 +91,7 @@ def merge_dataloader_states(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The W per-rank ``StatefulDataLoader`` states of one step as one state any rank can load.
 
     The result has the shape of a single-process ``StatefulDataLoader`` state with the
-    merged, topology-free Zephon state (:func:`loader.state.merge_rank_states`) as both the
+    merged, topology-free Zephon state (:func:`loader.checkpoint.state.merge_rank_states`) as both the
     dataset and the iterator state, so ``dataloader.load_state_dict(merged)`` works on every
     rank of any world size. The states must be taken at the same step boundary (right after
     an optimizer step); a mid-step state is refused with the step it was in. Identical

@@ -29,7 +29,7 @@ import signal
 import traceback
 from multiprocessing.connection import Connection
 
-from loader.producer import End, build_lanes, produce
+from loader.stages.producer import End, build_lanes, produce
 from loader.workers.messages import ITEMS_PER_MESSAGE, write_message
 from loader.workers.shm import Segment
 

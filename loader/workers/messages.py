@@ -3,7 +3,7 @@
 :func:`write_message` puts the per-token arrays of up to ``ITEMS_PER_MESSAGE`` items into a
 slot and returns the small descriptor that travels through the pipe (global indices,
 source ids, lane states, the arrays' layout). :func:`read_message` turns a descriptor and
-its slot back into :class:`~loader.producer.Item` objects whose arrays are views of the
+its slot back into :class:`~loader.stages.producer.Item` objects whose arrays are views of the
 slot; each item holds a :class:`SlotLease`, released by the trainer once the item is
 copied into a micro-batch, after which the worker may overwrite the slot.
 """
@@ -14,9 +14,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from loader.features import FEATURES, NO_FEATURES, in_order
-from loader.packing import ConcatRow, PackedSequence
-from loader.producer import End, Item
+from loader.stages.features import FEATURES, NO_FEATURES, in_order
+from loader.stages.packing import ConcatRow, PackedSequence
+from loader.stages.producer import End, Item
 from loader.workers.shm import read_arrays, write_arrays
 
 ITEMS_PER_MESSAGE = 8  # sequences per message: amortises the descriptor's pickling and the pipe
@@ -50,7 +50,7 @@ class _OneRowFill:
 
 
 def _shipped_row(input_ids: np.ndarray, doc_starts: np.ndarray, features) -> ConcatRow:
-    """A :class:`~loader.packing.ConcatRow` rebuilt from a message (the batch builder's bulk path)."""
+    """A :class:`~loader.stages.packing.ConcatRow` rebuilt from a message (the batch builder's bulk path)."""
     row = ConcatRow.__new__(ConcatRow)
     row.input_ids, row.features, row.majority_source = input_ids, features, -1
     row._fill, row._row = _OneRowFill(doc_starts), 0

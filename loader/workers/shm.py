@@ -33,7 +33,7 @@ from typing import Optional
 
 import numpy as np
 
-from loader.features import FEATURES, slot_bytes_per_token
+from loader.stages.features import FEATURES, slot_bytes_per_token
 
 SHM_DIR = "/dev/shm"
 PREFIX = "zephon-"

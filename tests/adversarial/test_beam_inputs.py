@@ -33,8 +33,8 @@ from beam_jobs import inputs, readers, shard
 from beam_jobs.input_streams import ZstdFramesReader
 from beam_jobs.outputs import ShardJobError, check_every_lane_has_documents
 from loader.errors import ZephonError
-from loader.hashing import lane_of_key
-from loader.manifest import MANIFEST_NAME, read_manifest
+from loader.order.hashing import lane_of_key
+from loader.io.manifest import MANIFEST_NAME, read_manifest
 
 IN_MEMORY = ["--runner=FnApiRunner", "--direct_running_mode=in_memory"]
 RECORDS = [{"id": f"r{n}", "text": f"document {n} " + "word " * (n % 17)} for n in range(120)]

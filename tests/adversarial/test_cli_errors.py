@@ -24,7 +24,7 @@ import pytest
 
 from beam_jobs.sample_data import default_tokenizer_path
 from loader import cli
-from loader.state import StateError
+from loader.checkpoint.state import StateError
 from tests.dataset_factory import synthetic_texts, write_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loader import storage as storage_mod
+from loader.io import storage as storage_mod
 from loader.config import STORAGE_TOP_LEVEL, ConfigError, LoaderConfig, ScheduleEntry, SourceConfig
-from loader.ordering import Topology, TopologyError, validate_topology
-from loader.storage import StorageOptions
-from loader.tokenizer import TokenizerError, load_tokenizer
+from loader.order.ordering import Topology, TopologyError, validate_topology
+from loader.io.storage import StorageOptions
+from loader.stages.tokenizer import TokenizerError, load_tokenizer
 from loader.validation import show
 
 NAN, INF = float("nan"), float("inf")

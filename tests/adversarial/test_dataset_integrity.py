@@ -31,10 +31,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from beam_jobs.sample_data import default_tokenizer_path
-from loader import lane_reader, storage
+from loader.io import lane_reader, storage
 from loader.config import LoaderConfig
 from loader.errors import ZephonError
-from loader.manifest import MANIFEST_NAME, FileEntry, Manifest
+from loader.io.manifest import MANIFEST_NAME, FileEntry, Manifest
 from loader.pipeline import ZephonLoader
 from tests.dataset_factory import synthetic_texts, write_dataset
 

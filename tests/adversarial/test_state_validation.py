@@ -14,7 +14,7 @@ Walking each state's JSON tree, every node (leaf and object) is set to each wron
 size, the source count); booleans are flipped; every key is deleted; an unknown key is added
 to every object. Each tampered state is loaded and resumed for a few steps, and must
 
-* raise :class:`~loader.state.StateError` (at load, or at the first read for what needs the
+* raise :class:`~loader.checkpoint.state.StateError` (at load, or at the first read for what needs the
   data) whose message contains the tampered field's JSON path, or
 * deliver exactly the untampered resume's batches, and only for a field the loader genuinely
   ignores (:data:`IGNORED`): never a silent change, a bare exception or a hang.
@@ -39,10 +39,10 @@ from tokenizers import Tokenizer
 
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.config import LoaderConfig
-from loader.manifest import read_manifest
+from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader
-from loader.state import StateError, dumps, loads, merge_rank_states
-from loader.torch_data import LoaderStateful
+from loader.checkpoint.state import StateError, dumps, loads, merge_rank_states
+from loader.integrations.torch_data import LoaderStateful
 from tests.dataset_factory import synthetic_texts, write_dataset
 from tests.loader.settings import make_stream
 

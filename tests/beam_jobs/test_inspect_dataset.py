@@ -8,7 +8,7 @@ import pytest
 
 from beam_jobs import inspect_dataset
 from loader import cli
-from loader.manifest import MANIFEST_NAME, REJECT_REASONS, FileEntry, Manifest
+from loader.io.manifest import MANIFEST_NAME, REJECT_REASONS, FileEntry, Manifest
 
 
 def _entry(lane: int, part: int, rows: int, tokens=None) -> FileEntry:

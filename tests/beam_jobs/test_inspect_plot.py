@@ -15,8 +15,8 @@ from tokenizers import Tokenizer
 from beam_jobs.inspect_plot import dataset_figure, document_lengths, histogram_bins
 from beam_jobs.sample_data import default_tokenizer_path
 from loader import cli
-from loader.hashing import file_bucket, lane_of_key, order_key_of
-from loader.manifest import MANIFEST_NAME, lane_file_path, read_manifest
+from loader.order.hashing import file_bucket, lane_of_key, order_key_of
+from loader.io.manifest import MANIFEST_NAME, lane_file_path, read_manifest
 from tests.dataset_factory import synthetic_texts, write_dataset
 
 LANES = 4

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from beam_jobs import sample_data, train_tokenizer
-from loader.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES, load_tokenizer, resolve_special_token
+from loader.stages.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES, load_tokenizer, resolve_special_token
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL_DOCS = 400  # enough for every kind in every source (documents 1..4 are forced)

@@ -23,9 +23,9 @@ import zstandard
 from tokenizers import Tokenizer
 
 from beam_jobs import inspect_dataset, shard
-from loader.hashing import file_bucket, lane_of_key, order_key_of
-from loader.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, read_manifest
-from loader.tokenizer import describe
+from loader.order.hashing import file_bucket, lane_of_key, order_key_of
+from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, read_manifest
+from loader.stages.tokenizer import describe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_PATH = str(REPO_ROOT / "beam_jobs" / "assets" / "tokenizer.json")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from beam_jobs import inputs, lane_files, readers, shard
 from beam_jobs.outputs import ShardJobError, check_reject_fraction, prepare_output
-from loader.hashing import file_bucket, lane_of_key, order_key_of
+from loader.order.hashing import file_bucket, lane_of_key, order_key_of
 
 # ---------------------------------------------------------------------------------------
 # Inputs

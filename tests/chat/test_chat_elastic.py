@@ -4,7 +4,7 @@ whatever the topology, and across a resume on another topology.
 One chat dataset, sharded once by ``zephon shard`` with the ChatML test template and the shipped
 tokenizer (so the lane files hold ``input_ids`` and ``loss_mask``), alone and mixed 1:1 with a
 pretraining text dataset, in both packings. A step's fingerprint hashes ``input_ids`` and
-``labels`` (``loader.fingerprints``), not ``loss_mask``; so every step line here is the
+``labels`` (``loader.commands.fingerprints``), not ``loss_mask``; so every step line here is the
 harness's fingerprint line plus the SHA-256 of the step's loss masks in global-index order
 (:class:`MaskedLoaderRun`), and two lines agree only when ids, labels and masks all do.
 """
@@ -19,8 +19,8 @@ import pytest
 
 from beam_jobs import shard
 from loader.config import LoaderConfig
-from loader.fingerprints import collect_fingerprints
-from loader.tokenizer import load_tokenizer
+from loader.commands.fingerprints import collect_fingerprints
+from loader.stages.tokenizer import load_tokenizer
 from beam_jobs.sample_data import default_tokenizer_path
 from tests.chat.chat_factory import make_records
 from tests.chat.test_chat_shard import MAX_TOKENS, NUM_LANES, _config, _job_args, _write_jsonl

@@ -18,7 +18,7 @@ from loader.chat import (
     encode_conversation,
 )
 from loader.errors import ZephonError
-from loader.tokenizer import TokenizerError
+from loader.stages.tokenizer import TokenizerError
 from tests.chat.chat_factory import DATE, SPECIAL_TOKENS, template_text, tokenizer
 
 TOKENIZER = tokenizer(chat_markers=True)

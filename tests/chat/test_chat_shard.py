@@ -26,8 +26,8 @@ from beam_jobs import shard
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.chat import ConversationRejected, encode_conversation, load_chat_template
 from loader.config import LoaderConfig
-from loader.manifest import CHAT_REJECT_REASONS, DOCUMENT_REJECT_REASONS, REJECT_REASONS
-from loader.tokenizer import load_tokenizer
+from loader.io.manifest import CHAT_REJECT_REASONS, DOCUMENT_REJECT_REASONS, REJECT_REASONS
+from loader.stages.tokenizer import load_tokenizer
 from tests.chat.chat_factory import TEMPLATES_DIR, make_records
 from tests.dataset_factory import synthetic_texts, write_dataset
 from tests.loader.test_features import _rows as delivered_rows  # one row collector for feature tests
@@ -292,7 +292,7 @@ def test_a_tokenizer_config_template_and_files_changed_under_the_job(tmp_path):
     options, _ = shard.parse_args(["--input", "x.jsonl", "--output", str(tmp_path / "o"), "--messages-field",
                                    "messages", "--chat-template", str(config), "--tokenizer", default_tokenizer_path()])
     from beam_jobs.chat_records import ChatEncoder
-    from loader.tokenizer import describe
+    from loader.stages.tokenizer import describe
 
     spec = shard.load_chat_spec(options)
     assert spec.tokenizer_fingerprint == describe(load_tokenizer(default_tokenizer_path())).fingerprint

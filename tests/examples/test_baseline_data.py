@@ -28,7 +28,7 @@ pytest.importorskip("torch")
 from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
 from examples.baseline_data import BaselineData, OnlineBaselineData, document_list, prepack  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
-from loader.fingerprints import sequence_bytes  # noqa: E402
+from loader.commands.fingerprints import sequence_bytes  # noqa: E402
 from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -71,7 +71,7 @@ def online(config: LoaderConfig, world_size: int, micro_batch: int, num_workers:
 
 
 def test_online_documents_hold_the_pre_packed_tokens(config: LoaderConfig) -> None:
-    from loader.tokenizer import EOS_CANDIDATES, load_tokenizer, resolve_special_token
+    from loader.stages.tokenizer import EOS_CANDIDATES, load_tokenizer, resolve_special_token
 
     docs, names = document_list(config)
     packed = prepack(config)

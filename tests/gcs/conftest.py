@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from loader import gcs
+from loader.io import gcs
 from tests.gcs.faults import FaultProxy
 from tests.gcs.gcs_testing import BUCKET, Emulator, LaneFile, make_lane_file, start_emulator, upload_lane_file
 

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import requests
 
-from loader import gcs
-from loader.hashing import sha256_hex
-from loader.manifest import FileEntry, lane_file_path
+from loader.io import gcs
+from loader.order.hashing import sha256_hex
+from loader.io.manifest import FileEntry, lane_file_path
 
 BUCKET = "zephon-test"
 

@@ -1,7 +1,7 @@
 """Beam on gs:// against the emulator: FileSystems calls, and the sharding job itself.
 
 Beam's ``gcsio`` would spend ~27 s per process looking for Application Default
-Credentials; :func:`loader.gcs.beam_gcs_test_setup` gives it an anonymous emulator client
+Credentials; :func:`loader.io.gcs.beam_gcs_test_setup` gives it an anonymous emulator client
 instead, so these run in seconds. They use the in-process FnApiRunner (worker processes
 would not inherit the setup).
 """
@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from loader import gcs, storage
+from loader.io import gcs, storage
 
 pytestmark = [pytest.mark.gcs, pytest.mark.beam, pytest.mark.timeout(120)]
 
@@ -79,7 +79,7 @@ def _corpus(path: str, count: int = 400) -> None:
 
 def test_shard_job_writes_the_same_dataset_to_gcs_and_local(beam_on_emulator, tmp_path):
     shard = pytest.importorskip("beam_jobs.shard", reason="beam_jobs/shard.py is not there yet")
-    from loader.manifest import read_manifest
+    from loader.io.manifest import read_manifest
 
     corpus = str(tmp_path / "corpus.jsonl")
     _corpus(corpus)

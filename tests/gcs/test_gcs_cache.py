@@ -10,9 +10,9 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from loader import gcs, storage
-from loader.cache import LaneFileCache
-from loader.storage import StorageError, StorageOptions
+from loader.io import gcs, storage
+from loader.io.cache import LaneFileCache
+from loader.io.storage import StorageError, StorageOptions
 from tests.gcs.gcs_testing import make_lane_file, upload_lane_file
 from tests.gcs.faults import Fault
 

@@ -8,8 +8,8 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from loader import gcs, storage
-from loader.storage import StorageError, StorageNotFoundError, StorageOptions
+from loader.io import gcs, storage
+from loader.io.storage import StorageError, StorageNotFoundError, StorageOptions
 from tests.gcs.gcs_testing import make_lane_file, upload_lane_file
 from tests.gcs.faults import Fault
 

@@ -9,9 +9,9 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from loader import gcs, storage
-from loader.manifest import Manifest, read_manifest
-from loader.storage import StorageNotFoundError, StorageOptions
+from loader.io import gcs, storage
+from loader.io.manifest import Manifest, read_manifest
+from loader.io.storage import StorageNotFoundError, StorageOptions
 
 pytestmark = pytest.mark.gcs
 

@@ -2,7 +2,7 @@
 
 Small lane datasets (a text one and a pre-tokenized one, 4 lanes, 2 files per lane) are
 written locally by :mod:`tests.dataset_factory`, copied object by object to the emulator,
-and read through :func:`loader.fingerprints.collect_fingerprints`. The reference is the
+and read through :func:`loader.commands.fingerprints.collect_fingerprints`. The reference is the
 local dataset's fingerprints (W=1, no workers): the loader's guarantee is that every
 topology, worker count and storage gives those same bytes.
 
@@ -30,12 +30,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from dataset_factory import synthetic_texts, write_dataset
-from loader import gcs
+from loader.io import gcs
 from loader.config import LoaderConfig
-from loader.fingerprints import collect_fingerprints
-from loader.lane_reader import LaneDataError
+from loader.commands.fingerprints import collect_fingerprints
+from loader.io.lane_reader import LaneDataError
 from loader.pipeline import WorkerError, ZephonLoader
-from loader.storage import StorageError, StorageNotFoundError
+from loader.io.storage import StorageError, StorageNotFoundError
 from tests.gcs.faults import Fault
 
 pytestmark = [pytest.mark.gcs, pytest.mark.timeout(60)]

@@ -23,8 +23,8 @@ literals; each test recomputes its value from the code under test and compares:
 * the JSON bytes of merged checkpoints of both packings and a mix.
 
 **A pin never changes silently.** An intended change to any value here is a format change:
-bump the format version (``loader.manifest.FORMAT_VERSION`` for hashes and lane files,
-``loader.state.STATE_VERSION`` for checkpoints), add a migration, and change the pin in the
+bump the format version (``loader.io.manifest.FORMAT_VERSION`` for hashes and lane files,
+``loader.checkpoint.state.STATE_VERSION`` for checkpoints), add a migration, and change the pin in the
 same commit, saying so in the commit message. A pin that moves in any other commit is a bug
 of that commit, not of the pin.
 
@@ -56,13 +56,13 @@ from tokenizers import Tokenizer
 from beam_jobs import shard
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.config import LoaderConfig
-from loader.fingerprints import collect_fingerprints
-from loader.hashing import file_bucket, lane_of_key, order_key_of, stable_hash64, stable_permutation
-from loader.manifest import MANIFEST_NAME, read_manifest
-from loader.mixing import MixingSchedule, MixturePhase, batch_source_counts, exact_weights
+from loader.commands.fingerprints import collect_fingerprints
+from loader.order.hashing import file_bucket, lane_of_key, order_key_of, stable_hash64, stable_permutation
+from loader.io.manifest import MANIFEST_NAME, read_manifest
+from loader.order.mixing import MixingSchedule, MixturePhase, batch_source_counts, exact_weights
 from loader.pipeline import ZephonLoader
-from loader.state import dumps
-from loader.tokenizer import tokenizer_fingerprint
+from loader.checkpoint.state import dumps
+from loader.stages.tokenizer import tokenizer_fingerprint
 from tests.dataset_factory import synthetic_texts, write_dataset
 
 # ---------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_lane_order_and_bucket_hashes_keep_their_values() -> None:
 
 
 def permutation_values() -> dict[str, Any]:
-    # The seed-part shapes of loader/lane_reader.py: files, row groups of a file, rows of a row group.
+    # The seed-part shapes of loader/io/lane_reader.py: files, row groups of a file, rows of a row group.
     rows_512 = stable_permutation(512, 11, "rows", "synthetic", 3, 2, 1, 0)
     return {
         "files_1": stable_permutation(1, 11, "files", "synthetic", 0, 1).tolist(),
@@ -830,7 +830,7 @@ def checkpoint_values(state: dict) -> dict[str, Any]:
 CHECKPOINT_CONFIGS = ("concat", "best_fit", "mix_sequence", "mix_token")
 
 # Guards the checkpoint a user saves after LATER_STEP steps (merge_rank_states, then
-# loader.state.dumps): masked_sha256 covers every byte but the library-bound fingerprints,
+# loader.checkpoint.state.dumps): masked_sha256 covers every byte but the library-bound fingerprints,
 # bytes_sha256 every byte (pyarrow and tokenizers versions checked); the rest, for readability,
 # names a few fields literally (a concat lane's state is a cursor; best-fit lanes hold tokens).
 PINNED_CHECKPOINTS = {

@@ -45,7 +45,7 @@ class ForwardRecorder:
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output) -> None:
-        from loader.fingerprints import sequence_bytes
+        from loader.commands.fingerprints import sequence_bytes
 
         if not module.training:
             return
@@ -95,7 +95,7 @@ def run_trainer(config, output_dir: str, *, world_size: int = 1, max_steps: int,
                 stop_at: Optional[int] = None, resume: Optional[str] = None) -> dict[str, Any]:
     """Train, optionally resumed and/or interrupted; returns the recorded forwards and the first step."""
     from loader.integrations.hf import ZephonTrainer
-    from loader.tokenizer import load_tokenizer
+    from loader.stages.tokenizer import load_tokenizer
 
     model = build_model(load_tokenizer(config.tokenizer).get_vocab_size(), config.seq_len)
     recorder = ForwardRecorder(model)
@@ -112,7 +112,7 @@ def run_trainer(config, output_dir: str, *, world_size: int = 1, max_steps: int,
 
 def step_fingerprints(config, world_size: int, runs: list[dict[str, Any]]) -> list[str]:
     """``"STEP SHA256"`` per step from the rows each rank's model received (``runs[r]`` = rank r)."""
-    from loader.fingerprints import StepFingerprint
+    from loader.commands.fingerprints import StepFingerprint
 
     micro, batch = config.micro_batch_size, config.global_batch_size
     per_rank = batch // world_size

@@ -27,10 +27,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from tokenizers import Tokenizer
 
 from loader.config import LoaderConfig
-from loader.fingerprints import sequence_bytes
+from loader.commands.fingerprints import sequence_bytes
 from loader.integrations.lightning import ZephonLightning
 from loader.pipeline import ZephonLoader
-from loader.torch_data import ZephonIterableDataset
+from loader.integrations.torch_data import ZephonIterableDataset
 
 MODEL_SEED = 1234
 EMBED_DIM = 16

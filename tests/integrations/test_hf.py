@@ -28,7 +28,7 @@ pytest.importorskip("accelerate")
 
 from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
-from loader.fingerprints import collect_fingerprints  # noqa: E402
+from loader.commands.fingerprints import collect_fingerprints  # noqa: E402
 from loader.integrations.hf import (  # noqa: E402
     ZEPHON_STATE_NAME, HFIntegrationError, ZephonTrainer,
 )
@@ -124,7 +124,7 @@ def test_two_process_run_resumed_on_one_process(config, reference, uninterrupted
 
 # -- refusals ------------------------------------------------------------------------------
 def make_trainer(config, tmp_path, *, world_size: int = 1, **overrides):
-    from loader.tokenizer import load_tokenizer
+    from loader.stages.tokenizer import load_tokenizer
 
     model = hf_rank.build_model(load_tokenizer(config.tokenizer).get_vocab_size(), config.seq_len)
     args = hf_rank.training_arguments(str(tmp_path), config, world_size, max_steps=STEPS, save_steps=STOP, **overrides)
@@ -163,7 +163,7 @@ def test_resume_from_a_checkpoint_without_zephon_state_is_refused(config, tmp_pa
 
 def test_loader_of_another_data_parallel_rank_is_refused(config, tmp_path):
     from loader.pipeline import ZephonLoader
-    from loader.tokenizer import load_tokenizer
+    from loader.stages.tokenizer import load_tokenizer
 
     model = hf_rank.build_model(load_tokenizer(config.tokenizer).get_vocab_size(), config.seq_len)
     args = hf_rank.training_arguments(str(tmp_path), config, 2, max_steps=STEPS, save_steps=STOP)

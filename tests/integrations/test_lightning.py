@@ -32,9 +32,9 @@ torch = pytest.importorskip("torch")
 
 from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
-from loader.fingerprints import collect_fingerprints  # noqa: E402
+from loader.commands.fingerprints import collect_fingerprints  # noqa: E402
 from loader.integrations.lightning import STATE_KIND, LightningIntegrationError, ZephonLightning  # noqa: E402
-from loader.state import dumps, loads  # noqa: E402
+from loader.checkpoint.state import dumps, loads  # noqa: E402
 from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402
 from tests.integrations.lightning_worker import RunSpec, train  # noqa: E402
 from tests.rank_launcher import launch_ranks  # noqa: E402

@@ -24,14 +24,14 @@ import pytest
 import torch
 
 from loader.config import LoaderConfig
-from loader.fingerprints import collect_fingerprints, sequence_bytes
+from loader.commands.fingerprints import collect_fingerprints, sequence_bytes
 from loader.integrations.titan import ZephonTitanDataLoader
 from loader.integrations.torchdata import (
     DATASET_ITER_STATE, DATASET_STATE, FETCHER_STATE, merge_dataloader_states, zephon_state_of,
     zephon_stateful_dataloader,
 )
 from loader.pipeline import ZephonLoader
-from loader.state import StateError, dumps
+from loader.checkpoint.state import StateError, dumps
 from tests.dataset_factory import synthetic_texts, write_dataset
 from tests.loader.settings import DATA_SEED, GLOBAL_BATCH, LOADER_SEED, NUM_DOCS, NUM_LANES, OPEN_BINS, SEQ_LEN
 from tests.rank_launcher import global_fingerprints, launch_ranks

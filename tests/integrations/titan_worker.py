@@ -23,7 +23,7 @@ import json
 
 
 def _micro_batch_rows(batch) -> dict[str, str]:
-    from loader.fingerprints import sequence_bytes
+    from loader.commands.fingerprints import sequence_bytes
 
     return {str(index): sequence_bytes(ids, labels).hex() for index, ids, labels in
             zip(batch["global_indices"].tolist(), batch["input_ids"].numpy(), batch["labels"].numpy())}
@@ -35,7 +35,7 @@ def _consume(iterator, micro_batches: int) -> list:
 
 def _refusal(merge) -> str:
     """The StateError message of a merge that must refuse, or a marker that it did not."""
-    from loader.state import StateError
+    from loader.checkpoint.state import StateError
 
     try:
         merge()
@@ -51,7 +51,7 @@ def _mesh_run(config, steps: int, checkpoint: str) -> dict:
 
     from loader.integrations.titan import ZephonTitanDataLoader
     from loader.pipeline import ZephonLoader
-    from loader.state import dumps
+    from loader.checkpoint.state import dumps
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")

@@ -20,8 +20,8 @@ from tokenizers import Tokenizer
 
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.config import LoaderConfig
-from loader.fingerprints import collect_fingerprints
-from loader.manifest import Manifest
+from loader.commands.fingerprints import collect_fingerprints
+from loader.io.manifest import Manifest
 from tests.dataset_factory import synthetic_texts, write_dataset
 from tests.resume_harness import epoch_edge_steps
 

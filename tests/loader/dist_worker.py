@@ -28,9 +28,9 @@ def main(argv: list[str]) -> int:
     import torch.distributed.checkpoint as dcp
 
     from loader.config import LoaderConfig
-    from loader.fingerprints import sequence_bytes
+    from loader.commands.fingerprints import sequence_bytes
     from loader.pipeline import ZephonLoader
-    from loader.torch_data import LoaderStateful
+    from loader.integrations.torch_data import LoaderStateful
 
     log("imported torch.distributed.checkpoint and the loader")
     dist.init_process_group("gloo")

@@ -28,7 +28,7 @@ def pids_alive(pids) -> list[int]:
 
 
 def eos_id_of(tokenizer) -> int:
-    from loader.tokenizer import EOS_CANDIDATES, resolve_special_token
+    from loader.stages.tokenizer import EOS_CANDIDATES, resolve_special_token
 
     return resolve_special_token(tokenizer, None, EOS_CANDIDATES, "eos_token")
 
@@ -39,7 +39,7 @@ def expected_lane_documents(texts, keys, tokenizer, *, num_lanes: int, seed: int
     Lane and order come straight from the stable hashes (``H(seed, key) mod L``, order key),
     token ids straight from the tokenizer.
     """
-    from loader.hashing import lane_of_key, order_key_of
+    from loader.order.hashing import lane_of_key, order_key_of
 
     eos = eos_id_of(tokenizer)
     encoded = [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
@@ -51,8 +51,8 @@ def expected_lane_documents(texts, keys, tokenizer, *, num_lanes: int, seed: int
 
 def make_stream(dataset_path: str, tokenizer, lane_id: int, *, max_epochs=None, seed: int = LOADER_SEED):
     """A ``LaneTokenStream`` of one lane of a test dataset, EOS after every document."""
-    from loader.lane_reader import LaneTokenStream, TokenFormat
-    from loader.manifest import read_manifest
+    from loader.io.lane_reader import LaneTokenStream, TokenFormat
+    from loader.io.manifest import read_manifest
 
     manifest = read_manifest(dataset_path)
     return LaneTokenStream(
@@ -63,7 +63,7 @@ def make_stream(dataset_path: str, tokenizer, lane_id: int, *, max_epochs=None, 
 
 
 def make_packer(packing: str, stream, tokenizer, *, seq_len: int = SEQ_LEN, open_bins: int = OPEN_BINS):
-    from loader.packing import BestFitPacker, ConcatPacker
+    from loader.stages.packing import BestFitPacker, ConcatPacker
 
     pad = eos_id_of(tokenizer)
     if packing == "concat":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loader.config import BATCH_FIELDS, ConfigError
-from loader.fingerprints import collect_fingerprints
+from loader.commands.fingerprints import collect_fingerprints
 from loader.pipeline import ZephonLoader
 
 PER_SEQUENCE = ("source_ids", "global_indices", "step", "micro_step")

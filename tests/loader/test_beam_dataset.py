@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from beam_jobs import shard
-from loader.fingerprints import collect_fingerprints
-from loader.manifest import read_manifest
+from loader.commands.fingerprints import collect_fingerprints
+from loader.io.manifest import read_manifest
 from tests.loader.settings import DATA_SEED, NUM_DOCS, NUM_LANES
 
 STEPS = 30

@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from loader.config import ConfigError
-from loader.fingerprints import collect_fingerprints
-from loader.lane_reader import LaneDataError, LaneTokenStream, TokenFormat, pretokenized_block, wrap_documents
-from loader.manifest import read_manifest
-from loader.packing import ConcatPacker
+from loader.commands.fingerprints import collect_fingerprints
+from loader.io.lane_reader import LaneDataError, LaneTokenStream, TokenFormat, pretokenized_block, wrap_documents
+from loader.io.manifest import read_manifest
+from loader.stages.packing import ConcatPacker
 from loader.pipeline import ZephonLoader
 from tests.dataset_factory import write_dataset
 from tests.loader.settings import DATA_SEED, NUM_LANES, PACKINGS, SEQ_LEN
@@ -178,7 +178,7 @@ def _replace_input_ids(path: str, row_group: int, row: int, value: bytes) -> Non
 
 def _fix_manifest(dataset: str) -> None:
     """Re-record sizes and checksums: the file is well-formed Parquet with bad content."""
-    from loader.hashing import sha256_hex
+    from loader.order.hashing import sha256_hex
 
     manifest = read_manifest(dataset)
     files = []
@@ -249,7 +249,7 @@ _NO_PANDAS_SCRIPT = r"""
 import json, sys
 import numpy as np, pyarrow as pa
 from loader.config import LoaderConfig
-from loader.lane_reader import TokenFormat, pretokenized_block
+from loader.io.lane_reader import TokenFormat, pretokenized_block
 from loader.pipeline import ZephonLoader
 
 config = LoaderConfig(**json.loads(sys.argv[1]))

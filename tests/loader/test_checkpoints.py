@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from loader.lane_reader import READ_AHEAD_BLOCKS
+from loader.io.lane_reader import READ_AHEAD_BLOCKS
 from loader.pipeline import ZephonLoader
-from loader.state import StateError, merge_rank_states
-from loader.torch_data import LoaderStateful
+from loader.checkpoint.state import StateError, merge_rank_states
+from loader.integrations.torch_data import LoaderStateful
 from tests.loader.settings import GLOBAL_BATCH, MICRO_BATCH, NUM_LANES, OPEN_BINS, SEQ_LEN, make_packer, make_stream
 from tests.resume_harness import (
     LoaderRun, StageRun, assert_plain_json, check_resume, digest_chunks, digest_sequences,

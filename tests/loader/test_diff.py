@@ -19,9 +19,9 @@ from tokenizers import Tokenizer
 from beam_jobs.sample_data import default_tokenizer_path
 from loader import cli
 from loader.config import LoaderConfig
-from loader.fingerprints import collect_fingerprints
-from loader.hashing import file_bucket, lane_of_key, order_key_of
-from loader.manifest import lane_file_path
+from loader.commands.fingerprints import collect_fingerprints
+from loader.order.hashing import file_bucket, lane_of_key, order_key_of
+from loader.io.manifest import lane_file_path
 from tests.dataset_factory import synthetic_texts, write_dataset
 
 LANES = 8
@@ -194,7 +194,7 @@ SHA = "0f" * 32
 
 
 def test_lines_with_and_without_supervised_counts_parse_and_compare(tmp_path, capsys):
-    from loader.diff import parse_log_line
+    from loader.commands.diff import parse_log_line
 
     old, new = f"3 {SHA} web=4 code=4", f"3 {SHA} web=4 code=4 supervised: web=0 code=1234"
     assert parse_log_line(old, "a:1").line() == old and parse_log_line(old, "a:1").supervised_counts == {}

@@ -61,7 +61,7 @@ def test_gloo_ranks_agree_where_finite_data_ends(tmp_path, make_config):
     cannot finish (which would hang the trainers' next collective).
     """
     from loader.config import LoaderConfig
-    from loader.fingerprints import collect_fingerprints
+    from loader.commands.fingerprints import collect_fingerprints
 
     config = make_config("concat").to_dict()
     config["datasets"] = [{"path": d["path"], "max_epochs": 1} for d in config["datasets"]]

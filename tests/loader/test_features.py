@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from loader.fingerprints import collect_fingerprints
-from loader.lane_reader import LaneDataError, LaneTokenStream, TokenFormat
-from loader.manifest import read_manifest
+from loader.commands.fingerprints import collect_fingerprints
+from loader.io.lane_reader import LaneDataError, LaneTokenStream, TokenFormat
+from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader
-from loader.state import StateError, merge_rank_states
+from loader.checkpoint.state import StateError, merge_rank_states
 from tests.dataset_factory import write_dataset
 from tests.loader.settings import DATA_SEED, NUM_LANES, PACKINGS, eos_id_of
 

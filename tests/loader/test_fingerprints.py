@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from loader.fingerprints import collect_fingerprints
-from loader.fingerprints import main as fingerprints_main
+from loader.commands.fingerprints import collect_fingerprints
+from loader.commands.fingerprints import main as fingerprints_main
 from tests.loader.settings import GLOBAL_BATCH
 from tests.resume_harness import LoaderRun, check_resume, lane_epochs, loader_runs
 

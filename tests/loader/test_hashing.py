@@ -8,8 +8,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from loader import hashing
-from loader.hashing import stable_permutation, stable_permutations
+from loader.order import hashing
+from loader.order.hashing import stable_permutation, stable_permutations
 
 
 def test_permutations_keep_their_pinned_values() -> None:

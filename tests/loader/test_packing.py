@@ -20,7 +20,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from loader.packing import IGNORE_INDEX, ConcatRow
+from loader.stages.packing import IGNORE_INDEX, ConcatRow
 from loader.pipeline import ZephonLoader
 from tests.loader.settings import (
     GLOBAL_BATCH, NUM_LANES, SEQ_LEN, eos_id_of, expected_lane_documents, make_packer, make_stream,
@@ -183,8 +183,8 @@ def test_one_drained_epoch_holds_every_token_exactly_once(corpus, tokenizer, lan
 
 def test_best_fit_places_a_piece_in_the_tightest_open_bin(tokenizer):
     """The documented placement rule, on a hand-made stream (seq_len 10, 2 open bins)."""
-    from loader.lane_reader import Chunk
-    from loader.packing import BestFitPacker
+    from loader.io.lane_reader import Chunk
+    from loader.stages.packing import BestFitPacker
 
     class FakeStream:
         def __init__(self, docs):

@@ -13,10 +13,10 @@ import logging
 
 import pytest
 
-from loader import data_parallel
-from loader.ordering import TopologyError
+from loader.order import data_parallel
+from loader.order.ordering import TopologyError
 from loader.pipeline import ZephonLoader
-from loader.state import StateError, dumps, merge_rank_states
+from loader.checkpoint.state import StateError, dumps, merge_rank_states
 from tests.resume_harness import LoaderRun
 
 STEPS = 12
@@ -171,12 +171,12 @@ def test_identity_from_the_environment_is_logged_once(make_config, monkeypatch, 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = make_config("concat")
-    with caplog.at_level(logging.INFO, logger="loader.data_parallel"):
+    with caplog.at_level(logging.INFO, logger="loader.order.data_parallel"):
         with ZephonLoader(config) as loader:
             assert (loader.topology.rank, loader.topology.world_size) == (1, 2)
         with ZephonLoader(config):
             pass
-    warnings = [r for r in caplog.records if r.name == "loader.data_parallel"]
+    warnings = [r for r in caplog.records if r.name == "loader.order.data_parallel"]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert "dp_rank" in warnings[0].getMessage() and "device_mesh" in warnings[0].getMessage()
     monkeypatch.setenv("WORLD_SIZE", "two")

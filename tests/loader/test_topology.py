@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from loader.ordering import Topology, TopologyError, lanes_of_rank, lanes_of_worker
+from loader.order.ordering import Topology, TopologyError, lanes_of_rank, lanes_of_worker
 from loader.pipeline import ZephonLoader
 
 

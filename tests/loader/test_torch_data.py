@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from loader.config import ConfigError
 from loader.pipeline import ZephonLoader
-from loader.torch_data import ZephonIterableDataset
+from loader.integrations.torch_data import ZephonIterableDataset
 
 
 def test_dataloader_with_batch_size_none_yields_the_loaders_batches(make_config):

@@ -139,7 +139,7 @@ def test_warm_start_hands_over_to_the_workers_without_changing_the_stream(make_c
     from loader.workers.pool import WorkerPool
 
     overrides = dict(datasets=[{"path": make_config().datasets[0].path, "max_epochs": 2}]) if finite else {}
-    from loader.fingerprints import collect_fingerprints
+    from loader.commands.fingerprints import collect_fingerprints
 
     expected = [r.line() for r in collect_fingerprints(make_config("concat", **overrides), world_size=1, end_step=10)[0]]
     real_all_ready = WorkerPool.all_ready

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from loader.lane_reader import LaneDataError
+from loader.io.lane_reader import LaneDataError
 from loader.pipeline import WorkerError, ZephonLoader
-from loader.storage import StorageError
+from loader.io.storage import StorageError
 from tests.loader.settings import pids_alive
 from tests.resume_harness import LoaderRun
 

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.config import LoaderConfig
-from loader.manifest import Manifest
+from loader.io.manifest import Manifest
 from tests.dataset_factory import synthetic_texts, write_dataset
 
 NUM_LANES = 8

@@ -9,8 +9,8 @@ from typing import Optional
 import numpy as np
 
 from loader.config import LoaderConfig
-from loader.mixing import exact_weights
-from loader.packing import IGNORE_INDEX
+from loader.order.mixing import exact_weights
+from loader.stages.packing import IGNORE_INDEX
 from loader.pipeline import ZephonLoader
 from tests.loader.settings import make_stream
 

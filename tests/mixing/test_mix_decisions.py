@@ -1,4 +1,4 @@
-"""The pure mixing decisions of ``loader.mixing``: per-batch counts, assignment, schedules.
+"""The pure mixing decisions of ``loader.order.mixing``: per-batch counts, assignment, schedules.
 
 Everything here is a function of integers and fractions (no data, no I/O), so it runs over
 10^4 steps and under Hypothesis in a few seconds. The loader-level counterparts (the same
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.hashing import stable_permutation
-from loader.mixing import (
+from loader.order.hashing import stable_permutation
+from loader.order.mixing import (
     MixingSchedule,
     MixturePhase,
     batch_assignment,
@@ -84,7 +84,7 @@ _TWO_64 = 1 << 64
 
 
 def rational_counts(weights: tuple[Fraction, ...], batch_size: int, step: int) -> list[int]:
-    """The definition in ``loader.mixing``'s docstring, in plain fractions (the reference)."""
+    """The definition in ``loader.order.mixing``'s docstring, in plain fractions (the reference)."""
     quotas = [w * batch_size for w in weights]
     counts = [math.floor(q) for q in quotas]
     remainder = batch_size - sum(counts)

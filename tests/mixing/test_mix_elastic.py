@@ -13,7 +13,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from loader.fingerprints import collect_fingerprints
+from loader.commands.fingerprints import collect_fingerprints
 from tests.mixing.conftest import GLOBAL_BATCH, THIRDS, WEIGHTS
 from tests.mixing.mix_helpers import count_bounds
 from tests.resume_harness import check_resume, loader_runs

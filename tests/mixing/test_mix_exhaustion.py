@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loader.fingerprints import collect_fingerprints
+from loader.commands.fingerprints import collect_fingerprints
 from tests.mixing.conftest import LOADER_SEED, NUM_LANES
 from tests.mixing.mix_helpers import (
     lane_records,

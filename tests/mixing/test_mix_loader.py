@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from loader.config import ConfigError
-from loader.fingerprints import collect_fingerprints, main as fingerprints_main
-from loader.manifest import ManifestError
-from loader.mixing import exact_weights
+from loader.commands.fingerprints import collect_fingerprints, main as fingerprints_main
+from loader.io.manifest import ManifestError
+from loader.order.mixing import exact_weights
 from loader.pipeline import ZephonLoader
 from tests.mixing.conftest import GLOBAL_BATCH, LOADER_SEED, NUM_LANES, THIRDS, WEIGHTS
 from tests.mixing.mix_helpers import count_bounds, lane_records, run_records, source_tokens_of_lane, stream_prefix

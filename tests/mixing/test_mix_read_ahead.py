@@ -7,10 +7,10 @@ from fractions import Fraction
 
 import pytest
 
-from loader.fingerprints import collect_fingerprints
-from loader.lane_reader import READ_AHEAD_BLOCKS, read_ahead_depth
+from loader.commands.fingerprints import collect_fingerprints
+from loader.io.lane_reader import READ_AHEAD_BLOCKS, read_ahead_depth
 from loader.pipeline import ZephonLoader
-from loader.producer import build_lanes
+from loader.stages.producer import build_lanes
 from tests.mixing.conftest import THIRDS, WEIGHTS
 
 STEPS = 30

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from loader.pipeline import ZephonLoader
-from loader.producer import build_lanes
-from loader.state import to_jsonable
+from loader.stages.producer import build_lanes
+from loader.checkpoint.state import to_jsonable
 from tests.mixing.conftest import GLOBAL_BATCH, NUM_LANES
 
 CHANGE = 12

@@ -1,4 +1,4 @@
-"""The token-unit deficit rule of ``loader.token_mixing.MixedTokenStream``, on fake streams.
+"""The token-unit deficit rule of ``loader.stages.token_mixing.MixedTokenStream``, on fake streams.
 
 With ``D_s = w_s * T - t_s`` (tokens of the window; ``T`` over the sources still in the mix)
 and ``d_max`` the longest document, the rule guarantees at every document boundary:
@@ -21,9 +21,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.lane_reader import Chunk
-from loader.mixing import exact_weights
-from loader.token_mixing import MixedTokenStream
+from loader.io.lane_reader import Chunk
+from loader.order.mixing import exact_weights
+from loader.stages.token_mixing import MixedTokenStream
 
 
 class FakeStream:

@@ -22,10 +22,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from loader.mixing import exact_weights
-from loader.packing import IGNORE_INDEX
+from loader.order.mixing import exact_weights
+from loader.stages.packing import IGNORE_INDEX
 from loader.pipeline import ZephonLoader
-from loader.producer import build_lanes
+from loader.stages.producer import build_lanes
 from tests.loader.settings import make_stream
 from tests.mixing.conftest import GLOBAL_BATCH, LOADER_SEED, NUM_LANES, THIRDS, WEIGHTS
 from tests.mixing.mix_helpers import lane_records, run_records

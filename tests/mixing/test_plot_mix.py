@@ -16,9 +16,9 @@ import pytest
 from PIL import Image
 
 from loader import cli
-from loader.diff import parse_log
-from loader.fingerprints import collect_fingerprints
-from loader.plot_mix import mix_figure, mix_series
+from loader.commands.diff import parse_log
+from loader.commands.fingerprints import collect_fingerprints
+from loader.commands.plot_mix import mix_figure, mix_series
 from tests.mixing.conftest import GLOBAL_BATCH
 
 CHANGE = 6

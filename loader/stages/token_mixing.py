@@ -1,6 +1,6 @@
 """Token-unit mixing: documents of several sources packed into the same sequences.
 
-``MixedTokenStream`` looks like a single :class:`~loader.lane_reader.LaneTokenStream` to the
+``MixedTokenStream`` looks like a single :class:`~loader.io.lane_reader.LaneTokenStream` to the
 packers, but chooses the source of every *document* by a deterministic deficit rule:
 
     next document's source = argmax_s ( w_s * (T + 1) - t_s )     (ties: lowest source id)
@@ -41,8 +41,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from loader.features import FEATURES, in_order, lay_out
-from loader.lane_reader import Chunk, LaneTokenStream
+from loader.stages.features import FEATURES, in_order, lay_out
+from loader.io.lane_reader import Chunk, LaneTokenStream
 
 
 class MixedTokenStream:
@@ -273,7 +273,7 @@ class MixedTokenStream:
         }
 
     def set_state(self, state: dict, path: str = "stream") -> None:
-        """``state`` as checked by ``loader.checkpoint_schema``; ``path``: its JSON path, for errors."""
+        """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""
         for k, (stream, saved) in enumerate(zip(self.streams, state["sources"])):
             stream.set_state(saved, path=f"{path}.sources[{k}]")
         self._alive = None
@@ -289,7 +289,7 @@ class MixedTokenStream:
         ``take_rows`` leave them). Checked at the first read after ``set_state``, as it
         reads the cursors' blocks; else a wrong ``current`` would silently continue a
         document that has ended, or choose anew inside one."""
-        from loader.state import StateError
+        from loader.checkpoint.state import StateError
 
         path, self._restored_path = self._restored_path, None
         for s, stream in enumerate(self.streams):

@@ -3,7 +3,7 @@
 ``A`` and ``B`` are each a fingerprint log (what ``zephon fingerprints`` prints: one
 ``STEP SHA256 [name=count ...]`` line per step) or a loader config (``.toml`` / ``.json``,
 then ``--steps START:END`` is required and its fingerprints are computed with
-:func:`loader.fingerprints.collect_fingerprints`, one rank, in this process). The report:
+:func:`loader.commands.fingerprints.collect_fingerprints`, one rank, in this process). The report:
 
 - the first step whose line differs, the steps before it that agree, how many differ;
 - for that step, the sequences that differ (position in the batch, global index, lane
@@ -35,8 +35,8 @@ from typing import Any, Optional, Sequence
 
 from loader.config import LoaderConfig
 from loader.errors import ZephonError
-from loader.fingerprints import SUPERVISED_MARKER, StepFingerprint, _parse_steps
-from loader.manifest import Manifest
+from loader.commands.fingerprints import SUPERVISED_MARKER, StepFingerprint, _parse_steps
+from loader.io.manifest import Manifest
 
 IDENTICAL_EXIT = 0
 DIFFERENT_EXIT = 1
@@ -158,8 +158,8 @@ def load_side(label: str, path: str, steps: Optional[tuple[int, int]]) -> Side:
     if steps is None:
         raise DiffError(f"{path} is a loader config: pass --steps START:END to compare its fingerprints "
                         "(or compare two logs written by `zephon fingerprints`)")
-    from loader.fingerprints import collect_fingerprints
-    from loader.manifest import read_manifest
+    from loader.commands.fingerprints import collect_fingerprints
+    from loader.io.manifest import read_manifest
 
     config = LoaderConfig.from_file(path)
     results, _ = collect_fingerprints(config, world_size=1, start_step=steps[0], end_step=steps[1],
@@ -238,7 +238,7 @@ def schedule_phases(config: LoaderConfig, names: Sequence[str]) -> list[tuple[in
     """The effective mixture, as the loader builds it: ``(first step, {source: exact weight})``
     per phase; a step-0 entry replaces the datasets' weights. A name missing from an entry
     counts as weight 0 (the loader refuses such a config before this is reached)."""
-    from loader.mixing import exact_weights
+    from loader.order.mixing import exact_weights
 
     phases = [(0, dict(zip(names, exact_weights([d.weight for d in config.datasets]))))]
     for entry in config.schedule:

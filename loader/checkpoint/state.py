@@ -21,7 +21,7 @@ states of one step into the global state, which any rank of any topology can loa
 takes its lanes). The size is bounded by ``L x (cursor + packer bound)``; it does not grow
 with the step.
 
-Nothing in a state is trusted: :mod:`loader.checkpoint_schema` checks every field on load and
+Nothing in a state is trusted: :mod:`loader.checkpoint.schema` checks every field on load and
 names the JSON path of each bad one (``lanes.00017.sources.web.packer.stream.block``).
 """
 
@@ -56,7 +56,7 @@ def to_jsonable(value: Any) -> Any:
         return [to_jsonable(v) for v in value]
     if isinstance(value, np.ndarray):
         return value.tolist()
-    if hasattr(value, "get_state"):  # a StateSnapshot (loader.packing): built now, as it was when taken
+    if hasattr(value, "get_state"):  # a StateSnapshot (loader.stages.packing): built now, as it was when taken
         return to_jsonable(value.get_state())
     if isinstance(value, np.integer):
         return int(value)
@@ -67,8 +67,8 @@ def to_jsonable(value: Any) -> Any:
 
 def check_header(state: Any) -> None:
     """Refuse a state whose top level is malformed, naming the JSON path of every bad field
-    (:func:`loader.checkpoint_schema.parse_header`; lanes are checked on load)."""
-    from loader.checkpoint_schema import parse_header
+    (:func:`loader.checkpoint.schema.parse_header`; lanes are checked on load)."""
+    from loader.checkpoint.schema import parse_header
 
     parse_header(state)
 

@@ -24,7 +24,7 @@ loss_mask      binary            optional, pre-tokenized only: one byte (0 or 1)
                                  ``input_ids``, 1 where the token is a training target (chat /
                                  SFT); ``labels`` are -100 where it is 0 and micro-batches hold
                                  it as ``loss_mask`` (``list<uint8>`` is read too). A per-token
-                                 feature of ``loader.features``: its presence in ``schema`` is
+                                 feature of ``loader.stages.features``: its presence in ``schema`` is
                                  what makes the loader read it
 <kept field>   string            each ``--keep-fields`` value, JSON-encoded
 =============  ================  ==========================================================
@@ -193,7 +193,7 @@ class Manifest:
         or through a check on load: ``lane`` and ``part`` through ``path``, which
         :meth:`from_dict` requires to be ``lane_file_path(lane, part)``; ``row_groups`` and
         ``rows`` (covered) are checked against each file's Parquet footer when it is opened,
-        and every row group read against the footer (:mod:`loader.lane_reader`); ``bytes``
+        and every row group read against the footer (:mod:`loader.io.lane_reader`); ``bytes``
         against the file's size. ``documents`` must be the sum of ``rows``. The manifest's
         ``seed`` is covered but not used to read (the loader's config has its own).
         """
@@ -344,7 +344,7 @@ class Manifest:
 
 def read_manifest(dataset_path: str, storage_options=None) -> Manifest:
     """Load ``<dataset_path>/manifest.json`` (local path or ``gs://``, read with ``storage_options``)."""
-    from loader import storage
+    from loader.io import storage
 
     location = storage.join(dataset_path, MANIFEST_NAME)
     if not storage.exists(location, storage_options):

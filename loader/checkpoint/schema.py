@@ -21,7 +21,7 @@ at once (up to :data:`MAX_REPORTED`), each as ``path: what is wrong (got value)`
 
 What needs the data itself (a cursor's ``offset`` inside its block's tokens) is checked by the
 lane token stream when it first reads the block (``LaneTokenStream.set_state``), with the
-same path. Errors are :class:`~loader.state.StateError`.
+same path. Errors are :class:`~loader.checkpoint.state.StateError`.
 
 State shapes (``L`` lanes, ``S`` sources; see the stage modules for their meaning)::
 
@@ -30,7 +30,7 @@ State shapes (``L`` lanes, ``S`` sources; see the stage modules for their meanin
              next_global_index [, rank, world_size, rank_position], lanes{"00017": lane}
     lane     {outputs, sources: {name: {packer, stopped}}}   or, token mixing, {outputs, mixed: packer}
     packer   concat {stream}   best_fit {stream, bins[{serial, tokens, piece_starts, doc_starts
-             [, token_sources] [, loss_mask ...]}], serial}   (each lane-file feature of loader.features,
+             [, token_sources] [, loss_mask ...]}], serial}   (each lane-file feature of loader.stages.features,
              one value per token, in its range; which ones a bin must hold is checked on restore)
     stream   cursor {epoch, block, offset, exhausted}   or, token mixing, {sources[cursor x S],
              tokens[S], current, phase_start}
@@ -45,8 +45,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from loader.features import FEATURES
-from loader.state import STATE_FORMAT, STATE_VERSION, StateError
+from loader.stages.features import FEATURES
+from loader.checkpoint.state import STATE_FORMAT, STATE_VERSION, StateError
 
 MAX_REPORTED = 20  # bad fields listed in one error; the count of the rest is given
 
@@ -240,7 +240,7 @@ class Header:
 
 @dataclass(frozen=True)
 class Cursor:
-    """A :class:`~loader.lane_reader.LaneTokenStream` position."""
+    """A :class:`~loader.io.lane_reader.LaneTokenStream` position."""
 
     epoch: int
     block: int
@@ -250,7 +250,7 @@ class Cursor:
 
 @dataclass(frozen=True)
 class MixedStream:
-    """A :class:`~loader.token_mixing.MixedTokenStream`: one cursor per source plus its window."""
+    """A :class:`~loader.stages.token_mixing.MixedTokenStream`: one cursor per source plus its window."""
 
     sources: tuple[Cursor, ...]
     tokens: tuple[int, ...]
@@ -267,7 +267,7 @@ class Bin:
     piece_starts: list
     doc_starts: list
     token_sources: Optional[np.ndarray]
-    features: tuple = ()  # (name, int64 array) of the column features it holds (loader.features), registry order
+    features: tuple = ()  # (name, int64 array) of the column features it holds (loader.stages.features), registry order
 
 
 @dataclass(frozen=True)
@@ -604,7 +604,7 @@ def _parse_bin(raw: Any, path: str, mixed_sources: int, problems: Problems) -> O
 
 
 # Per-token features a best-fit bin may hold besides token_sources: those read from lane files
-# (loader.features); which of them a packer's bins must hold is checked on restore, against
+# (loader.stages.features); which of them a packer's bins must hold is checked on restore, against
 # the source's lane files (BestFitPacker.set_state).
 _BIN_FEATURES = tuple(f.name for f in FEATURES.values() if f.column is not None)
 
@@ -683,7 +683,7 @@ class StateLimits:
 def check_lanes(header: Header, lanes: dict[int, LaneState], limits: StateLimits,
                 next_index: int, problems: Problems) -> None:
     """Level 2 of every parsed lane; adds what is out of range to ``problems``."""
-    from loader.ordering import lane_outputs_before
+    from loader.order.ordering import lane_outputs_before
 
     starts = [p.step for p in header.schedule]
     for lane_id, lane in lanes.items():

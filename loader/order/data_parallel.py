@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from loader.ordering import TopologyError
+from loader.order.ordering import TopologyError
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from torch.utils.data import IterableDataset
 
 from loader.config import ConfigError
 from loader.pipeline import ZephonLoader
-from loader.state import StateError, lane_key
+from loader.checkpoint.state import StateError, lane_key
 
 
 class ZephonIterableDataset(IterableDataset):

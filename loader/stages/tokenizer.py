@@ -32,7 +32,7 @@ def load_tokenizer(path: str, storage_options=None):
     """
     from tokenizers import Tokenizer
 
-    from loader import storage
+    from loader.io import storage
 
     hint = "pass the tokenizer.json saved by `tokenizer.save(...)` / `AutoTokenizer.save_pretrained(...)`"
     if not isinstance(path, str) or not path:

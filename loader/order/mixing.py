@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from loader.hashing import stable_hash64, stable_permutations
+from loader.order.hashing import stable_hash64, stable_permutations
 
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd
 _TWO_64 = 1 << 64

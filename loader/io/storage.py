@@ -2,7 +2,7 @@
 
 The loader, the manifest reader and the CLI go through this module, so a dataset behaves
 the same on local disk and in a bucket. Local paths use the filesystem directly; ``gs://``
-paths use ``google-cloud-storage`` (see :mod:`loader.gcs`), which honours
+paths use ``google-cloud-storage`` (see :mod:`loader.io.gcs`), which honours
 ``STORAGE_EMULATOR_HOST`` for tests.
 """
 
@@ -29,7 +29,7 @@ def join(base: str, *parts: str) -> str:
 
 def exists(path: str, options: "StorageOptions | None" = None) -> bool:
     if is_gcs(path):
-        from loader import gcs
+        from loader.io import gcs
 
         return gcs.exists(path, options)
     return os.path.exists(path)
@@ -37,7 +37,7 @@ def exists(path: str, options: "StorageOptions | None" = None) -> bool:
 
 def read_bytes(path: str, options: "StorageOptions | None" = None) -> bytes:
     if is_gcs(path):
-        from loader import gcs
+        from loader.io import gcs
 
         return gcs.read_bytes(path, options)
     with open(path, "rb") as fh:
@@ -72,7 +72,7 @@ def read_user_text(path: str, options, *, error: type, noun: str, named_by: str,
 def open_input(path: str) -> BinaryIO:
     """A seekable binary file object for ``path`` (ranged reads on ``gs://``)."""
     if is_gcs(path):
-        from loader import gcs
+        from loader.io import gcs
 
         return gcs.open_input(path)
     return open(path, "rb")
@@ -154,7 +154,7 @@ def sha256_of_file(handle) -> str:
     """Hex SHA-256 of ``handle`` from its position to its end, in 4 MiB chunks.
 
     The one way lane files are hashed after they are written: cached copies
-    (:mod:`loader.cache`) and local lane files (``verify_local_files``). An Arrow file
+    (:mod:`loader.io.cache`) and local lane files (``verify_local_files``). An Arrow file
     hands out its chunks without a copy (``read_buffer``); hashlib releases the GIL while
     it hashes a large chunk, so a read-ahead thread hashing a file leaves the trainer's
     thread free.
@@ -167,16 +167,16 @@ def sha256_of_file(handle) -> str:
 
 
 def open_lane_file(dataset_path: str, entry, options: StorageOptions = StorageOptions()) -> BinaryIO:
-    """Open a lane part file (``entry`` is a :class:`loader.manifest.FileEntry`) for pyarrow.
+    """Open a lane part file (``entry`` is a :class:`loader.io.manifest.FileEntry`) for pyarrow.
 
     Local files are opened directly and their size is checked against the manifest (page
     checksums inside the Parquet file catch corrupted bytes as they are read). ``gs://``
-    files: see :func:`loader.gcs.open_lane_file` (size check, sha256 where read whole,
-    ranged reads otherwise, retries, and the optional local cache of :mod:`loader.cache`).
+    files: see :func:`loader.io.gcs.open_lane_file` (size check, sha256 where read whole,
+    ranged reads otherwise, retries, and the optional local cache of :mod:`loader.io.cache`).
     """
     path = join(dataset_path, entry.path)
     if is_gcs(path):
-        from loader import gcs
+        from loader.io import gcs
 
         return gcs.open_lane_file(path, entry, options)
     try:

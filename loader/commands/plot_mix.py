@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from loader.config import ConfigError, LoaderConfig
-from loader.diff import DiffError, parse_log, schedule_phases, weights_at
-from loader.fingerprints import StepFingerprint
-from loader.plotting import new_figure, save_figure
+from loader.commands.diff import DiffError, parse_log, schedule_phases, weights_at
+from loader.commands.fingerprints import StepFingerprint
+from loader.commands.plotting import new_figure, save_figure
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class MixSeries:
 
 def source_names(config: LoaderConfig) -> list[str]:
     """The sources' names as the loader names them (a dataset's ``name`` or its manifest's)."""
-    from loader.manifest import read_manifest
+    from loader.io.manifest import read_manifest
 
     return [d.name or read_manifest(d.path, config.storage_options()).source_name for d in config.datasets]
 

@@ -48,7 +48,7 @@ def command(argv: Sequence[str]) -> int:
             parser.error(f"{option} must be >= {minimum} (got {value})")
     from beam_jobs import inspect_dataset, sample_data, shard
     from loader.config import LoaderConfig
-    from loader.fingerprints import collect_fingerprints
+    from loader.commands.fingerprints import collect_fingerprints
 
     out = os.path.abspath(args.out)
     raw, datasets = os.path.join(out, "raw"), os.path.join(out, "datasets")

@@ -7,7 +7,7 @@ and ``micro_step``); :func:`to_torch` wraps each array with ``torch.from_numpy``
 
 Fields: ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens`` as selected by the config's
 ``batch_fields``, then one field per per-token feature of the loader (``loss_mask``,
-``token_source_ids``), built by one rule (:func:`loader.features.batch_feature`), and the
+``token_source_ids``), built by one rule (:func:`loader.stages.features.batch_feature`), and the
 per-sequence ``source_ids`` and ``global_indices``. A feature with a label rule masks
 ``labels`` whatever ``batch_fields`` holds.
 """
@@ -18,8 +18,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from loader.features import FEATURES, IGNORE_INDEX, batch_feature
-from loader.packing import ConcatRow
+from loader.stages.features import FEATURES, IGNORE_INDEX, batch_feature
+from loader.stages.packing import ConcatRow
 
 OUTPUTS = ("torch", "numpy")
 

@@ -19,7 +19,7 @@ Labels follow the Hugging Face convention (the model shifts them): ``labels == i
 except ``-100`` on padding and on the first token of every document, which no token of the
 same document predicts. ``segment_starts`` mark where position ids restart (every document
 or document piece, and the padding tail), from which the batch builds ``position_ids`` and
-``cu_seqlens``. Per-token features (:mod:`loader.features`) travel with the tokens through
+``cu_seqlens``. Per-token features (:mod:`loader.stages.features`) travel with the tokens through
 cuts, carries and bins; a feature with a label rule (``loss_mask``) adds ``-100`` where it
 is 0.
 """
@@ -31,9 +31,9 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from loader.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order, lay_out, mask_labels
-from loader.lane_reader import Chunk, LaneTokenStream
-from loader.state import StateError
+from loader.stages.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order, lay_out, mask_labels
+from loader.io.lane_reader import Chunk, LaneTokenStream
+from loader.checkpoint.state import StateError
 
 
 @dataclass
@@ -41,7 +41,7 @@ class PackedSequence:
     input_ids: np.ndarray  # int32 [seq_len]
     labels: np.ndarray  # int32 [seq_len]
     segment_starts: np.ndarray  # int32, sorted, starts with 0
-    features: Mapping[str, np.ndarray] = NO_FEATURES  # name -> [seq_len] (loader.features), pad values on padding
+    features: Mapping[str, np.ndarray] = NO_FEATURES  # name -> [seq_len] (loader.stages.features), pad values on padding
     majority_source: int = -1  # token-unit mixing: the source with most tokens, if counted already
 
     @property
@@ -236,7 +236,7 @@ class ConcatPacker:
         return {"stream": self.stream.get_state()}
 
     def set_state(self, state: dict, path: str = "packer") -> None:
-        """``state`` as checked by ``loader.checkpoint_schema``; ``path``: its JSON path, for errors."""
+        """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""
         self._fill_rows = self._next_row = 0
         self._cut_rows = None
         self.stream.set_state(state["stream"], path=f"{path}.stream")
@@ -336,7 +336,7 @@ class BestFitPacker:
             doc_starts = np.concatenate(
                 [p.doc_starts + s for p, s in zip(pieces, piece_starts)]
             ) if pieces else np.zeros(0, np.int64)
-            # numpy arrays here; loader.state turns them into JSON lists only when saving,
+            # numpy arrays here; loader.checkpoint.state turns them into JSON lists only when saving,
             # so snapshotting after every sequence (worker prefetch) stays cheap.
             saved = {
                 "serial": bin_serial,
@@ -350,7 +350,7 @@ class BestFitPacker:
         return {"stream": stream_state, "bins": bins, "serial": serial}
 
     def set_state(self, state: dict, path: str = "packer") -> None:
-        """``state`` as checked by ``loader.checkpoint_schema``; ``path``: its JSON path, for errors."""
+        """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""
         self.stream.set_state(state["stream"], path=f"{path}.stream")
         self.serial = int(state["serial"])
         self.bins = []

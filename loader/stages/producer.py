@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from loader.lane import Lane, LaneExhausted, LaneSpec
-from loader.manifest import Manifest
-from loader.packing import PackedSequence
+from loader.stages.lane import Lane, LaneExhausted, LaneSpec
+from loader.io.manifest import Manifest
+from loader.stages.packing import PackedSequence
 
 
 @dataclass

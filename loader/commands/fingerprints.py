@@ -25,8 +25,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from loader.config import LoaderConfig
-from loader.features import IGNORE_INDEX
-from loader.state import StateError, dumps, loads, merge_rank_states
+from loader.stages.features import IGNORE_INDEX
+from loader.checkpoint.state import StateError, dumps, loads, merge_rank_states
 
 
 def sequence_bytes(input_ids, labels) -> bytes:

@@ -39,11 +39,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from loader import storage
+from loader.io import storage
 from loader.errors import ZephonError
-from loader.features import NO_FEATURES, Feature, column_features, slice_features, wrap_feature
-from loader.hashing import stable_permutation
-from loader.manifest import MANIFEST_NAME, FileEntry, Manifest, lane_file_path
+from loader.stages.features import NO_FEATURES, Feature, column_features, slice_features, wrap_feature
+from loader.order.hashing import stable_permutation
+from loader.io.manifest import MANIFEST_NAME, FileEntry, Manifest, lane_file_path
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class Block:
     tokens: np.ndarray  # int32, all documents of the block back to back
     doc_starts: np.ndarray  # int64, len = documents + 1; last entry = len(tokens)
     complete: bool = True  # False: documents after the last ``doc_starts`` entry are still text
-    features: Mapping[str, np.ndarray] = NO_FEATURES  # per-token arrays aligned with ``tokens`` (loader.features)
+    features: Mapping[str, np.ndarray] = NO_FEATURES  # per-token arrays aligned with ``tokens`` (loader.stages.features)
 
     def ensure(self, position: int) -> None:
         """Make ``tokens`` extend past ``position``, or hold the whole block."""
@@ -252,7 +252,7 @@ class TextBlock(Block):
 class Chunk:
     """Tokens taken from a stream: ``doc_starts`` are offsets in ``tokens`` where a document begins.
 
-    ``features``: per-token arrays aligned with ``tokens`` (:mod:`loader.features`), e.g.
+    ``features``: per-token arrays aligned with ``tokens`` (:mod:`loader.stages.features`), e.g.
     ``loss_mask`` read from the lane files, or ``token_sources`` (int8) set by token-unit
     mixing, where one chunk can hold documents of several sources; with it, a chunk of whole
     rows cut in bulk carries ``row_majority``, each row's majority source (most tokens,
@@ -284,7 +284,7 @@ class DocumentsView:
     ends: np.ndarray  # virtual end of each document from the cursor on
     epoch: int
     block_index: int  # of the current block
-    features: tuple = ()  # each block's features (loader.features), as ``blocks``
+    features: tuple = ()  # each block's features (loader.stages.features), as ``blocks``
 
     def slices(self, start: int, end: int, feature: Optional[str] = None) -> list[np.ndarray]:
         """The tokens (or feature ``feature``'s values) at virtual positions ``[start, end)``,
@@ -380,7 +380,7 @@ def _numpy_view(array: pa.Array) -> np.ndarray:
 def feature_values(values: pa.Array, feature: Feature, block: Block, fmt: TokenFormat, where: str,
                    row_group: int) -> np.ndarray:
     """A feature column chunk (rows in replay order, as ``block``'s) laid out like the block's
-    tokens, BOS/EOS values included (:func:`loader.features.wrap_feature`).
+    tokens, BOS/EOS values included (:func:`loader.stages.features.wrap_feature`).
 
     ``binary`` (what the Beam job writes): each row holds one little-endian ``feature.dtype``
     element per id of its ``input_ids`` row; ``list<int>`` is read too. Null rows are empty.
@@ -578,11 +578,11 @@ class LaneTokenStream:
         return {"epoch": self.epoch, "block": self.block_index, "offset": self.offset, "exhausted": self.exhausted}
 
     def set_state(self, state: dict, path: str = "stream") -> None:
-        """Continue from ``state``, checked by ``loader.checkpoint_schema`` (``ZephonLoader.load_state_dict``).
+        """Continue from ``state``, checked by ``loader.checkpoint.schema`` (``ZephonLoader.load_state_dict``).
 
         What only the data can tell is checked when the cursor's block is first read: that
         the block exists (manifests without row-group counts) and that ``offset`` lies inside
-        its tokens; a :class:`~loader.state.StateError` then names ``path`` (the cursor's JSON
+        its tokens; a :class:`~loader.checkpoint.state.StateError` then names ``path`` (the cursor's JSON
         path in the checkpoint).
         """
         self.epoch = int(state["epoch"])
@@ -596,7 +596,7 @@ class LaneTokenStream:
 
     def _check_restored_cursor(self, epoch: int, block_index: int, block: Optional[Block] = None) -> None:
         """The checks of a restored cursor that need the data (see :meth:`set_state`)."""
-        from loader.state import StateError
+        from loader.checkpoint.state import StateError
 
         path = self._restored_path
         if (epoch, block_index) != (self.epoch, self.block_index):

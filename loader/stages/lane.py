@@ -18,13 +18,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from loader.lane_reader import LaneTokenStream, TokenFormat, read_ahead_depth
-from loader.mixing import MixingSchedule
-from loader.ordering import lane_outputs_before
-from loader.packing import BestFitPacker, ConcatPacker, PackedSequence
-from loader.state import StateError, lane_key
-from loader.storage import StorageOptions
-from loader.token_mixing import MixedTokenStream
+from loader.io.lane_reader import LaneTokenStream, TokenFormat, read_ahead_depth
+from loader.order.mixing import MixingSchedule
+from loader.order.ordering import lane_outputs_before
+from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence
+from loader.checkpoint.state import StateError, lane_key
+from loader.io.storage import StorageOptions
+from loader.stages.token_mixing import MixedTokenStream
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class LaneSpec:
     mixing_unit: str = "sequence"
     read_ahead: bool = False
     read_ahead_threads: int = 1
-    features: tuple[str, ...] = ()  # per-token features every sequence carries (loader.features)
+    features: tuple[str, ...] = ()  # per-token features every sequence carries (loader.stages.features)
 
 
 class LaneExhausted(Exception):
@@ -169,7 +169,7 @@ class Lane:
 
     def snapshot(self) -> dict:
         """``get_state()`` as of now, where a packer's part may be a ``StateSnapshot`` (best fit:
-        its arrays are built only if the snapshot is saved; ``loader.state.to_jsonable`` does it)."""
+        its arrays are built only if the snapshot is saved; ``loader.checkpoint.state.to_jsonable`` does it)."""
         return self._state(lambda packer: packer.snapshot() if hasattr(packer, "snapshot") else packer.get_state())
 
     def _state(self, packer_state) -> dict:
@@ -184,7 +184,7 @@ class Lane:
         }
 
     def set_state(self, state: dict, path: Optional[str] = None) -> None:
-        """Continue from a lane state checked by ``loader.checkpoint_schema`` (as
+        """Continue from a lane state checked by ``loader.checkpoint.schema`` (as
         ``ZephonLoader.load_state_dict`` does); ``path`` (default ``lanes.<lane>``) is its JSON
         path, named by the checks that need the data (a cursor's offset inside its block)."""
         path = f"lanes.{lane_key(self.lane_id)}" if path is None else path

@@ -39,8 +39,8 @@ import secrets
 import time
 from typing import BinaryIO, Callable, Iterator, Optional
 
-from loader.manifest import SHA256_HEX
-from loader.storage import CHECKSUM_ATTEMPTS, StorageError, sha256_of_file
+from loader.io.manifest import SHA256_HEX
+from loader.io.storage import CHECKSUM_ATTEMPTS, StorageError, sha256_of_file
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Both halves of Zephon import this module, so they cannot disagree about a lane.
 
 Guarantee: every function here returns the same value for the same arguments on every
 machine, Python version and process, forever (changing one is a dataset format change and
-needs a new ``FORMAT_VERSION`` in :mod:`loader.manifest`).
+needs a new ``FORMAT_VERSION`` in :mod:`loader.io.manifest`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A document is its token ids plus any number of *features*, each an array with one value per
 token (a loss mask, the source of each token under token mixing, later image placeholders).
 Every stage carries them without knowing them: a block holds them next to its tokens, a
-:class:`~loader.lane_reader.Chunk` slices them with the tokens, the packers lay them out
+:class:`~loader.io.lane_reader.Chunk` slices them with the tokens, the packers lay them out
 with the tokens (cuts, carries, best-fit bins, their checkpoints), worker messages ship
 them in the shared-memory slot, and collation builds each batch field from them by one rule
 (:func:`batch_feature`). What differs per feature is data, one :class:`Feature` entry in
@@ -79,7 +79,7 @@ class Feature:
 FEATURES: dict[str, Feature] = {
     f.name: f
     for f in (
-        # Source id of every token under token-unit mixing (set by loader.token_mixing).
+        # Source id of every token under token-unit mixing (set by loader.stages.token_mixing).
         Feature("token_sources", np.dtype(np.int8), pad=-1, bos=-1, eos=-1, default=-1, column=None,
                 batch_field="token_source_ids", batch_dtype=np.dtype(np.int64)),
         # 1 where the token is a training target (chat / SFT: the assistant's tokens).

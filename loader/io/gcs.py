@@ -8,11 +8,11 @@ Guarantees:
   file object issuing ranged GETs through a bounded read-ahead window, so pyarrow reading
   one row group moves about that row group's bytes, never the whole object. Ranged bytes
   are verified by the Parquet page checksums as pyarrow decodes them. With
-  ``cache_dir`` set, whole verified copies are served from :mod:`loader.cache` instead.
+  ``cache_dir`` set, whole verified copies are served from :mod:`loader.io.cache` instead.
 * Every request is retried on transient failures (HTTP 408/429/5xx, connection resets,
   timeouts, truncated bodies) with exponential backoff and full jitter, within the budget
-  of :class:`loader.storage.StorageOptions` (``retry_*``). Permanent failures raise
-  :class:`loader.storage.StorageError` naming ``gs://bucket/name`` and what to do.
+  of :class:`loader.io.storage.StorageOptions` (``retry_*``). Permanent failures raise
+  :class:`loader.io.storage.StorageError` naming ``gs://bucket/name`` and what to do.
 * Ranged reads pin the object generation seen at open: an object replaced mid-read fails
   (404 on GCS) instead of mixing bytes of two versions.
 * One client per process and endpoint, re-created after ``fork`` (a connection pool must
@@ -43,7 +43,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs_storage
 from google.cloud.storage import exceptions as gcs_exceptions
 
-from loader.storage import CHECKSUM_ATTEMPTS, StorageError, StorageNotFoundError, StorageOptions
+from loader.io.storage import CHECKSUM_ATTEMPTS, StorageError, StorageNotFoundError, StorageOptions
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -444,10 +444,10 @@ def _sha256_mismatch(url: str, actual: str, entry) -> StorageError:
 
 
 def open_lane_file(path: str, entry, options: StorageOptions) -> BinaryIO:
-    """Open a lane file listed in a manifest (``entry``: :class:`loader.manifest.FileEntry`)."""
+    """Open a lane file listed in a manifest (``entry``: :class:`loader.io.manifest.FileEntry`)."""
     policy = RetryPolicy.from_options(options)
     if options.cache_dir is not None:
-        from loader import cache
+        from loader.io import cache
 
         lane_cache = cache.LaneFileCache(options.cache_dir, options.cache_max_bytes, options.verify_checksums)
         if lane_cache.fits(entry):
