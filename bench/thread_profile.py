@@ -110,7 +110,8 @@ def main(argv=None) -> int:
 
     # The same kind of reads on an idle thread: 3 epochs of every lane, read directly.
     manifest_path = Path(layout.formats("zephon")) / "web-ids"
-    from loader.io.lane_reader import LaneTokenStream, TokenFormat
+    from loader.io.blocks import TokenFormat
+    from loader.io.lane_reader import LaneTokenStream
     from loader.io.manifest import read_manifest
 
     manifest = read_manifest(str(manifest_path))

@@ -40,7 +40,7 @@ from loader.checkpoint import schema as checkpoint_schema, state as state_mod
 from loader.config import ConfigError, LoaderConfig
 from loader.order.data_parallel import resolve_data_parallel
 from loader.stages.lane import LaneSpec, SourceSpec
-from loader.io.lane_reader import TokenFormat
+from loader.io.blocks import TokenFormat
 from loader.io.manifest import Manifest, ManifestError, read_manifest
 from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.stages.collate import OUTPUTS, Collator, to_torch

@@ -18,7 +18,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from loader.io.lane_reader import LaneTokenStream, TokenFormat, read_ahead_depth
+from loader.io.blocks import TokenFormat
+from loader.io.lane_reader import LaneTokenStream
+from loader.io.read_ahead import read_ahead_depth
 from loader.order.mixing import MixingSchedule
 from loader.order.ordering import lane_outputs_before
 from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence

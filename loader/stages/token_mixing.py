@@ -42,7 +42,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from loader.stages.features import FEATURES, in_order, lay_out
-from loader.io.lane_reader import Chunk, LaneTokenStream
+from loader.io.blocks import Chunk
+from loader.io.lane_reader import LaneTokenStream
 
 
 class MixedTokenStream:

@@ -33,7 +33,7 @@ from dataset_factory import synthetic_texts, write_dataset
 from loader.io import gcs
 from loader.config import LoaderConfig
 from loader.commands.fingerprints import collect_fingerprints
-from loader.io.lane_reader import LaneDataError
+from loader.io.integrity import LaneDataError
 from loader.pipeline import WorkerError, ZephonLoader
 from loader.io.storage import StorageError, StorageNotFoundError
 from tests.gcs.faults import Fault

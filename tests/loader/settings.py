@@ -51,7 +51,8 @@ def expected_lane_documents(texts, keys, tokenizer, *, num_lanes: int, seed: int
 
 def make_stream(dataset_path: str, tokenizer, lane_id: int, *, max_epochs=None, seed: int = LOADER_SEED):
     """A ``LaneTokenStream`` of one lane of a test dataset, EOS after every document."""
-    from loader.io.lane_reader import LaneTokenStream, TokenFormat
+    from loader.io.blocks import TokenFormat
+    from loader.io.lane_reader import LaneTokenStream
     from loader.io.manifest import read_manifest
 
     manifest = read_manifest(dataset_path)

@@ -22,7 +22,9 @@ import pytest
 
 from loader.config import ConfigError
 from loader.commands.fingerprints import collect_fingerprints
-from loader.io.lane_reader import LaneDataError, LaneTokenStream, TokenFormat, pretokenized_block, wrap_documents
+from loader.io.blocks import TokenFormat, pretokenized_block, wrap_documents
+from loader.io.integrity import LaneDataError
+from loader.io.lane_reader import LaneTokenStream
 from loader.io.manifest import read_manifest
 from loader.stages.packing import ConcatPacker
 from loader.pipeline import ZephonLoader
@@ -219,12 +221,13 @@ def test_a_read_ahead_that_is_never_used_cannot_fail_the_stream(tmp_path, corpus
     failing = LaneTokenStream(dataset_path=corpus.pretokenized_path, manifest=manifest, source_name="s",
                               lane_id=0, seed=5, token_format=fmt, read_ahead=True)
     failing.take(4)
-    assert [key for key, _ in failing._ahead] == [(0, 1), (0, 2)]  # READ_AHEAD_BLOCKS = 2
-    for index, (key, future) in enumerate(list(failing._ahead)):
+    queued = failing._ahead._ahead  # the ReadAheadQueue's (key, future) pairs, in stream order
+    assert [key for key, _ in queued] == [(0, 1), (0, 2)]  # READ_AHEAD_BLOCKS = 2
+    for index, (key, future) in enumerate(list(queued)):
         future.result()  # let the real read finish, then stand in a failed one for it
         failed = type(future)()
         failed.set_exception(LaneDataError("the read-ahead of a block nobody needs"))
-        failing._ahead[index] = key, failed
+        queued[index] = key, failed
     failing.set_state({"epoch": 1, "block": 0, "offset": 0})  # elsewhere: the pending read is not wanted
     assert len(failing.take(4).tokens) == 4
     failing.close()
@@ -249,7 +252,7 @@ _NO_PANDAS_SCRIPT = r"""
 import json, sys
 import numpy as np, pyarrow as pa
 from loader.config import LoaderConfig
-from loader.io.lane_reader import TokenFormat, pretokenized_block
+from loader.io.blocks import TokenFormat, pretokenized_block
 from loader.pipeline import ZephonLoader
 
 config = LoaderConfig(**json.loads(sys.argv[1]))

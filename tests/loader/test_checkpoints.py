@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from loader.io.lane_reader import READ_AHEAD_BLOCKS
+from loader.io.read_ahead import READ_AHEAD_BLOCKS
 from loader.pipeline import ZephonLoader
 from loader.checkpoint.state import StateError, merge_rank_states
 from loader.integrations.torch_data import LoaderStateful

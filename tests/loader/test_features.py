@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from loader.commands.fingerprints import collect_fingerprints
-from loader.io.lane_reader import LaneDataError, LaneTokenStream, TokenFormat
+from loader.io.blocks import TokenFormat
+from loader.io.integrity import LaneDataError
+from loader.io.lane_reader import LaneTokenStream
 from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader
 from loader.checkpoint.state import StateError, merge_rank_states

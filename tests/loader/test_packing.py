@@ -183,7 +183,7 @@ def test_one_drained_epoch_holds_every_token_exactly_once(corpus, tokenizer, lan
 
 def test_best_fit_places_a_piece_in_the_tightest_open_bin(tokenizer):
     """The documented placement rule, on a hand-made stream (seq_len 10, 2 open bins)."""
-    from loader.io.lane_reader import Chunk
+    from loader.io.blocks import Chunk
     from loader.stages.packing import BestFitPacker
 
     class FakeStream:

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from loader.commands.fingerprints import collect_fingerprints
-from loader.io.lane_reader import READ_AHEAD_BLOCKS, read_ahead_depth
+from loader.io.read_ahead import READ_AHEAD_BLOCKS, read_ahead_depth
 from loader.pipeline import ZephonLoader
 from loader.stages.producer import build_lanes
 from tests.mixing.conftest import THIRDS, WEIGHTS

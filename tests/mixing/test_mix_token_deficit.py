@@ -21,7 +21,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.io.lane_reader import Chunk
+from loader.io.blocks import Chunk
 from loader.order.mixing import exact_weights
 from loader.stages.token_mixing import MixedTokenStream
 
