@@ -37,19 +37,19 @@ from loader.config import LoaderConfig
 from loader.errors import ZephonError
 from loader.commands.fingerprints import SUPERVISED_MARKER, StepFingerprint, _parse_steps
 from loader.io.manifest import Manifest
+from loader.io.storage_options import SHA256_HEX
 
 IDENTICAL_EXIT = 0
 DIFFERENT_EXIT = 1
 TROUBLE_EXIT = 2
 CONFIG_SUFFIXES = (".toml", ".json")
 LOG_FORMAT = "`STEP SHA256 [name=count ...] [supervised: name=count ...]`, as `zephon fingerprints` prints"
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 COUNT = re.compile(r"([^=\s]+)=(\d+)")
 # LoaderConfig fields that never change the batches (README "Loader configuration").
 RUNTIME_FIELDS = frozenset({
     "micro_batch_size", "num_workers", "prefetch", "cache_dir", "cache_max_bytes", "verify_checksums",
     "verify_local_files", "storage_endpoint", "storage", "worker_timeout_s", "read_ahead", "read_ahead_threads",
-    "batch_fields", "step_states_kept",
+    "batch_fields", "step_states_kept", "metrics_log_every_steps",
 })
 TEXT_SEQUENCES_SHOWN = 16  # the text report lists this many differing sequences; --json lists all
 

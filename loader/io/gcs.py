@@ -43,7 +43,8 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs_storage
 from google.cloud.storage import exceptions as gcs_exceptions
 
-from loader.io.storage import CHECKSUM_ATTEMPTS, StorageError, StorageNotFoundError, StorageOptions
+from loader.io import cache
+from loader.io.storage_options import CHECKSUM_ATTEMPTS, StorageError, StorageNotFoundError, StorageOptions
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -447,8 +448,6 @@ def open_lane_file(path: str, entry, options: StorageOptions) -> BinaryIO:
     """Open a lane file listed in a manifest (``entry``: :class:`loader.io.manifest.FileEntry`)."""
     policy = RetryPolicy.from_options(options)
     if options.cache_dir is not None:
-        from loader.io import cache
-
         lane_cache = cache.LaneFileCache(options.cache_dir, options.cache_max_bytes, options.verify_checksums)
         if lane_cache.fits(entry):
             def fetch(out: BinaryIO) -> None:

@@ -16,7 +16,7 @@ import re
 import pyarrow.parquet as pq
 
 from loader.errors import ZephonError
-from loader.io import storage
+from loader.io import storage, storage_options
 from loader.io.manifest import MANIFEST_NAME, FileEntry, lane_file_path
 
 
@@ -40,7 +40,7 @@ def verify_local_file(path: str, handle, entry: FileEntry) -> None:
     identity = (path, entry.sha256, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if identity in _verified_local_files:
         return
-    digest = storage.sha256_of_file(handle)
+    digest = storage_options.sha256_of_file(handle)
     handle.seek(0)
     if digest != entry.sha256:
         raise LaneDataError(

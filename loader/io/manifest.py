@@ -36,19 +36,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from loader.chat.conversations import REJECT_REASONS as _CONVERSATION_REJECT_REASONS
 from loader.errors import ZephonError
+from loader.io import storage
+from loader.io.storage_options import SHA256_HEX
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 REJECTED_DIR = "_rejected"
 LANE_DIR_FORMAT = "lane={lane:05d}"
 PART_FORMAT = "part-{part:05d}.parquet"
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 # The rejection reasons the Beam job can emit (manifest ``rejected`` keys). A text job records
 # the document reasons (each with its count, zeros included); a chat job (``--messages-field``)
@@ -344,8 +344,6 @@ class Manifest:
 
 def read_manifest(dataset_path: str, storage_options=None) -> Manifest:
     """Load ``<dataset_path>/manifest.json`` (local path or ``gs://``, read with ``storage_options``)."""
-    from loader.io import storage
-
     location = storage.join(dataset_path, MANIFEST_NAME)
     if not storage.exists(location, storage_options):
         raise ManifestError(

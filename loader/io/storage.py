@@ -8,13 +8,13 @@ paths use ``google-cloud-storage`` (see :mod:`loader.io.gcs`), which honours
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import BinaryIO
 
 import pyarrow as pa
 
-from loader.errors import ZephonError
+# The options and errors of every backend; users import them from here.
+from loader.io.storage_options import StorageError, StorageNotFoundError, StorageOptions
 
 
 def is_gcs(path: str) -> bool:
@@ -80,91 +80,6 @@ def open_input(path: str) -> BinaryIO:
 
 # ---------------------------------------------------------------------------------------
 # Lane files: what the loader opens. One function, so local and gs:// behave the same.
-
-from dataclasses import dataclass as _dataclass
-from typing import Optional as _Optional
-from typing import ClassVar as _ClassVar
-
-from loader import validation as _rules
-
-
-class StorageError(ZephonError, IOError):
-    """A lane file that cannot be read correctly; the message names the object."""
-
-
-class StorageNotFoundError(StorageError, FileNotFoundError):
-    """The object does not exist (``except FileNotFoundError`` catches it too)."""
-
-
-_MIB = 1024**2
-CHECKSUM_ATTEMPTS = 2  # a whole download whose sha256 mismatches the manifest is fetched once more, then fails
-
-
-@_dataclass(frozen=True)
-class StorageOptions:
-    """How the loader reads lane files. Documented in README ("Storage options").
-
-    The retry fields bound every remote request (``gs://``): a request that fails with a
-    transient error (HTTP 408/429/5xx, connection reset, timeout, truncated body) is retried
-    with exponential backoff and full jitter, at most ``retry_max_attempts`` times and no
-    longer than ``retry_deadline_s`` (plus the attempt in flight, itself bounded by
-    ``request_timeout_s``). Permanent errors (404, 403, checksum mismatch) are not retried.
-    """
-
-    cache_dir: _Optional[str] = None  # local cache for remote lane files (None = no cache)
-    cache_max_bytes: int = 10 * 1024**3
-    verify_checksums: bool = True  # compare with the manifest's sha256 where the file is read whole
-    verify_local_files: bool = False  # sha256 of local lane files on first open (off: README "Data integrity")
-    endpoint: _Optional[str] = None  # explicit GCS endpoint (else STORAGE_EMULATOR_HOST / Google)
-    retry_max_attempts: int = 8  # attempts per request, the first one included
-    retry_initial_backoff_s: float = 0.5  # backoff cap before the 1st retry; doubles each retry
-    retry_max_backoff_s: float = 16.0  # ceiling of the backoff cap
-    retry_deadline_s: float = 120.0  # no new attempt starts after this many seconds
-    request_timeout_s: float = 60.0  # connect/read timeout of one HTTP request
-    readahead_bytes: int = 8 * _MIB  # ranged-read window (memory per open remote file)
-    whole_file_max_bytes: int = 4 * _MIB  # remote files up to this size are fetched whole + sha256-checked
-
-    # Checked by loader.validation; the LoaderConfig ``storage`` table reuses these rules.
-    FIELD_RULES: _ClassVar[dict] = {
-        "cache_dir": _rules.OrAbsent(_rules.FilePath()),
-        "cache_max_bytes": _rules.Integer(minimum=1),
-        "verify_checksums": _rules.Boolean(),
-        "verify_local_files": _rules.Boolean(),
-        "endpoint": _rules.OrAbsent(_rules.Text()),
-        "retry_max_attempts": _rules.Integer(minimum=1),
-        "retry_initial_backoff_s": _rules.Number(minimum=0),
-        "retry_max_backoff_s": _rules.Number(minimum=0),
-        "retry_deadline_s": _rules.Number(minimum=0),
-        "request_timeout_s": _rules.Number(minimum=0, exclusive=True,
-                                           hint="a request without a timeout can hang forever"),
-        "readahead_bytes": _rules.Integer(minimum=1),
-        "whole_file_max_bytes": _rules.Integer(minimum=0),
-    }
-
-    def __post_init__(self) -> None:
-        from loader.config import ConfigError
-
-        _rules.validate_instance(self, ConfigError, "StorageOptions")
-
-
-HASH_CHUNK_BYTES = 4 * _MIB
-
-
-def sha256_of_file(handle) -> str:
-    """Hex SHA-256 of ``handle`` from its position to its end, in 4 MiB chunks.
-
-    The one way lane files are hashed after they are written: cached copies
-    (:mod:`loader.io.cache`) and local lane files (``verify_local_files``). An Arrow file
-    hands out its chunks without a copy (``read_buffer``); hashlib releases the GIL while
-    it hashes a large chunk, so a read-ahead thread hashing a file leaves the trainer's
-    thread free.
-    """
-    read = getattr(handle, "read_buffer", None) or handle.read
-    sha = hashlib.sha256()
-    while len(chunk := read(HASH_CHUNK_BYTES)):
-        sha.update(chunk)
-    return sha.hexdigest()
-
 
 def open_lane_file(dataset_path: str, entry, options: StorageOptions = StorageOptions()) -> BinaryIO:
     """Open a lane part file (``entry`` is a :class:`loader.io.manifest.FileEntry`) for pyarrow.

@@ -31,7 +31,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from beam_jobs.sample_data import default_tokenizer_path
-from loader.io import integrity, storage
+from loader.io import integrity, storage_options
 from loader.config import LoaderConfig
 from loader.errors import ZephonError
 from loader.io.manifest import MANIFEST_NAME, FileEntry, Manifest
@@ -189,8 +189,8 @@ def test_errors_on_read_ahead_threads_and_in_workers_name_the_file(clean, tmp_pa
 
 def test_each_file_is_hashed_once_per_process(clean, clean_batches, monkeypatch):
     hashed = []
-    real = storage.sha256_of_file
-    monkeypatch.setattr(storage, "sha256_of_file", lambda handle: hashed.append(1) or real(handle))
+    real = storage_options.sha256_of_file
+    monkeypatch.setattr(storage_options, "sha256_of_file", lambda handle: hashed.append(1) or real(handle))
     integrity._verified_local_files.clear()
     two_epochs = [{"path": clean, "max_epochs": 2}]
     assert batches(clean, datasets=two_epochs, verify_local_files=True)[:len(clean_batches) // 2] == clean_batches[:len(clean_batches) // 2]

@@ -1,0 +1,99 @@
+"""What every storage backend shares: the read options, the error types and file hashing.
+
+Its own module so that the backends (:mod:`loader.io.storage` for local paths and the
+dispatch, :mod:`loader.io.gcs`, :mod:`loader.io.cache`) depend on it and not on each other:
+``storage`` imports ``gcs`` (lazily: google-cloud-storage is slow to import), ``gcs`` imports
+``cache``, and none imports back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from loader import validation as rules
+from loader.errors import ZephonError
+
+# The form of every SHA-256 a manifest records (lowercase hex).
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+
+class StorageError(ZephonError, IOError):
+    """A lane file that cannot be read correctly; the message names the object."""
+
+
+class StorageNotFoundError(StorageError, FileNotFoundError):
+    """The object does not exist (``except FileNotFoundError`` catches it too)."""
+
+
+_MIB = 1024**2
+CHECKSUM_ATTEMPTS = 2  # a whole download whose sha256 mismatches the manifest is fetched once more, then fails
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """How the loader reads lane files. Documented in README ("Storage options").
+
+    The retry fields bound every remote request (``gs://``): a request that fails with a
+    transient error (HTTP 408/429/5xx, connection reset, timeout, truncated body) is retried
+    with exponential backoff and full jitter, at most ``retry_max_attempts`` times and no
+    longer than ``retry_deadline_s`` (plus the attempt in flight, itself bounded by
+    ``request_timeout_s``). Permanent errors (404, 403, checksum mismatch) are not retried.
+    """
+
+    cache_dir: Optional[str] = None  # local cache for remote lane files (None = no cache)
+    cache_max_bytes: int = 10 * 1024**3
+    verify_checksums: bool = True  # compare with the manifest's sha256 where the file is read whole
+    verify_local_files: bool = False  # sha256 of local lane files on first open (off: README "Data integrity")
+    endpoint: Optional[str] = None  # explicit GCS endpoint (else STORAGE_EMULATOR_HOST / Google)
+    retry_max_attempts: int = 8  # attempts per request, the first one included
+    retry_initial_backoff_s: float = 0.5  # backoff cap before the 1st retry; doubles each retry
+    retry_max_backoff_s: float = 16.0  # ceiling of the backoff cap
+    retry_deadline_s: float = 120.0  # no new attempt starts after this many seconds
+    request_timeout_s: float = 60.0  # connect/read timeout of one HTTP request
+    readahead_bytes: int = 8 * _MIB  # ranged-read window (memory per open remote file)
+    whole_file_max_bytes: int = 4 * _MIB  # remote files up to this size are fetched whole + sha256-checked
+
+    # Checked by loader.validation; the LoaderConfig ``storage`` table reuses these rules.
+    FIELD_RULES: ClassVar[dict] = {
+        "cache_dir": rules.OrAbsent(rules.FilePath()),
+        "cache_max_bytes": rules.Integer(minimum=1),
+        "verify_checksums": rules.Boolean(),
+        "verify_local_files": rules.Boolean(),
+        "endpoint": rules.OrAbsent(rules.Text()),
+        "retry_max_attempts": rules.Integer(minimum=1),
+        "retry_initial_backoff_s": rules.Number(minimum=0),
+        "retry_max_backoff_s": rules.Number(minimum=0),
+        "retry_deadline_s": rules.Number(minimum=0),
+        "request_timeout_s": rules.Number(minimum=0, exclusive=True,
+                                           hint="a request without a timeout can hang forever"),
+        "readahead_bytes": rules.Integer(minimum=1),
+        "whole_file_max_bytes": rules.Integer(minimum=0),
+    }
+
+    def __post_init__(self) -> None:
+        from loader.config import ConfigError
+
+        rules.validate_instance(self, ConfigError, "StorageOptions")
+
+
+HASH_CHUNK_BYTES = 4 * _MIB
+
+
+def sha256_of_file(handle) -> str:
+    """Hex SHA-256 of ``handle`` from its position to its end, in 4 MiB chunks.
+
+    The one way lane files are hashed after they are written: cached copies
+    (:mod:`loader.io.cache`) and local lane files (``verify_local_files``). An Arrow file
+    hands out its chunks without a copy (``read_buffer``); hashlib releases the GIL while
+    it hashes a large chunk, so a read-ahead thread hashing a file leaves the trainer's
+    thread free.
+    """
+    read = getattr(handle, "read_buffer", None) or handle.read
+    sha = hashlib.sha256()
+    while len(chunk := read(HASH_CHUNK_BYTES)):
+        sha.update(chunk)
+    return sha.hexdigest()
