@@ -103,6 +103,16 @@ class ZephonLoader:
             num_lanes=self.num_lanes, global_batch_size=config.global_batch_size,
             micro_batch_size=config.micro_batch_size, world_size=world_size, rank=rank,
         )
+        for name, dataset, manifest in zip(self.source_names, config.datasets, self.manifests):
+            # The Beam job stores images (issue 18), but no stage turns them into visual tokens and
+            # pixel_values yet: reading such a dataset as text would train on its captions alone.
+            if getattr(manifest, "images", None) is not None:
+                raise ManifestError(
+                    f"dataset {name!r} ({dataset.path}) holds images ({manifest.images.images} of them): the "
+                    "loader does not build image batches yet (visual tokens, pixel_values), and reading only "
+                    "its text would silently drop every image. Train on it once image batches land, or shard a "
+                    "text-only copy of the data for now"
+                )
         tokenizer = load_tokenizer(config.tokenizer, storage_options)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         for name, manifest in zip(self.source_names, self.manifests):
