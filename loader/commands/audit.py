@@ -1,0 +1,430 @@
+"""``zephon audit CONFIG --step N``: where every token of a global step came from.
+
+For every sequence of global step ``N`` (or one, ``--sequence I``: its position in the
+global batch) the report lists its pieces in order: source, lane, document key, lane file,
+row group and row, the token span taken from the document and where it sits in the
+sequence, then the padding. Spans count the *wrapped* document, ``[BOS] ids [EOS]`` as the
+config adds them, so ``wrapped[start:end] == input_ids[position:position + length]``.
+
+It never iterates the pipeline from step 0. The lanes of step ``N`` are rebuilt on
+:class:`~loader.io.provenance.ProvenanceStream` streams, which read document *lengths*
+(``num_tokens``, 4 bytes a document) and carry each token's document and offset as
+audit-only per-token features, and are brought to their state before step ``N`` like a
+resume, by one of three methods (the report names the one used):
+
+``seek`` (concat packing, endless sources, sequence mixing or one source)
+    Each output of a concat lane takes exactly ``seq_len`` tokens, and which source a lane's
+    outputs came from is a pure function of the global index (:mod:`loader.order.mixing`),
+    so a source's cursor before step ``N`` is token ``count x seq_len`` of its lane, epoch
+    after epoch. The epoch and file come from the manifest (tokens and rows per file); only
+    the ``num_tokens`` column of the row groups of the one file the cursor falls in is read.
+    Cost: ``O(N x B)`` integer work for the mixing counts (none for one source; about 3.5 s
+    for 41,233 steps of ``B = 1024`` over two sources on two cores) and at most one file's
+    ``num_tokens`` per lane and source, whatever ``N``.
+``checkpoint`` (``--load-state`` with a merged state at step ``S <= N``)
+    The saved cursors are restored and the lanes produce steps ``S .. N-1`` on lengths only;
+    the recorded mixture schedule is adopted as on a resume. Cost: the ``num_tokens`` of the
+    row groups those steps cover. A best-fit state whose open bins hold tokens cannot say
+    which documents they came from, so best fit replays instead (under the adopted schedule).
+``replay`` (best fit, token mixing, sources that stop or have ``max_epochs``)
+    The lanes produce every earlier output on lengths only. Cost: ``num_tokens`` of every
+    row group the lanes passed through (each read once: later epochs reuse them) and packer
+    CPU proportional to the documents before step ``N`` in those lanes; no token is decoded.
+
+Then the step's sequences are produced, and only for the row groups their documents lie in
+are the ``key`` column (and, with ``--text``, ``input_ids``) read. Text lanes (tokenized
+online) have no lengths on disk: ``seek`` and ``replay`` would tokenize every earlier
+document, so they are refused unless ``--load-state`` gives a checkpoint (then the row groups
+from it to step ``N`` are tokenized). Sources with online transforms or online chat
+rendering (whose documents change as they are read) are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional, Sequence
+
+import numpy as np
+
+from loader.config import LoaderConfig
+from loader.errors import ZephonError
+from loader.io.provenance import AUDIT_FEATURES, EPOCH_SHIFT, ROW_MASK, ProvenanceStream, ReadLog
+
+METHODS = ("seek", "checkpoint", "replay")
+
+
+class AuditError(ZephonError, ValueError):
+    """A step ``zephon audit`` cannot reconstruct as asked; the message says what to do instead."""
+
+    exit_code = 2
+
+
+@dataclass
+class Piece:
+    """A run of consecutive tokens of one document inside a sequence."""
+
+    position: int  # first position in the sequence
+    length: int
+    source: str
+    lane: int
+    key: str  # the document key
+    file: str  # lane file, relative to the dataset
+    row_group: int
+    row: int  # row in the file (row_group's rows included)
+    epoch: int
+    start: int  # span [start, end) in the wrapped document ([BOS] ids [EOS])
+    end: int
+    document_tokens: int  # wrapped length of the document
+    text: Optional[str] = None  # --text: the span decoded
+
+
+@dataclass
+class SequenceAudit:
+    position: int  # in the global batch
+    global_index: int
+    lane: int
+    source: str  # the sequence's source (majority source under token mixing)
+    pieces: list[Piece] = field(default_factory=list)
+    padding_start: int = 0  # padding runs from here to seq_len
+    padding: int = 0
+
+
+@dataclass
+class StepAudit:
+    step: int
+    global_batch_size: int
+    seq_len: int
+    packing: str
+    method: str
+    reads: dict[str, int]  # row groups read, per column
+    sequences: list[SequenceAudit]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def text(self) -> str:
+        lines = [f"step {self.step}: {len(self.sequences)} sequence(s) of {self.seq_len} tokens "
+                 f"({self.packing} packing); lane states by {self.method}; row groups read: "
+                 + ", ".join(f"{column} {count}" for column, count in self.reads.items())]
+        for seq in self.sequences:
+            lines.append(f"sequence {seq.position}  global index {seq.global_index}  lane {seq.lane}  "
+                         f"source {seq.source}  pieces {len(seq.pieces)}  padding {seq.padding}")
+            for p in seq.pieces:
+                line = (f"  [{p.position:>6}, {p.position + p.length:>6})  {p.source}  {p.key}  "
+                        f"{p.file} row group {p.row_group} row {p.row}  epoch {p.epoch}  "
+                        f"tokens [{p.start}, {p.end}) of {p.document_tokens}")
+                if p.text is not None:
+                    line += f"  {p.text!r}"
+                lines.append(line)
+            if seq.padding:
+                lines.append(f"  [{seq.padding_start:>6}, {seq.padding_start + seq.padding:>6})  padding")
+        return "\n".join(lines)
+
+
+# -- lane states ---------------------------------------------------------------------------
+def _lane_class():
+    """``Lane`` on provenance streams (imported late: the lane pulls in pyarrow and tokenizers)."""
+    from loader.stages.lane import Lane
+
+    return type("AuditLane", (Lane,), {"stream_class": ProvenanceStream})
+
+
+def source_counts_before(schedule, num_sources: int, global_batch_size: int, num_lanes: int,
+                         step: int) -> np.ndarray:
+    """``[lane, source]``: outputs of each source in each lane over steps ``0 .. step-1``, from the
+    mixing decisions alone (no fallback: only valid while every source still has data)."""
+    from loader.order.mixing import batch_assignments
+
+    counts = np.zeros((num_lanes, num_sources), dtype=np.int64)
+    if num_sources == 1:
+        for lane in range(num_lanes):
+            counts[lane, 0] = _lane_outputs_before(step * global_batch_size, lane, num_lanes)
+        return counts
+    block = max(1, 65536 // global_batch_size)
+    for first in range(0, step, block):
+        steps = range(first, min(step, first + block))
+        assigned = batch_assignments([schedule.weights_at(t) for t in steps], global_batch_size, first,
+                                     schedule.seed).reshape(-1).astype(np.int64)
+        lanes = (first * global_batch_size + np.arange(len(assigned), dtype=np.int64)) % num_lanes
+        counts += np.bincount(lanes * num_sources + assigned, minlength=num_lanes * num_sources).reshape(
+            num_lanes, num_sources)
+    return counts
+
+
+def _lane_outputs_before(global_index: int, lane: int, num_lanes: int) -> int:
+    from loader.order.ordering import lane_outputs_before
+
+    return lane_outputs_before(global_index, lane, num_lanes)
+
+
+def concat_cursor(stream: ProvenanceStream, position: int) -> Optional[dict]:
+    """The stream state at wrapped token ``position`` of the lane's endless stream, or None
+    past its last epoch. Reads the lengths of the row groups of one file at most."""
+    extra = stream.token_format.extra
+    file_tokens = [(entry.tokens or 0) + extra * entry.rows for entry in stream.files]
+    epoch, rest = divmod(position, sum(file_tokens))
+    if stream.max_epochs is not None and epoch >= stream.max_epochs:
+        return None
+    blocks = stream.blocks_of_epoch(epoch)
+    k = 0
+    while k < len(blocks):
+        file_ordinal = blocks[k][0]
+        groups = stream._num_row_groups(file_ordinal)
+        if rest >= file_tokens[file_ordinal]:
+            rest -= file_tokens[file_ordinal]
+            k += groups
+            continue
+        for j in range(k, k + groups):
+            tokens = stream.block_tokens(*blocks[j])
+            if rest < tokens:
+                return {"epoch": epoch, "block": j, "offset": rest, "exhausted": False}
+            rest -= tokens
+        break
+    raise AuditError(f"lane {stream.lane_id} of source {stream.source_name!r}: the manifest's token counts "
+                     "do not match the lane files' num_tokens (corrupt dataset?); run `zephon inspect` on it")
+
+
+def choose_method(loader, has_state: bool, state_has_bins: bool) -> str:
+    config = loader.config
+    # Online transforms and online chat rendering change documents (drop them, change their
+    # tokens) as they are read: their lengths are not the lane files' num_tokens.
+    rewritten = [s.name for s, m in zip(loader.spec.sources, loader.manifests)
+                 if getattr(s, "transforms", ()) or getattr(m, "online_chat", False)]
+    if rewritten:
+        raise AuditError(
+            f"sources {rewritten} are transformed or rendered as they are read (online transforms, online chat): "
+            "the length of each document is known only after that, which zephon audit does not replay; audit a "
+            "config without them, or apply them offline (`zephon shard --transform ...`, chat with --tokenizer)")
+    text_lanes = [n for n, m in zip(loader.source_names, loader.manifests) if not m.pretokenized]
+    finite = any(d.exhaustion == "stop" or d.max_epochs is not None for d in config.datasets)
+    token_mixing = config.mixing_unit == "token" and len(loader.source_names) > 1
+    if has_state and not state_has_bins:
+        return "checkpoint"
+    if text_lanes:
+        raise AuditError(
+            f"sources {text_lanes} are text lanes tokenized online: their document lengths are not on disk, so "
+            "auditing a step without a checkpoint would tokenize every earlier document"
+            + (" and a best-fit checkpoint's open bins do not say which documents they hold" if has_state else "")
+            + "; pass --load-state with a concat-packing checkpoint of the run at or before the step, or re-shard "
+            "the sources pre-tokenized (`zephon shard ... --tokenizer FILE`)")
+    if config.packing == "concat" and not finite and not token_mixing:
+        return "seek"
+    return "replay"
+
+
+def _state_has_bins(state: dict) -> bool:
+    for lane in state.get("lanes", {}).values():
+        packers = [lane["mixed"]] if "mixed" in lane else [s["packer"] for s in lane.get("sources", {}).values()]
+        if any(p.get("bins") for p in packers if isinstance(p, dict)):
+            return True
+    return False
+
+
+# -- the audit -----------------------------------------------------------------------------
+def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = None,
+               load_state: Optional[dict] = None, text: bool = False) -> StepAudit:
+    """The provenance of every token of global step ``step`` (see the module docstring)."""
+    from loader.pipeline import ZephonLoader  # torch: after the arguments are checked
+    from loader.stages.lane import LaneExhausted
+
+    B = config.global_batch_size
+    if sequence is not None and not 0 <= sequence < B:
+        raise AuditError(f"--sequence {sequence}: a position in the global batch, in [0, {B - 1}]")
+    loader = ZephonLoader(config.replace(num_workers=0, read_ahead=False), rank=0, world_size=1)
+    try:
+        start_step = 0
+        if load_state is not None:
+            loader.load_state_dict(load_state)  # every field checked; adopts the recorded schedule
+            start_step = loader.step
+            if start_step > step:
+                raise AuditError(f"--load-state resumes at step {start_step}, after --step {step}: pass a "
+                                 "checkpoint taken at or before the step")
+        method = choose_method(loader, load_state is not None, load_state is not None and _state_has_bins(load_state))
+        token_mixing = config.mixing_unit == "token" and len(loader.source_names) > 1
+        features = AUDIT_FEATURES + (("token_sources",) if token_mixing else ())
+        spec = replace(loader.spec, features=features, read_ahead=False)
+        positions = range(B) if sequence is None else [sequence]
+        indices = [step * B + p for p in positions]
+        L = loader.num_lanes
+        lane_ids = sorted({i % L for i in indices})
+        lanes = _build(spec, lane_ids, loader)
+        if method == "checkpoint":
+            first_index = start_step * B
+            for lane_id, lane in lanes.items():
+                lane.set_state(loader.lane_states[lane_id])
+        else:
+            first_index = 0
+        if method == "seek":
+            counts = source_counts_before(spec.schedule, len(spec.sources), B, L, step)
+            for lane_id, lane in lanes.items():
+                lane.set_state(_seek_state(lane, counts[lane_id], config.seq_len, step * B))
+        else:
+            for lane_id, lane in lanes.items():  # produce the lane's outputs before the step
+                first = _lane_outputs_before(first_index, lane_id, L)
+                for k in range(first, _lane_outputs_before(step * B, lane_id, L)):
+                    try:
+                        lane.next_sequence(k * L + lane_id)
+                    except LaneExhausted:
+                        raise AuditError(f"step {step} is past the end of the data (lane {lane_id} ends at output "
+                                         f"{k})") from None
+        sequences = []
+        wanted = set(indices)
+        for global_index in range(step * B, (step + 1) * B):
+            lane_id = global_index % L
+            if lane_id not in lanes:
+                continue
+            lane = lanes[lane_id]
+            try:
+                source_id, packed = lane.next_sequence(global_index)
+            except LaneExhausted:
+                raise AuditError(f"step {step} is past the end of the data (lane {lane_id} has no output for "
+                                 f"global index {global_index})") from None
+            if global_index in wanted:
+                sequences.append(_sequence_audit(global_index - step * B, global_index, lane, source_id, packed))
+        tokenizer = None
+        if text:
+            from loader.stages.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(config.tokenizer, config.storage_options())
+        log = ReadLog()
+        for lane in lanes.values():
+            for stream in lane.source_streams():
+                log.reads.extend(stream.reads.reads)
+        _fill_documents(sequences, lanes, loader, tokenizer, log)
+        reads = {column: log.count(column) for column in dict.fromkeys(r[4] for r in log.reads)}
+        for lane in lanes.values():
+            lane.close()
+        return StepAudit(step=step, global_batch_size=B, seq_len=config.seq_len, packing=config.packing,
+                         method=method, reads=reads, sequences=sequences)
+    finally:
+        loader.close()
+
+
+def _build(spec, lane_ids: list[int], loader) -> dict:
+    from tokenizers import Tokenizer
+
+    from loader.io.manifest import Manifest
+
+    tokenizer = Tokenizer.from_str(spec.tokenizer_json) if spec.tokenizer_json is not None else None
+    manifests = [Manifest.from_json(s.manifest_json, s.dataset_path) for s in spec.sources]
+    lane_class = _lane_class()
+    return {lane_id: lane_class(spec, lane_id, manifests, tokenizer) for lane_id in lane_ids}
+
+
+def _seek_state(lane, counts: np.ndarray, seq_len: int, step_index: int) -> dict:
+    sources = {}
+    for source, stream, count in zip(lane.spec.sources, lane.source_streams(), counts.tolist()):
+        cursor = concat_cursor(stream, count * seq_len)
+        if cursor is None:  # cannot happen for endless sources (choose_method)
+            raise AuditError(f"source {source.name!r} has no data left in lane {lane.lane_id}")
+        sources[source.name] = {"packer": {"stream": cursor}, "stopped": False}
+    return {"outputs": _lane_outputs_before(step_index, lane.lane_id, lane.num_lanes), "sources": sources}
+
+
+def _sequence_audit(position: int, global_index: int, lane, source_id: int, packed) -> SequenceAudit:
+    names = [s.name for s in lane.spec.sources]
+    documents = packed.features["audit_document"]
+    offsets = packed.features["audit_offset"]
+    token_sources = packed.features.get("token_sources")
+    used = documents != -1
+    padding_start = int(np.flatnonzero(~used)[0]) if (~used).any() else len(documents)
+    # A piece starts where the document changes or its offsets stop being consecutive.
+    starts = np.flatnonzero(np.concatenate([[True], (documents[1:] != documents[:-1])
+                                            | (offsets[1:] != offsets[:-1] + 1)]) & used)
+    ends = np.append(starts[1:], padding_start)
+    audit = SequenceAudit(position=position, global_index=global_index, lane=lane.lane_id, source=names[source_id],
+                          padding_start=padding_start, padding=len(documents) - padding_start)
+    for lo, hi in zip(starts.tolist(), ends.tolist()):
+        hi = min(hi, padding_start)
+        code = int(documents[lo])
+        sid = int(token_sources[lo]) if token_sources is not None else source_id
+        audit.pieces.append(Piece(position=lo, length=hi - lo, source=names[sid], lane=lane.lane_id, key="",
+                                  file="", row_group=-1, row=code & ROW_MASK, epoch=code >> EPOCH_SHIFT,
+                                  start=int(offsets[lo]), end=int(offsets[lo]) + hi - lo, document_tokens=0))
+    return audit
+
+
+def _fill_documents(sequences: list[SequenceAudit], lanes: dict, loader, tokenizer, log: ReadLog) -> None:
+    """Keys (and with ``tokenizer``, decoded spans) of the pieces' documents: one read of the
+    ``key`` column (and ``input_ids``/``text``) per row group the step's documents lie in."""
+    names = [s.name for s in loader.spec.sources]
+    columns: dict[tuple, dict[str, list]] = {}
+    for seq in sequences:
+        for piece in seq.pieces:
+            stream = lanes[piece.lane].source_streams()[names.index(piece.source)]
+            where = stream.locate(piece.row)  # piece.row holds the lane row until here
+            group_key = (piece.source, piece.lane, where.file_ordinal, where.row_group)
+            if group_key not in columns:
+                wanted = ["key"] + (["input_ids" if stream.pretokenized else "text"] if tokenizer is not None else [])
+                table = stream._parquet(where.file_ordinal).read_row_group(where.row_group, columns=wanted,
+                                                                          use_threads=False)
+                for column in wanted:
+                    log.note(piece.source, piece.lane, where.path, where.row_group, column)
+                columns[group_key] = {c: table.column(c).to_pylist() for c in wanted}
+            group = columns[group_key]
+            length = int(stream.lengths(where.file_ordinal, where.row_group)[where.row_in_group])
+            piece.key = group["key"][where.row_in_group]
+            piece.file, piece.row_group, piece.row = where.path, where.row_group, where.row_in_file
+            piece.document_tokens = length + stream.token_format.extra
+            if tokenizer is not None:
+                piece.text = tokenizer.decode(_wrapped_ids(group, where.row_in_group, stream, tokenizer)[
+                    piece.start:piece.end], skip_special_tokens=False)
+
+
+def _wrapped_ids(group: dict, row: int, stream, tokenizer) -> list[int]:
+    if "input_ids" in group:
+        value = group["input_ids"][row]
+        ids = np.frombuffer(value, "<i4").tolist() if isinstance(value, bytes) else list(value or [])
+    else:
+        ids = tokenizer.encode(group["text"][row] or "", add_special_tokens=False).ids
+    fmt = stream.token_format
+    return ([fmt.bos_id] if fmt.bos_id is not None else []) + ids + ([fmt.eos_id] if fmt.eos_id is not None else [])
+
+
+# -- command line ----------------------------------------------------------------------------
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zephon audit",
+        description="List where every token of a global step came from: source, lane, document key, lane file "
+                    "and row, the span taken from the document, its place in the sequence, and the padding.",
+    )
+    parser.add_argument("config", help="loader config file (.toml or .json) of the run")
+    parser.add_argument("--step", type=int, required=True, help="the global step to audit (>= 0)")
+    parser.add_argument("--sequence", type=int, default=None,
+                        help="only this sequence: its position in the global batch (0 .. B-1)")
+    parser.add_argument("--load-state", metavar="FILE",
+                        help="a merged checkpoint of the run at or before the step (JSON, as written by "
+                             "`zephon fingerprints --save-state` or global_state_dict()): seek from its cursors "
+                             "and adopt its recorded mixture schedule")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--text", action="store_true", help="also decode each piece's tokens to text")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from loader.cli import run_command
+
+    return run_command("audit", argv)
+
+
+def command(argv: Sequence[str]) -> int:
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.step < 0:
+        parser.error(f"--step must be >= 0 (got {args.step})")
+    config = LoaderConfig.from_file(args.config)
+    load_state = None
+    if args.load_state:
+        from loader.commands.fingerprints import read_state_file
+
+        load_state = read_state_file(args.load_state)
+    report = audit_step(config, args.step, sequence=args.sequence, load_state=load_state, text=args.text)
+    print(report.to_json() if args.json else report.text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
