@@ -1,0 +1,282 @@
+"""Online chat: the loader renders, tokenizes and masks the conversations of a lane's row group.
+
+A chat dataset sharded without ``--tokenizer`` holds each validated conversation as JSON in
+its ``conversation`` column and records the template and options in the manifest's ``chat``
+entry (:class:`loader.io.manifest.ChatRecord`). Its lane streams read that column, and a row
+group becomes a :class:`ChatBlock`, the chat kind of text block::
+
+    conversation JSON --json.loads--> record --encode_conversations (loader.chat.encode,
+        the code the Beam job runs offline)--> input_ids + loss_mask of each accepted
+        conversation --wrap_documents / wrap_feature--> block tokens + features["loss_mask"]
+                                    \\--> ConversationRejected(reason): counted, never trained on
+
+so a block holds exactly what the offline path's lane files would hold for the same
+conversations (the same ids, masks and BOS/EOS values): offline and online batches are equal.
+
+Length: under ``best_fit`` no conversation may be split, so the overflow option (the
+manifest's ``overflow``) applies at ``min(max_tokens, seq_len - wrap tokens)``
+(:func:`effective_max_tokens`); a pre-tokenized chat source whose ``max_tokens`` does not fit is
+refused when the loader is built (:func:`check_chat_fits`).
+
+Rejects found online are the token-level guards (:data:`ONLINE_REJECT_REASONS`; the others
+happened in the job). A block renders all its conversations on first use (one batched
+tokenizer call: :func:`loader.chat.encode.encode_conversations`), so its reject counts are known
+then. :class:`RejectTally` reports a block's rejects once, with the sequence whose production
+moves the stream's cursor into (or past) the block; the first of each reason is logged once
+per process. Because "into the block" is read off the cursor, the counts of a micro-batch are
+the same on every topology and across a resume (a cursor restored inside a block has reported
+it already).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from loader.chat.conversations import ConversationRejected
+from loader.chat.encode import check_options, encode_conversations
+from loader.chat.template import ChatTemplate
+from loader.config import ConfigError
+from loader.io.blocks import Block, TokenFormat, wrap_documents
+from loader.io.integrity import LaneDataError
+from loader.stages.features import FEATURES, wrap_feature
+
+log = logging.getLogger(__name__)
+
+# The guards that need the tokens: the reasons a conversation is refused online, in batch
+# metadata order (``batch["chat_rejects"]``, zeros included).
+ONLINE_REJECT_REASONS = ("empty_loss_mask", "full_loss_mask", "too_long")
+MESSAGES_KEY, TOOLS_KEY = "messages", "tools"  # keys of the conversation JSON (beam_jobs.chat_records)
+
+_logged_reasons: set[str] = set()
+_logged_lock = threading.Lock()  # guards both
+_encoders: dict[tuple, "OnlineChat"] = {}  # OnlineChat.of_manifest: one per source and process
+
+
+class ChatConfigError(ConfigError):
+    """A chat source that cannot be used with this loader config (the message says the fix)."""
+
+
+def effective_max_tokens(max_tokens: Optional[int], *, seq_len: int, packing: str, wrap_tokens: int) -> Optional[int]:
+    """The length bound applied online: the manifest's, and under ``best_fit`` at most what fits
+    in one sequence with the loader's BOS/EOS (so no conversation is ever split)."""
+    if packing != "best_fit":
+        return max_tokens
+    fit = seq_len - wrap_tokens
+    return fit if max_tokens is None else min(max_tokens, fit)
+
+
+def check_chat_fits(manifest, source_name: str, *, seq_len: int, packing: str, wrap_tokens: int) -> None:
+    """Refuse a pre-tokenized chat source under ``best_fit`` whose conversations may not fit one
+    sequence (they would be split). Online sources are cut or refused at the fit instead."""
+    chat = manifest.chat
+    if chat is None or not chat.tokenized or packing != "best_fit":
+        return
+    fit = seq_len - wrap_tokens
+    if seq_len - wrap_tokens < 1 or chat.max_tokens is None or chat.max_tokens > fit:
+        bound = "no --chat-max-tokens" if chat.max_tokens is None else f"--chat-max-tokens {chat.max_tokens}"
+        raise ChatConfigError(
+            f"datasets entry {source_name!r}: its conversations were tokenized offline with {bound}, so some may "
+            f"be longer than seq_len={seq_len} minus the {wrap_tokens} BOS/EOS token(s) the loader adds, and "
+            "best_fit packing would split them; re-shard it with --chat-max-tokens "
+            f"{max(fit, 1)} (or lower), or shard it without --tokenizer (the loader then cuts or refuses, per "
+            "--chat-overflow, at what fits)"
+        )
+
+
+def check_chat_sources(manifests, source_names, tokenizer, *, seq_len: int, packing: str,
+                       wrap_tokens: int) -> tuple[str, ...]:
+    """Check a loader's chat sources when it is built: pre-tokenized ones fit (:func:`check_chat_fits`),
+    online ones have a usable template and bound. Returns the batch's ``chat_rejects`` reasons
+    (empty without an online chat source: the batch then has no such field)."""
+    online = False
+    for manifest, name in zip(manifests, source_names):
+        check_chat_fits(manifest, name, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens)
+        if manifest.online_chat:
+            OnlineChat.of_manifest(manifest, tokenizer, source_name=name, seq_len=seq_len, packing=packing,
+                                   wrap_tokens=wrap_tokens)  # compiles the template: errors now, not in a worker
+            online = True
+    return ONLINE_REJECT_REASONS if online else ()
+
+
+def _log_first(reason: str, source_name: str, detail: str) -> None:
+    with _logged_lock:
+        if reason in _logged_reasons:
+            return
+        _logged_reasons.add(reason)
+    log.warning("chat source %r: a conversation is rejected online (%s: %s); it is not trained on, and rejects "
+                "are counted per reason in each micro-batch's 'chat_rejects' (logged once per reason)",
+                source_name, reason, detail)
+
+
+@dataclass(frozen=True)
+class OnlineChat:
+    """What a stream of an online chat source needs to encode its conversations.
+
+    Picklable (the template pickles as its sources; the tokenizer is the loader's, rebuilt in
+    each worker process from its JSON).
+    """
+
+    template: ChatTemplate
+    tokenizer: Any
+    loss_on: str
+    max_tokens: Optional[int]  # the effective bound (effective_max_tokens)
+    overflow: str
+    source_name: str
+
+    @classmethod
+    def of_manifest(cls, manifest, tokenizer, *, source_name: str, seq_len: int, packing: str,
+                    wrap_tokens: int) -> "OnlineChat":
+        """The encoder of a manifest whose ``chat`` is online (``manifest.online_chat``).
+
+        One per source and process: every lane of the source shares it (compiling the
+        template once took ~0.1 s; per lane it delayed the first batch by lanes x that)."""
+        key = (json.dumps(manifest.chat.to_dict(), sort_keys=True), id(tokenizer), source_name, seq_len, packing,
+               wrap_tokens)
+        with _logged_lock:
+            cached = _encoders.get(key)
+        if cached is not None and cached.tokenizer is tokenizer:
+            return cached
+        encoder = cls._build(manifest, tokenizer, source_name=source_name, seq_len=seq_len, packing=packing,
+                             wrap_tokens=wrap_tokens)
+        with _logged_lock:
+            if len(_encoders) > 64:
+                _encoders.clear()
+            _encoders[key] = encoder
+        return encoder
+
+    @classmethod
+    def _build(cls, manifest, tokenizer, *, source_name: str, seq_len: int, packing: str,
+               wrap_tokens: int) -> "OnlineChat":
+        chat = manifest.chat
+        record = chat.template
+        template = ChatTemplate(sources=dict(record["sources"]), origin=f"{source_name}: manifest chat.template",
+                                special_tokens=dict(record.get("special_tokens") or {}),
+                                extra_variables=dict(record.get("extra_variables") or {}),
+                                template_name=record.get("template_name"))
+        max_tokens = effective_max_tokens(chat.max_tokens, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens)
+        if max_tokens is not None and max_tokens < 1:
+            raise ChatConfigError(f"datasets entry {source_name!r}: seq_len={seq_len} leaves no room for a "
+                                  f"conversation beside the {wrap_tokens} BOS/EOS token(s); raise seq_len")
+        check_options(chat.loss_on, max_tokens, chat.overflow)
+        return cls(template, tokenizer, chat.loss_on, max_tokens, chat.overflow, source_name)
+
+    def block(self, conversations: list, token_format: TokenFormat, where: str, row_group: int) -> "ChatBlock":
+        """The block of one row group's ``conversation`` values (rows in replay order)."""
+        return ChatBlock(conversations, self, token_format, where, row_group)
+
+
+class ChatBlock(Block):
+    """A row group of conversations, encoded as a whole on first use (see the module docstring).
+
+    ``reject_counts``: conversations refused online, per reason (after :meth:`ensure`).
+    """
+
+    def __init__(self, conversations: list, chat: OnlineChat, token_format: TokenFormat, where: str,
+                 row_group: int) -> None:
+        super().__init__(tokens=np.zeros(0, dtype=np.int32), doc_starts=np.zeros(1, dtype=np.int64),
+                         complete=not conversations)
+        self._conversations = conversations
+        self._chat = chat
+        self._format = token_format
+        self._where = (where, row_group)
+        self.reject_counts: dict[str, int] = {}
+        if not conversations:
+            self.features = {"loss_mask": np.zeros(0, FEATURES["loss_mask"].dtype)}
+
+    def ensure(self, position: int) -> None:
+        if not self.complete:
+            self._encode()
+
+    def rejects(self) -> dict[str, int]:
+        self.ensure(0)
+        return self.reject_counts
+
+    def _records(self) -> list[dict]:
+        where, row_group = self._where
+        records = []
+        for row, value in enumerate(self._conversations):
+            try:
+                record = json.loads(value)
+            except (TypeError, ValueError) as exc:
+                raise LaneDataError(f"{where}: row group {row_group}, row {row}: the conversation column holds "
+                                    f"no conversation JSON ({type(exc).__name__}: {exc}); the file was not written "
+                                    "by the Beam job (re-run it)") from exc
+            if not isinstance(record, dict):
+                raise LaneDataError(f"{where}: row group {row_group}, row {row}: the conversation column holds "
+                                    f"{type(record).__name__}, not an object; re-run the Beam job")
+            records.append(record)
+        return records
+
+    def _encode(self) -> None:
+        chat = self._chat
+        outcomes = encode_conversations(
+            self._records(), chat.template, chat.tokenizer, loss_on=chat.loss_on, max_tokens=chat.max_tokens,
+            overflow=chat.overflow, messages_field=MESSAGES_KEY, tools_field=TOOLS_KEY)
+        ids, masks = [], []
+        for outcome in outcomes:
+            if isinstance(outcome, ConversationRejected):
+                if outcome.reason not in ONLINE_REJECT_REASONS:  # the job checked the rest: not its data
+                    where, row_group = self._where
+                    raise LaneDataError(f"{where}: row group {row_group}: a conversation fails a check the Beam job "
+                                        f"makes ({outcome}); the file was not written by it (re-run it)")
+                self.reject_counts[outcome.reason] = self.reject_counts.get(outcome.reason, 0) + 1
+                _log_first(outcome.reason, chat.source_name, outcome.detail)
+                continue
+            ids.append(outcome.input_ids)
+            masks.append(outcome.loss_mask)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat_ids = np.concatenate(ids).astype(np.int32, copy=False) if ids else np.zeros(0, np.int32)
+        flat_mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+        wrapped = wrap_documents(flat_ids, lengths, self._format)
+        fmt = self._format
+        self.tokens, self.doc_starts = wrapped.tokens, wrapped.doc_starts
+        self.features = {"loss_mask": wrap_feature(FEATURES["loss_mask"], flat_mask, lengths, wrapped.doc_starts,
+                                                   fmt.bos_id is not None, fmt.eos_id is not None)}
+        self.complete = True
+        self._conversations = None
+
+
+class RejectTally:
+    """The online rejects of one stream, reported once per block (see the module docstring).
+
+    Not part of the stream's state: which blocks have been reported follows from the cursor
+    (``(epoch, block, offset)``, a block is entered once ``offset > 0`` or the cursor is past it),
+    both in a run and after :meth:`restore`. Holds the blocks read since the last report (the
+    current one and those read ahead), by ``(epoch, block)``.
+    """
+
+    def __init__(self) -> None:
+        self._reported = (0, -1)  # the last block whose rejects were reported: none yet
+        self._blocks: dict[tuple[int, int], ChatBlock] = {}
+        self._lock = threading.Lock()  # blocks are registered by read-ahead threads too
+
+    def register(self, key: tuple[int, int], block: Block) -> None:
+        """A block read (on any thread); the same key always holds the same conversations."""
+        if isinstance(block, ChatBlock):
+            with self._lock:
+                self._blocks[key] = block
+
+    def restore(self, epoch: int, block: int, offset: int) -> None:
+        self._reported = (epoch, block) if offset > 0 else (epoch, block - 1)
+
+    def take(self, epoch: int, block: int, offset: int) -> Optional[dict[str, int]]:
+        """The rejects of the blocks entered since the last call, or None when there are none."""
+        entered = (epoch, block) if offset > 0 else (epoch, block - 1)
+        if entered <= self._reported:
+            return None
+        with self._lock:
+            passed = [(key, self._blocks.pop(key)) for key in sorted(self._blocks) if key <= entered]
+        counts: Optional[dict[str, int]] = None
+        for key, chat_block in passed:
+            if key > self._reported:
+                for reason, count in chat_block.rejects().items():
+                    counts = {} if counts is None else counts
+                    counts[reason] = counts.get(reason, 0) + count
+        self._reported = entered
+        return counts
