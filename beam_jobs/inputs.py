@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from loader.errors import ZephonError
 
-FORMATS = ("jsonl", "parquet", "text")
+FORMATS = ("jsonl", "parquet", "text", "webdataset")  # webdataset: image jobs (beam_jobs.webdataset)
 COMPRESSIONS = ("none", "gzip", "zstd")
 
 # Longest suffix first, so that ".jsonl.gz" wins over ".gz".
@@ -49,6 +49,7 @@ FORMAT_BY_SUFFIX = (
     (".json", "jsonl"),
     (".parquet", "parquet"),
     (".txt", "text"),
+    (".tar", "webdataset"),
 )
 COMPRESSION_BY_SUFFIX = ((".gz", "gzip"), (".zst", "zstd"), (".zstd", "zstd"))
 

@@ -65,6 +65,7 @@ def summarize(manifest: Manifest, dataset: str) -> dict[str, Any]:
         "rejected_total": rejected_total,
         "rejected_fraction": round(rejected_total / records, 6) if records else 0.0,
         "schema": manifest.schema,
+        **({"images": manifest.images.to_dict()} if manifest.images is not None else {}),  # image datasets only
     }
 
 
@@ -99,6 +100,11 @@ def render_text(summary: dict[str, Any]) -> str:
                      f"{tokenizer['fingerprint'][:16]}..., vocab {tokenizer.get('vocab_size')})")
     else:
         lines.append("tokens         not pre-tokenized (the loader tokenizes online)")
+    if summary.get("images") is not None:
+        images = summary["images"]
+        policy = images["policy"]
+        lines.append(f"images         {images['images']:,} (visual tokens: " + (
+            f"{policy['kind']} policy {images['policy_fingerprint'][:16]}...)" if policy else "not counted offline)"))
     lines.append(f"bytes          {_size(summary['bytes'])} in lane files")
     lines.append(f"lane balance   documents: {_balance_line(summary['lane_documents'])}")
     if summary["lane_tokens"] is not None:

@@ -16,6 +16,13 @@ equality holds for one pyarrow version). Files are serialised into memory, so th
 and SHA-256 are known before they are written under a temporary name and renamed.
 
 A bucket that receives no documents writes no file, so part numbers of a lane can have gaps.
+
+Image datasets (``--image-field`` or WebDataset input) add the columns of
+:mod:`beam_jobs.image_lanes` after ``text``: ``segments`` (where the images stand in the text,
+:mod:`loader.vision.segments`), ``num_images``, ``image_bytes`` (encoded bytes as given, no
+Parquet codec), ``image_format``, ``image_width``, ``image_height``, ``image_sha256`` and, with
+``--image-policy``, ``image_visual_tokens``; their rows are cut into row groups by text plus
+image bytes. Text datasets are written exactly as before (same schema, same bytes).
 """
 
 from __future__ import annotations
@@ -33,8 +40,17 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 
+from beam_jobs import progress
+from beam_jobs.image_lanes import (
+    IMAGE_BYTES_COLUMN,
+    IMAGE_COLUMN_CODECS,
+    image_columns,
+    image_count,
+    image_fields,
+    image_nbytes,
+)
 from loader.order.hashing import file_bucket, lane_of_key, order_key_of
-from loader.io.manifest import FileEntry, lane_file_path
+from loader.io.manifest import CONVERSATION_COLUMN, FileEntry, lane_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +87,12 @@ STATISTICS_COLUMNS = ("key", "order_key", "num_tokens")
 # Columns stored with the token codec (--token-compression): per-token data the loader decodes
 # every epoch. ``loss_mask`` (chat, one byte per id) is a feature column of loader.stages.features.
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
-RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens", "loss_mask")
+RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens", "loss_mask", CONVERSATION_COLUMN)
 
 # Row tuple between AssignLane and WriteLaneFiles. The order key travels as 8 big-endian
 # bytes: Beam's fast coder pickles ints >= 2**63, and bytes compare in unsigned order. A chat
-# row (beam_jobs.chat_records) adds its encoding: (input_ids "<i4" bytes, loss_mask uint8 bytes).
+# row (beam_jobs.chat_records) adds its encoding: (input_ids "<i4" bytes, loss_mask uint8 bytes), or
+# the conversation JSON (a str) when the loader encodes it online.
 LaneRow = tuple  # (order_key_be8: bytes, key: str, text: str, kept_values: tuple[str | None, ...][, encoded])
 
 
@@ -100,16 +117,24 @@ class AssignLaneFn(beam.DoFn):
         yield (lane_id, part), (order_key.to_bytes(8, "big"), key, text, kept_values, *encoded)
 
 
-def lane_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool = False):
+def lane_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool = False, conversation: bool = False,
+                images: bool = False, visual_tokens: bool = False):
     """The Arrow schema of a lane file (documented in :mod:`loader.io.manifest`); ``loss_mask``:
-    chat data, pre-tokenized with a per-token loss mask."""
+    chat data, pre-tokenized with a per-token loss mask; ``conversation``: chat data encoded online;
+    ``images``: image documents (:mod:`beam_jobs.image_lanes`), ``visual_tokens`` with a policy."""
     if loss_mask and not pretokenized:
         raise ValueError("a loss_mask column needs the input_ids it is aligned with (pretokenized=True)")
+    if conversation and pretokenized:
+        raise ValueError("a conversation column is for chat data the loader encodes (pretokenized=False)")
     fields = [pa.field("key", pa.string()), pa.field("order_key", pa.uint64()), pa.field("text", pa.string())]
+    if conversation:
+        fields.append(pa.field(CONVERSATION_COLUMN, pa.string()))
     if pretokenized:
         fields += [pa.field("input_ids", INPUT_IDS_TYPE), pa.field("num_tokens", pa.int32())]
     if loss_mask:
         fields.append(pa.field("loss_mask", LOSS_MASK_TYPE))
+    if images:
+        fields += image_fields(visual_tokens)
     fields += [pa.field(name, pa.string()) for name in keep_fields]
     return pa.schema(fields)
 
@@ -121,9 +146,12 @@ def _type_name(arrow_type) -> str:
     return str(arrow_type)
 
 
-def manifest_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool = False) -> list[dict[str, str]]:
+def manifest_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool = False,
+                    conversation: bool = False, images: bool = False,
+                    visual_tokens: bool = False) -> list[dict[str, str]]:
     """The schema as the manifest records it: ``[{"name": ..., "type": ...}]``."""
-    return [{"name": f.name, "type": _type_name(f.type)} for f in lane_schema(pretokenized, keep_fields, loss_mask)]
+    schema = lane_schema(pretokenized, keep_fields, loss_mask, conversation, images, visual_tokens)
+    return [{"name": f.name, "type": _type_name(f.type)} for f in schema]
 
 
 def row_group_bounds(text_nbytes: np.ndarray) -> list[tuple[int, int]]:
@@ -173,13 +201,16 @@ class SerializedLaneFile:
     tokens: Optional[int]
     row_groups: int
     duplicate_keys: int
+    images: int = 0  # image datasets: images in the file (summed into the manifest's "images")
 
 
 def sort_rows(rows: Iterable[LaneRow], has_kept_fields: bool) -> list[LaneRow]:
     """Rows in lane order; ties (duplicate keys) are broken by content, never by arrival."""
     if not has_kept_fields:
         return sorted(rows)  # kept_values is () in every row, so plain tuple order is enough
-    return sorted(rows, key=lambda row: (row[0], row[1], row[2], tuple((v is not None, v or "") for v in row[3])))
+    # row[4:]: an image row's payload (not a function of its text, unlike a chat row's encoding)
+    return sorted(rows, key=lambda row: (row[0], row[1], row[2], tuple((v is not None, v or "") for v in row[3]),
+                                         row[4:]))
 
 
 def parquet_write_options(schema: pa.Schema, token_compression: str = DEFAULT_TOKEN_COMPRESSION) -> dict[str, Any]:
@@ -202,6 +233,11 @@ def parquet_write_options(schema: pa.Schema, token_compression: str = DEFAULT_TO
         options["compression_level"] = {
             name: PARQUET_WRITE_OPTIONS["compression_level"] for name, codec in codecs.items() if codec == "zstd"
         }
+    if IMAGE_BYTES_COLUMN in schema.names:  # image datasets: encoded images are compressed already
+        codecs = {name: IMAGE_COLUMN_CODECS.get(name, PARQUET_WRITE_OPTIONS["compression"]) for name in schema.names}
+        options["compression"] = codecs
+        options["compression_level"] = {name: PARQUET_WRITE_OPTIONS["compression_level"]
+                                        for name, codec in codecs.items() if codec == "zstd"}
     return options
 
 
@@ -217,21 +253,30 @@ def encoded_token_columns(rows: Sequence[LaneRow]) -> tuple[pa.Array, np.ndarray
 
 def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[str], tokenizer=None,
                         token_compression: str = DEFAULT_TOKEN_COMPRESSION,
-                        encoded: bool = False) -> SerializedLaneFile:
+                        encoded: bool = False, conversations: bool = False, images: bool = False,
+                        visual_tokens: bool = False) -> SerializedLaneFile:
     """The exact bytes of one lane part file holding ``sorted_rows`` in that order.
 
+    ``images``: image rows carrying ``(segments, images)`` (:mod:`beam_jobs.image_records`),
+    written as the image columns of :mod:`beam_jobs.image_lanes` (``visual_tokens``: with the
+    counts of ``--image-policy``); their image bytes count with the text when cutting row groups.
+
     ``encoded``: chat rows that carry their ``input_ids`` and ``loss_mask``
-    (:mod:`beam_jobs.chat_records`), written as they are; otherwise ``tokenizer`` (if any)
+    (:mod:`beam_jobs.chat_records`), written as they are; ``conversations``: chat rows that carry
+    their conversation JSON, for the loader to encode; otherwise ``tokenizer`` (if any)
     tokenizes the text.
     """
-    if encoded and tokenizer is not None:
-        raise ValueError("encoded rows are already tokenized; pass tokenizer=None")
-    schema = lane_schema(tokenizer is not None or encoded, keep_fields, loss_mask=encoded)
+    if (encoded or conversations) and tokenizer is not None:
+        raise ValueError("chat rows are encoded by the job or by the loader, not by tokenizer=; pass tokenizer=None")
+    schema = lane_schema(tokenizer is not None or encoded, keep_fields, loss_mask=encoded, conversation=conversations,
+                         images=images, visual_tokens=visual_tokens)
     keys = pa.array([row[1] for row in sorted_rows], pa.string())
     order_keys = pa.array(np.frombuffer(b"".join(row[0] for row in sorted_rows), dtype=">u8").astype(np.uint64))
     texts = pa.array([row[2] for row in sorted_rows], pa.string())
     kept_columns = [pa.array([row[3][k] for row in sorted_rows], pa.string()) for k in range(len(keep_fields))]
-    bounds = row_group_bounds(pc.binary_length(texts).to_numpy(zero_copy_only=False))
+    conversation_column = pa.array([row[4] for row in sorted_rows], pa.string()) if conversations else None
+    content_nbytes = pc.binary_length(texts).to_numpy(zero_copy_only=False)
+    bounds = row_group_bounds(content_nbytes + image_nbytes(sorted_rows) if images else content_nbytes)
 
     sink = pa.BufferOutputStream()
     total_tokens = 0
@@ -239,6 +284,8 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
         for start, stop in bounds:
             length = stop - start
             columns = [keys.slice(start, length), order_keys.slice(start, length), texts.slice(start, length)]
+            if conversation_column is not None:
+                columns.append(conversation_column.slice(start, length))
             if tokenizer is not None:
                 input_ids, num_tokens = tokenize_texts(tokenizer, [row[2] for row in sorted_rows[start:stop]])
                 total_tokens += int(num_tokens.sum())
@@ -247,6 +294,8 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
                 input_ids, num_tokens, loss_mask = encoded_token_columns(sorted_rows[start:stop])
                 total_tokens += int(num_tokens.sum())
                 columns += [input_ids, pa.array(num_tokens), loss_mask]
+            if images:
+                columns += image_columns(sorted_rows[start:stop], visual_tokens)
             columns += [column.slice(start, length) for column in kept_columns]
             # One write_table call with row_group_size >= its rows is exactly one row group.
             writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=length)
@@ -257,6 +306,7 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
         tokens=total_tokens if tokenizer is not None or encoded else None,
         row_groups=len(bounds),
         duplicate_keys=duplicate_keys,
+        images=image_count(sorted_rows) if images else 0,
     )
 
 
@@ -265,9 +315,15 @@ class WriteLaneFileFn(beam.DoFn):
 
     def __init__(self, output: str, keep_fields: Sequence[str], tokenizer_path: Optional[str],
                  tokenizer_fingerprint: Optional[str], token_compression: str = DEFAULT_TOKEN_COMPRESSION,
-                 encoded: bool = False):
-        # encoded: chat rows arrive tokenized (ReadFiles encoded them); tokenizer_path is then None.
+                 encoded: bool = False, conversations: bool = False, images: bool = False,
+                 visual_tokens: bool = False):
+        # encoded: chat rows arrive tokenized (ReadFiles encoded them); conversations: chat rows
+        # carry their conversation JSON (encoded online); tokenizer_path is then None. images:
+        # image rows (beam_jobs.image_records); each entry then also says how many images it holds.
         self.encoded = encoded
+        self.conversations = conversations
+        self.images = images
+        self.visual_tokens = visual_tokens
         self.output = output
         self.token_compression = token_compression
         self.keep_fields = tuple(keep_fields)
@@ -275,6 +331,10 @@ class WriteLaneFileFn(beam.DoFn):
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.tokenizer = None
         self.duplicates_counter = Metrics.counter("zephon.shard", "duplicate_keys")
+        self.files_counter = Metrics.counter("zephon.shard", "lane_files_written")  # beam_jobs.progress
+        self.rows_counter = Metrics.counter("zephon.shard", "rows_written")
+        self.bytes_counter = Metrics.counter("zephon.shard", "bytes_written")
+        self.tokens_counter = Metrics.counter("zephon.shard", "tokens_written")
 
     def setup(self) -> None:
         if self.tokenizer_path is None:
@@ -296,9 +356,14 @@ class WriteLaneFileFn(beam.DoFn):
         (lane_id, part), rows = element
         sorted_rows = sort_rows(rows, bool(self.keep_fields))
         serialized = serialize_lane_file(sorted_rows, self.keep_fields, self.tokenizer, self.token_compression,
-                                         self.encoded)
+                                         self.encoded, self.conversations, self.images, self.visual_tokens)
         relative_path = lane_file_path(lane_id, part)
         write_atomically(join_output(self.output, relative_path), serialized.data)
+        self.files_counter.inc()
+        self.rows_counter.inc(serialized.rows)
+        self.bytes_counter.inc(len(serialized.data))
+        self.tokens_counter.inc(serialized.tokens or 0)
+        progress.stage("WriteLaneFiles").add(files=1, rows=serialized.rows, bytes=len(serialized.data))
         if serialized.duplicate_keys:
             self.duplicates_counter.inc(serialized.duplicate_keys)
             logger.warning("%s holds %d rows whose key repeats the previous row's key "
@@ -313,4 +378,4 @@ class WriteLaneFileFn(beam.DoFn):
             sha256=hashlib.sha256(serialized.data).hexdigest(),
             tokens=serialized.tokens,
             row_groups=serialized.row_groups,
-        ).to_dict()
+        ).to_dict() | ({"images": serialized.images} if self.images else {})  # summed by CommitManifest

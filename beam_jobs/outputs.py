@@ -25,9 +25,12 @@ from typing import Iterable, Iterator, Optional, Sequence
 import apache_beam as beam
 
 from loader.errors import ZephonError
-from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, FileEntry, Manifest
+from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, ChatRecord, FileEntry, Manifest
+from loader.vision.record import ImagesRecord
 
 logger = logging.getLogger(__name__)
+
+DEDUP_DIR = "_dedup"  # --dedup: the list of removed documents (beam_jobs.dedup)
 
 # Job-side failures carry this prefix so the launcher can find the message inside whatever
 # exception the runner wraps it in (the in-process runner re-raises it, the multi-process
@@ -88,10 +91,10 @@ def existing_dataset_parts(output: str) -> list[str]:
         if not os.path.isdir(output):
             return []
         names = sorted(os.listdir(output))
-        return [n for n in names if n in (MANIFEST_NAME, MANIFEST_NAME + INPROGRESS_SUFFIX, REJECTED_DIR)
+        return [n for n in names if n in (MANIFEST_NAME, MANIFEST_NAME + INPROGRESS_SUFFIX, REJECTED_DIR, DEDUP_DIR)
                 or n.startswith("lane=")]
     found = []
-    for pattern in (MANIFEST_NAME, MANIFEST_NAME + INPROGRESS_SUFFIX, "lane=*/*", REJECTED_DIR + "/*"):
+    for pattern in (MANIFEST_NAME, MANIFEST_NAME + INPROGRESS_SUFFIX, "lane=*/*", REJECTED_DIR + "/*", DEDUP_DIR + "/*"):
         (result,) = FileSystems.match([join_output(output, pattern)])
         found += [m.path[len(output.rstrip("/")) + 1:] for m in result.metadata_list]
     return sorted(found)
@@ -225,22 +228,36 @@ def commit_manifest(
     reject_counts: dict[str, int],
     rejected_files: Iterable[str],
     reject_reasons: Sequence[str] = DOCUMENT_REJECT_REASONS,
+    chat: Optional[dict] = None,
+    curation: Optional[dict] = None,
+    images: Optional[dict] = None,
 ) -> dict:
     """Check the reject fraction, then write ``manifest.json`` atomically. Returns its dict.
 
     ``rejected_files`` is unused except as a side input: it makes this step wait until
     every rejected-records file is written. ``reject_reasons``: the reasons this job can emit,
     each recorded with its count (zeros included): the document reasons for a text job, every
-    reason of :data:`loader.io.manifest.REJECT_REASONS` for a chat job.
+    reason of :data:`loader.io.manifest.REJECT_REASONS` for a chat job. ``chat``: the manifest's
+    ``chat`` entry of a chat job (:class:`loader.io.manifest.ChatRecord` as a dict).
+    ``curation``: the ``transforms`` / ``dedup`` entries of :mod:`beam_jobs.curation`, written
+    into the manifest next to ``rejected`` (documents they dropped are not rejects; the reject
+    fraction is over every record read).
+    ``images``: the manifest's ``images`` entry of an image job
+    (:class:`loader.vision.record.ImagesRecord` as a dict); its count is summed here from the
+    entries' ``images`` (what ``WriteLaneFiles`` adds to each entry of an image job).
     """
     del rejected_files
+    if images is not None:
+        images = {**images, "images": sum(int(entry.get("images", 0)) for entry in file_entries)}
     files = [FileEntry.from_dict(entry, f"file entry {entry.get('path')}") for entry in file_entries]
     documents = sum(f.rows for f in files)
     rejected = {reason: int(reject_counts.get(reason, 0)) for reason in reject_reasons}
     unknown = set(reject_counts) - set(reject_reasons)
     if unknown:
         raise ShardJobError(f"internal error: unknown reject reasons {sorted(unknown)}")
-    check_reject_fraction(documents, rejected, max_reject_fraction)
+    curation = curation or {}
+    curated_away = sum(t["dropped"] for t in curation.get("transforms", ())) + curation.get("dedup", {}).get("removed", 0)
+    check_reject_fraction(documents + curated_away, rejected, max_reject_fraction)
     check_every_lane_has_documents((f.lane for f in files if f.rows > 0), num_lanes, documents)
     manifest = Manifest(
         seed=seed,
@@ -252,8 +269,13 @@ def commit_manifest(
         rejected=rejected,
         tokenizer=tokenizer,
         files_per_lane=files_per_lane,
+        chat=ChatRecord.from_dict(chat) if chat is not None else None,
+        images=ImagesRecord.from_dict(images) if images is not None else None,
     ).with_fingerprint()
-    write_atomically(join_output(output, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
+    data = manifest.to_dict()
+    data.update(curation)  # counts only: not part of the dataset fingerprint (the files are)
+    text = manifest.to_json() if not curation else json.dumps(data, indent=1, sort_keys=False) + "\n"
+    write_atomically(join_output(output, MANIFEST_NAME), text.encode("utf-8"))
     logger.info("committed %s: %d documents in %d files, fingerprint %s",
                 join_output(output, MANIFEST_NAME), documents, len(files), manifest.dataset_fingerprint)
-    return manifest.to_dict()
+    return data

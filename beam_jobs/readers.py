@@ -26,6 +26,9 @@ Records by format
   checked for UTF-8 per value.
 * ``text``: the whole file is one document (record index 0). Use JSONL for one document
   per line.
+* ``webdataset``: image jobs only, one sample per record (:mod:`beam_jobs.webdataset`); an
+  image job's JSONL/Parquet records are read as above and converted by
+  :mod:`beam_jobs.image_records`, whose documents add ``(segments, images)``.
 
 A UTF-8 byte-order mark at the very start of a ``jsonl`` or ``text`` file (after
 decompression) is dropped; anywhere else it is data.
@@ -67,6 +70,7 @@ import apache_beam as beam
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
+from beam_jobs import progress
 from beam_jobs.chat_records import ChatEncoder, ChatSpec, InvalidUtf8Record
 from beam_jobs.input_streams import check_parquet_magic, find_corruption, open_stream
 from beam_jobs.inputs import InputFile
@@ -95,11 +99,16 @@ class RecordSpec:
     id_field: Optional[str] = None
     keep_fields: tuple[str, ...] = ()
     chat: Optional[ChatSpec] = None  # --messages-field: records are conversations (beam_jobs.chat_records)
+    images: Optional[Any] = None  # an image job: beam_jobs.image_records.ImageSpec
 
     @property
     def content_fields(self) -> tuple[str, ...]:
-        """The fields a document's content comes from: the text, or the conversation's."""
-        return self.chat.record_fields if self.chat is not None else (self.text_field,)
+        """The fields a document's content comes from: the text (and images), or the conversation's."""
+        if self.chat is not None:
+            return self.chat.record_fields
+        if self.images is not None and self.images.image_field is not None:
+            return (self.text_field, self.images.image_field)
+        return (self.text_field,)
 
 
 class _InvalidUtf8:
@@ -462,7 +471,16 @@ def _unreadable(converter: RecordConverter, record_index: int, error: BaseExcept
 def read_records(input_file: InputFile, spec: RecordSpec,
                  chat_encoder: Optional[ChatEncoder] = None) -> Iterator[tuple[bool, tuple]]:
     """Every record of one file as ``(True, document)`` or ``(False, rejection)``."""
-    converter = RecordConverter(spec, input_file, chat_encoder)
+    if spec.images is not None:  # image documents: beam_jobs.image_records, beam_jobs.webdataset
+        from beam_jobs.image_records import ImageRecordConverter
+
+        converter = ImageRecordConverter(spec, input_file, chat_encoder)
+        if input_file.format == "webdataset":
+            from beam_jobs.webdataset import read_webdataset
+
+            return read_webdataset(input_file, converter)
+    else:
+        converter = RecordConverter(spec, input_file, chat_encoder)
     if input_file.format == "jsonl":
         return _read_jsonl(input_file, converter)
     if input_file.format == "parquet":
@@ -500,3 +518,4 @@ class ReadDocumentsFn(beam.DoFn):
         self.documents_counter.inc(documents)
         self.rejected_counter.inc(rejected)
         self.files_counter.inc()
+        progress.stage("ReadFiles").add(files=1, documents=documents, rejected=rejected)  # beam_jobs.progress

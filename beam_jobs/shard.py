@@ -43,15 +43,25 @@ import logging
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
 from beam_jobs.chat_records import ChatSpec, template_fingerprint
+from beam_jobs.curation import CurateDocuments
+from beam_jobs.dedup import DEDUP_MODES
+from beam_jobs.image_records import (
+    ImageSpec,
+    add_image_arguments,
+    image_option_problems,
+    image_spec_from_args,
+    resolve_image_job,
+)
 from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs, is_remote, most_documents
 from beam_jobs.lane_files import (
     DEFAULT_TOKEN_COMPRESSION,
@@ -69,9 +79,17 @@ from beam_jobs.outputs import (
     commit_manifest,
     prepare_output,
 )
+from beam_jobs.progress import ShardSummary, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from loader.errors import ZephonError
-from loader.io.manifest import DOCUMENT_REJECT_REASONS, REJECT_REASONS, Manifest, read_manifest
+from loader.transforms.spec import TransformError, TransformSpec, parse_transform_arg
+from loader.io.manifest import (
+    DOCUMENT_REJECT_REASONS,
+    IMAGE_DOCUMENT_REJECT_REASONS,
+    REJECT_REASONS,
+    Manifest,
+    read_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +134,20 @@ class ShardOptions:
     chat_loss_on: str = "all"
     chat_max_tokens: Optional[int] = None
     chat_overflow: str = "reject"
+    transforms: tuple[TransformSpec, ...] = ()  # --transform, in order (README "Transforms")
+    dedup: Optional[str] = None  # --dedup: None or "exact"
+    images: Optional[ImageSpec] = None  # an image job (--image-*, WebDataset input): README "Images"
 
     @property
     def chat(self) -> bool:
-        """Records are conversations (``--messages-field``), rendered and tokenized offline."""
+        """Records are conversations (``--messages-field``): rendered and tokenized offline with
+        ``--tokenizer``, else validated and stored for the loader to encode online."""
         return self.messages_field is not None
+
+    @property
+    def chat_online(self) -> bool:
+        """A chat job without ``--tokenizer``: the lanes hold the conversations (``conversation`` column)."""
+        return self.chat and self.tokenizer is None
 
     def __post_init__(self) -> None:
         problems = []
@@ -151,7 +178,10 @@ class ShardOptions:
             problems.append(f"--keep-fields must not repeat --text-field {self.text_field!r} (it is the 'text' column)")
         if len(set(self.keep_fields)) != len(self.keep_fields):
             problems.append(f"--keep-fields lists a field twice ({', '.join(self.keep_fields)})")
+        if self.dedup is not None and self.dedup not in DEDUP_MODES:
+            problems.append(f"--dedup must be one of {', '.join(DEDUP_MODES)} (got {self.dedup!r})")
         problems += self._chat_problems()
+        problems += image_option_problems(self)
         if problems:
             raise ShardConfigError("; ".join(problems))
 
@@ -179,9 +209,6 @@ class ShardOptions:
         if self.chat_template is None:
             problems.append("--messages-field needs --chat-template FILE (a .jinja file or a tokenizer_config.json "
                             "with a chat_template)")
-        if self.tokenizer is None:
-            problems.append("--messages-field without --tokenizer: online chat rendering lands next; pass "
-                            "--tokenizer TOKENIZER_JSON to render and tokenize the conversations offline")
         if self.messages_field in self.keep_fields:
             problems.append(f"--keep-fields must not repeat --messages-field {self.messages_field!r}")
         return problems
@@ -196,9 +223,9 @@ class ShardOptions:
 
     def record_spec(self, chat: Optional[ChatSpec] = None) -> RecordSpec:
         return RecordSpec(text_field=self.text_field, id_field=self.id_field, keep_fields=self.keep_fields,
-                          chat=chat)
+                          chat=chat, images=self.images)
 
-    def chat_spec(self, tokenizer_fingerprint: str, template_fingerprint: str) -> ChatSpec:
+    def chat_spec(self, tokenizer_fingerprint: Optional[str], template_fingerprint: str) -> ChatSpec:
         return ChatSpec(
             messages_field=self.messages_field, template_path=self.chat_template, tokenizer_path=self.tokenizer,
             tokenizer_fingerprint=tokenizer_fingerprint, template_fingerprint=template_fingerprint,
@@ -227,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=FORMATS, default=None,
                         help="input format for every file (default: inferred per file from the name: "
                              ".jsonl/.json[.gz|.zst] -> jsonl, .parquet -> parquet, .txt[.gz|.zst] -> text, "
-                             "one document per text file)")
+                             "one document per text file; .tar -> webdataset, an image job)")
     parser.add_argument("--text-field", default="text",
                         help="field/column holding the document text (default: %(default)s)")
     parser.add_argument("--id-field", default=None,
@@ -261,12 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "/ num_lanes / target)); also bounds a writer's memory (default: %(default)s)")
     chat = parser.add_argument_group(
         "chat / SFT records", "records holding a conversation (a messages list of role/content, optional "
-        "record-level 'tools'), rendered with a chat template and tokenized offline into input_ids plus a "
-        "loss_mask column (1 on the assistant's tokens); the text column holds the rendered conversation")
+        "record-level 'tools'), rendered with a chat template; with --tokenizer tokenized offline into "
+        "input_ids plus a loss_mask column (1 on the assistant's tokens), without it validated and stored as "
+        "a 'conversation' column that the loader renders, tokenizes and masks online (same batches); the "
+        "text column holds the rendered conversation either way")
     chat.add_argument("--messages-field", default=None, metavar="FIELD",
                       help="field/column holding each record's messages list; makes the job a chat job "
-                           "(needs --chat-template and --tokenizer; --text-field is not read: the text column "
-                           "holds the rendered conversation) "
+                           "(needs --chat-template; with --tokenizer encoded offline, without it online by "
+                           "the loader; --text-field is not read: the text column holds the rendered "
+                           "conversation) "
                            "(default: none, records are text documents)")
     chat.add_argument("--chat-template", default=None, metavar="FILE",
                       help="chat template (local or gs://): a Jinja file, or a tokenizer_config.json whose "
@@ -281,6 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat-overflow", choices=("reject", "truncate"), default="reject",
                       help="a conversation above --chat-max-tokens: rejected (reason too_long, into "
                            "_rejected/) or cut to its first N tokens (default: %(default)s)")
+    curation = parser.add_argument_group(
+        "transforms and deduplication", "applied to every valid document after reading, before lanes "
+        "(README \"Transforms\"); dropped and removed documents are counted in the manifest apart from rejects")
+    curation.add_argument("--transform", dest="transforms", action="append", default=None,
+                          metavar="MODULE:FUNCTION[@VERSION][:JSON-ARGS]",
+                          help="a text transform (the loader's, same seeds: seed from --seed and the key), e.g. "
+                               "'drop_regex:{\"pattern\": \"lorem\"}' or 'my.filters:clean@2'; repeatable, "
+                               "applied in order (default: none)")
+    curation.add_argument("--dedup", choices=DEDUP_MODES, default=None,
+                          help="exact: keep one document per normalised text (NFKC, casefold, whitespace runs "
+                               "as one space), the one with the smallest key; the removed ones are listed in "
+                               "_dedup/removed-*.jsonl (default: off)")
+    add_image_arguments(parser)
     parser.add_argument("--output", required=True,
                         help="(required) dataset directory to write (local or gs://); created if missing, "
                              "refused if it is a file")
@@ -316,8 +359,34 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
         chat_loss_on=known.chat_loss_on,
         chat_max_tokens=known.chat_max_tokens,
         chat_overflow=known.chat_overflow,
+        transforms=_transform_specs(known.transforms),
+        dedup=known.dedup,
+        images=image_spec_from_args(known),
     )
     return options, pipeline_args
+
+
+def _transform_specs(values: Optional[Sequence[str]]) -> tuple[TransformSpec, ...]:
+    from loader.config import ConfigError
+
+    try:
+        return tuple(parse_transform_arg(value) for value in values or ())
+    except ConfigError as exc:
+        raise ShardConfigError(str(exc)) from None
+
+
+def offline_transforms(options: ShardOptions) -> tuple[TransformSpec, ...]:
+    """``--transform`` specs imported and resolved (stage, version); only text transforms run offline."""
+    try:
+        specs = tuple(spec.resolved(pretokenized=False) for spec in options.transforms)
+    except TransformError as exc:
+        raise ShardConfigError(f"--transform: {exc}") from None
+    for spec in specs:
+        if spec.stage != "text":
+            raise ShardConfigError(
+                f"--transform {spec.function}: it works on tokens, which the job makes only when writing lane "
+                "files; apply it online (the loader config's transforms) or use a text transform")
+    return specs
 
 
 def with_default_runner(pipeline_args: Sequence[str]) -> list[str]:
@@ -332,12 +401,14 @@ class ShardDataset(beam.PTransform):
 
     def __init__(self, options: ShardOptions, input_files: Sequence[InputFile],
                  tokenizer_info: Optional[dict] = None, label: Optional[str] = None,
-                 chat: Optional[ChatSpec] = None):
+                 chat: Optional[ChatSpec] = None, chat_record: Optional[dict] = None):
         super().__init__(label)
         self.options = options
         self.input_files = list(input_files)
         self.tokenizer_info = tokenizer_info  # describe(tokenizer).to_dict() when pre-tokenizing
         self.chat = chat  # set for a chat job: ReadFiles encodes, WriteLaneFiles writes the encodings
+        self.chat_record = chat_record  # the manifest's "chat" entry (ChatRecord.to_dict()) of a chat job
+        self.transforms = offline_transforms(options)  # imported here: a bad one fails before the job starts
         if (chat is None) == options.chat:
             raise ShardConfigError("a chat job (--messages-field) needs its ChatSpec, and only a chat job has one")
 
@@ -351,6 +422,11 @@ class ShardDataset(beam.PTransform):
                 REJECTED_TAG, main="documents")
         )
         documents, rejections = read.documents, read[REJECTED_TAG]
+        curation = None
+        if self.transforms or opts.dedup:  # --transform, --dedup (beam_jobs.curation)
+            documents, curation = documents | "Curate" >> CurateDocuments(
+                self.transforms, opts.dedup, seed=opts.seed, source=opts.resolved_source_name,
+                keep_fields=opts.keep_fields, output=opts.output, text_is_fixed=opts.chat)
 
         # Files per lane come from the content (total text bytes), never from input sizes.
         files_per_lane = (
@@ -366,7 +442,9 @@ class ShardDataset(beam.PTransform):
             | "WriteLaneFiles" >> beam.ParDo(WriteLaneFileFn(
                 opts.output, opts.keep_fields, None if opts.chat else opts.tokenizer,
                 self.tokenizer_info["fingerprint"] if pretokenized and not opts.chat else None,
-                opts.token_compression, encoded=opts.chat))
+                opts.token_compression, encoded=opts.chat and not opts.chat_online,
+                conversations=opts.chat_online, images=opts.images is not None,
+                visual_tokens=opts.images is not None and opts.images.policy is not None))
         )
         rejected_files = (
             rejections
@@ -388,13 +466,19 @@ class ShardDataset(beam.PTransform):
                 seed=opts.seed,
                 num_lanes=opts.num_lanes,
                 source_name=opts.resolved_source_name,
-                schema=manifest_schema(pretokenized, opts.keep_fields, loss_mask=opts.chat),
+                schema=manifest_schema(pretokenized, opts.keep_fields, loss_mask=opts.chat and pretokenized,
+                                       conversation=opts.chat_online, images=opts.images is not None,
+                                       visual_tokens=opts.images is not None and opts.images.policy is not None),
                 tokenizer=self.tokenizer_info,
                 max_reject_fraction=opts.max_reject_fraction,
                 files_per_lane=AsSingleton(files_per_lane),
                 reject_counts=AsDict(reject_counts),
                 rejected_files=AsList(rejected_files),
-                reject_reasons=REJECT_REASONS if opts.chat else DOCUMENT_REJECT_REASONS,
+                reject_reasons=(REJECT_REASONS if opts.chat else IMAGE_DOCUMENT_REJECT_REASONS if opts.images
+                                else DOCUMENT_REJECT_REASONS),
+                chat=self.chat_record,
+                images=opts.images.manifest_record(0).to_dict() if opts.images is not None else None,
+                curation=AsSingleton(curation) if curation is not None else None,
             )
         )
 
@@ -469,6 +553,8 @@ def load_chat_spec(options: ShardOptions) -> ChatSpec:
         template = load_chat_template(options.chat_template)
     except (ChatTemplateError, OSError) as exc:
         raise ShardConfigError(f"--chat-template {options.chat_template}: {exc}") from exc
+    if options.tokenizer is None:  # online: the loader renders and tokenizes
+        return options.chat_spec(None, template_fingerprint(template))
     tokenizer = load_tokenizer(options.tokenizer)
     if tokenizer.truncation is not None or tokenizer.padding is not None:
         # encode_conversation would refuse it on every record, on the workers
@@ -500,23 +586,34 @@ def preflight(options: ShardOptions) -> tuple[list[InputFile], Optional[dict]]:
     return input_files, tokenizer_info
 
 
-def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait: bool = True) -> Optional[Manifest]:
+def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait: bool = True,
+              on_summary: Optional[Callable[[ShardSummary], None]] = None) -> Optional[Manifest]:
     """Shard ``options.inputs`` into ``options.output``; returns the committed manifest.
 
     With ``wait=False`` (e.g. a Dataflow template launch) the job is submitted and ``None``
-    is returned; the job itself writes the manifest when it succeeds.
+    is returned; the job itself writes the manifest when it succeeds. Otherwise the job's
+    :class:`~beam_jobs.progress.ShardSummary` goes to ``on_summary`` (default: logged at INFO).
     """
     from dataclasses import replace
 
     options = replace(options, output=_normalize_output(options.output))
     input_files, tokenizer_info = preflight(options)
+    options = resolve_image_job(options, input_files)  # WebDataset input makes an image job
     chat = load_chat_spec(options) if options.chat else None
+    chat_record = None
+    if chat is not None:  # the manifest's "chat" entry (online: with the template the loader renders with)
+        from loader.chat import load_chat_template
+
+        chat_record = chat.manifest_record(load_chat_template(chat.template_path)).to_dict()
     if options.overwrite:
         prepare_output(options.output, overwrite=True)
     logger.info("sharding %d input files into %d lanes at %s", len(input_files), options.num_lanes, options.output)
 
+    started = time.monotonic()
+    reset_stages()
     pipeline = beam.Pipeline(options=PipelineOptions(with_default_runner(pipeline_args)))
-    _ = pipeline | "Shard" >> ShardDataset(options, input_files, tokenizer_info, chat=chat)
+    _ = pipeline | "Shard" >> ShardDataset(options, input_files, tokenizer_info, chat=chat,
+                                                  chat_record=chat_record)
     try:
         result = pipeline.run()
         if not wait:
@@ -527,7 +624,14 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
         if message is not None:
             raise ShardError(message) from exc
         raise
-    return read_manifest(options.output)
+    manifest = read_manifest(options.output)
+    summary = ShardSummary.of(manifest, time.monotonic() - started, query_counters(result), len(input_files),
+                              sum(f.size_bytes or 0 for f in input_files))
+    if on_summary is None:
+        logger.info("%s", summary.text())
+    else:
+        on_summary(summary)
+    return manifest
 
 
 def run(argv: Union[Sequence[str], ShardOptions]) -> Manifest:
@@ -553,7 +657,7 @@ def command(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("beam_jobs").setLevel(logging.INFO)
     options, pipeline_args = parse_args(list(argv))
-    manifest = run_shard(options, pipeline_args)
+    manifest = run_shard(options, pipeline_args, on_summary=lambda summary: print(summary.text()))
     assert manifest is not None
     tokens = f", {manifest.total_tokens} tokens" if manifest.pretokenized else ""
     rejected = sum(manifest.rejected.values())

@@ -111,19 +111,22 @@ class Runner:
         self.env.setdefault("TOKENIZERS_PARALLELISM", "true")
 
     def start(self, task: str, payload: dict) -> subprocess.Popen:
-        cmd = [self.python, "-m", "bench.peers.run", task, json.dumps(payload)]
+        return self.start_command([self.python, "-m", "bench.peers.run", task, json.dumps(payload)])
+
+    def start_command(self, cmd: list[str], cwd: str = REPO, env: Optional[dict] = None) -> subprocess.Popen:
+        """Any command in a fresh process group (``bench.before_after`` runs other trees' scripts)."""
         self.log.write(f"\n$ {' '.join(shlex.quote(c) for c in cmd)}\n")
         self.log.flush()
         # Output goes to files, not pipes: worker processes a peer leaves behind would keep a
         # pipe open after the measured process has exited.
         out = tempfile.TemporaryFile(mode="w+")
         err = tempfile.TemporaryFile(mode="w+")
-        proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=self.env if env is None else env, stdout=out, stderr=err,
+                                text=True, start_new_session=True)
         proc._bench_files = (out, err)  # type: ignore[attr-defined]
         return proc
 
-    def finish(self, proc: subprocess.Popen, timeout: float) -> dict:
+    def finish(self, proc: subprocess.Popen, timeout: float, prefix: str = "RESULT_JSON: ") -> dict:
         out_f, err_f = proc._bench_files  # type: ignore[attr-defined]
         timed_out = False
         try:
@@ -146,13 +149,18 @@ class Runner:
         if timed_out:
             return {"error": f"timed out after {timeout:.0f} s"}
         for line in reversed(out.splitlines()):
-            if line.startswith("RESULT_JSON: "):
-                return json.loads(line[len("RESULT_JSON: "):])
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
         tail = (err or out).strip().splitlines()[-1:] or ["no output"]
         return {"error": f"exit {proc.returncode}: {tail[0][:300]}"}
 
     def run(self, task: str, payload: dict, timeout: float) -> dict:
         return self.finish(self.start(task, payload), timeout)
+
+    def run_command(self, cmd: list[str], timeout: float, cwd: str = REPO, env: Optional[dict] = None,
+                    prefix: str = "RESULT_JSON: ") -> dict:
+        """The result dict the command printed after ``prefix`` (last such line), or ``{"error": ...}``."""
+        return self.finish(self.start_command(cmd, cwd, env), timeout, prefix)
 
 
 # --------------------------------------------------------------------------------------

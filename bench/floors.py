@@ -7,6 +7,10 @@
 * tokenizer floor: ``Tokenizer.encode_batch_fast`` (batched, no offsets, the tokenizer's own
   thread pool on every core) over the text of the text lane files, one call per row group,
   the texts already in memory.
+* chat floor: the chat template's plain render of every conversation of an online chat
+  dataset's row group, then ``encode_batch_fast`` of the renders, one call per row group,
+  the conversations already parsed (what online chat costs at the least: the loader also
+  tracks the assistant spans, tokenizes with offsets, masks, guards and packs).
 
 Used by ``bench.peers.run`` (task ``floor``) and ``bench/loader_throughput.py``.
 """
@@ -56,8 +60,8 @@ def scan_floor(files: list[str], min_seconds: float, page_checksums: bool = Fals
     return {"tokens": tokens, "seconds": time.perf_counter() - start, "passes": passes}
 
 
-def text_row_groups(files: list[str], max_docs: int) -> list[list[str]]:
-    """The ``text`` of the files' row groups, in order, up to about ``max_docs`` documents."""
+def text_row_groups(files: list[str], max_docs: int, column: str = "text") -> list[list[str]]:
+    """The ``text`` (or ``column``) of the files' row groups, in order, up to about ``max_docs`` documents."""
     import pyarrow.parquet as pq
 
     groups: list[list[str]] = []
@@ -67,7 +71,7 @@ def text_row_groups(files: list[str], max_docs: int) -> list[list[str]]:
         for group in range(parquet.metadata.num_row_groups):
             if docs >= max_docs:
                 return groups
-            groups.append(parquet.read_row_group(group, columns=["text"]).column(0).to_pylist())
+            groups.append(parquet.read_row_group(group, columns=[column]).column(0).to_pylist())
             docs += len(groups[-1])
     return groups
 
@@ -81,6 +85,33 @@ def tokenizer_floor(tokenizer_path: str, groups: list[list[str]], min_seconds: f
     tokens = passes = 0
     while passes == 0 or time.perf_counter() - start < min_seconds:
         for texts in groups:
+            tokens += sum(len(e.ids) for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+        passes += 1
+    return {"tokens": tokens, "seconds": time.perf_counter() - start, "passes": passes}
+
+
+def chat_row_groups(files: list[str], max_docs: int) -> list[list[dict]]:
+    """The conversations (parsed ``conversation`` JSON) of an online chat dataset's row groups."""
+    import json
+
+    return [[json.loads(v) for v in group] for group in text_row_groups(files, max_docs, column="conversation")]
+
+
+def chat_floor(tokenizer_path: str, template_path: str, groups: list[list[dict]], min_seconds: float) -> dict:
+    """Chat floor: a bare loop of the same render (the template's plain ``render``, one per
+    conversation) and ``encode_batch_fast`` of each row group's renders (no offsets, no mask),
+    the conversations already parsed in memory; whole passes until ``min_seconds``."""
+    from tokenizers import Tokenizer
+
+    from loader.chat import load_chat_template
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    template = load_chat_template(template_path)
+    start = time.perf_counter()
+    tokens = passes = 0
+    while passes == 0 or time.perf_counter() - start < min_seconds:
+        for conversations in groups:
+            texts = [template.render(c["messages"], tools=c.get("tools")).text for c in conversations]
             tokens += sum(len(e.ids) for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False))
         passes += 1
     return {"tokens": tokens, "seconds": time.perf_counter() - start, "passes": passes}

@@ -45,9 +45,24 @@ Cases and goals:
                  which does not depend on the machine's load as wall-time ratios do. Ratios
                  within each round, median over rounds; run them alone with
                  ``--only scan pre_concat_k0``.
+* ``pre_concat_k0_identity`` / ``pre_concat_k2_identity``   issue 19: ``pre_concat_k0`` / ``_k2``
+                 with the built-in ``identity`` transform (one Python call per document, tokens
+                 stage): its cost per document, as the median of within-round ratios to the run
+                 without it. Goal (reported in the ratio rows): >= 0.95.
 * ``text_concat_k0`` / ``_k2``  the loader on the text lanes (online tokenization). Goal:
                  k0 >= 0.8 x tokenizer (same cores: the in-process loader tokenizes on the
                  same thread pool as the floor); k2 reported.
+* ``chat_floor`` floor (c), issue 17: a bare loop over an online chat dataset's conversations
+                 (``--docs / 8`` generated multi-turn conversations, ``tests/chat/chat_factory``,
+                 sharded without ``--tokenizer``): the ChatML test template's plain render of each,
+                 then ``encode_batch_fast`` per row group, the conversations parsed beforehand
+                 (:func:`bench.floors.chat_floor`).
+* ``chat_concat_k0`` / ``chat_best_fit_k0``   the loader on that dataset: online render (with
+                 the assistant spans), tokenization with offsets, loss masks and guards
+                 (:mod:`loader.chat.block`), packing. Goal: chat_concat_k0 >= 0.8 x chat_floor
+                 (tokens: conversation ids plus one EOS each; the best-fit row also counts its
+                 padding, reported without a goal). Its offline twin (``--tokenizer``) only
+                 supplies the token count.
 * ``restore``    seconds from ``load_state_dict`` to the first batch, with states saved at
                  step 10 and step 10,000 of a small-sequence run (seq_len 32, one sequence
                  per lane per step, so 10,000 steps are cheap to reach). Goal, pre-tokenized
@@ -103,6 +118,10 @@ GOAL_SCAN_RATIO = 0.5
 GOAL_TOKENIZER_RATIO = 0.8
 GOAL_RESTORE_RATIO = 1.5
 GOAL_RSS_RATIO = 1.10
+# Chat (issue 17): the conversations of tests/chat/chat_factory, rendered with its ChatML template.
+CHAT_TEMPLATE = str(REPO_ROOT / "tests" / "chat" / "templates" / "chatml_generation.jinja")
+CHAT_EPOCHS = 2
+GOAL_CHAT_RATIO = 0.8
 
 
 # ---------------------------------------------------------------------------------------
@@ -120,10 +139,11 @@ def _datasets(docs: int) -> list[tuple[int, bool, int]]:
             (docs // 4, True, RSS_LANES), (docs * 10 // 4, True, RSS_LANES)]
 
 
-def build_datasets(docs: int, writer: str) -> None:
+def build_datasets(docs: int, writer: str, datasets=None) -> None:
+    """Every dataset of ``_datasets(docs)``, or only ``datasets`` (``bench.before_after``)."""
     from beam_jobs.sample_data import make_sample
 
-    for count, pretokenized, lanes in _datasets(docs):
+    for count, pretokenized, lanes in datasets or _datasets(docs):
         out = _dataset_dir(count, pretokenized, writer, lanes)
         if (out / "manifest.json").exists():
             continue
@@ -142,6 +162,31 @@ def build_datasets(docs: int, writer: str) -> None:
             subprocess.run(cmd, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
         else:
             _factory_dataset(corpus, out, pretokenized, lanes)
+
+
+def _chat_dataset_dir(docs: int, pretokenized: bool) -> Path:
+    return WORK_DIR / f"chat_{docs // 8}_{'pre' if pretokenized else 'online'}"
+
+
+def build_chat_datasets(docs: int) -> None:
+    """``docs // 8`` generated conversations, sharded by the Beam job online and pre-tokenized."""
+    conversations = docs // 8
+    corpus = WORK_DIR / f"chat_corpus_{conversations}.jsonl"
+    if not corpus.exists():
+        from tests.chat.chat_factory import make_records
+
+        corpus.write_text("".join(json.dumps(r) + "\n" for r in make_records(SEED, conversations)))
+    for pretokenized in (False, True):
+        out = _chat_dataset_dir(docs, pretokenized)
+        if (out / "manifest.json").exists():
+            continue
+        print(f"building {out.name} ...", flush=True)
+        cmd = [sys.executable, "-m", "beam_jobs.shard", "--input", str(corpus), "--output", str(out),
+               "--num-lanes", str(NUM_LANES), "--seed", str(SEED), "--messages-field", "messages",
+               "--chat-template", CHAT_TEMPLATE, "--overwrite", "--max-reject-fraction", "0.2"]
+        if pretokenized:
+            cmd += ["--tokenizer", TOKENIZER]
+        subprocess.run(cmd, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
 def _factory_dataset(corpus: Path, out: Path, pretokenized: bool, lanes: int) -> None:
@@ -226,6 +271,15 @@ def child_tokenizer(dataset: str) -> dict:
     return {"tokens": tokens, **clock.read()}
 
 
+def child_chat_floor(dataset: str) -> dict:
+    from bench.floors import chat_floor, chat_row_groups  # the one chat floor; repo root on sys.path
+
+    groups = chat_row_groups(_lane_files(dataset), max_docs=1 << 30)
+    clock = _Clock()
+    result = chat_floor(TOKENIZER, CHAT_TEMPLATE, groups, min_seconds=SCAN_MIN_SECONDS)
+    return {"tokens": result["tokens"], **clock.read()}
+
+
 def _config(dataset: str, shape: dict, **overrides):
     from loader.config import LoaderConfig
 
@@ -279,9 +333,42 @@ def _account_integrity_checks() -> dict:
     return spent
 
 
+class _NoMetrics:
+    """A metrics recorder that counts nothing (``metrics=False``: bench/metrics_overhead.py)."""
+
+    copies_token_sources = False
+
+    def count(self, items, batch, wait_s, rank_position) -> None:
+        pass
+
+
+METRICS_PROBE_CALLS = 16
+
+
+def _probed_count(recorder, spent: dict):
+    """``recorder.count`` that, after each real call, times ``METRICS_PROBE_CALLS`` calls of a
+    twin recorder with the same items (so the clock's cost, ~1 us here, is spread over many
+    calls) and adds the time per call to ``spent["metrics_s"]``: the accounting's cost on this
+    run's real items, step ends included. Slows the run: its throughput is not compared."""
+    import copy
+
+    twin = copy.deepcopy(recorder)
+    real = recorder.count
+
+    def count(items, batch, wait_s, rank_position):
+        real(items, batch, wait_s, rank_position)
+        start = time.perf_counter()
+        for _ in range(METRICS_PROBE_CALLS):
+            twin.count(items, batch, wait_s, rank_position)
+        spent["metrics_s"] += (time.perf_counter() - start) / METRICS_PROBE_CALLS
+        spent["micro_batches"] += 1
+    return count
+
+
 def child_loader(dataset: str, packing: str, num_workers: int, steps: int, batch_fields=None,
                  verify_local_files: bool = None, integrity_checks: bool = True,
-                 account_checks: bool = False) -> dict:
+                 account_checks: bool = False, metrics: bool = True, account_metrics: bool = False,
+                 transforms=None) -> dict:
     from loader.pipeline import ZephonLoader
 
     # Both only patch this process: the cases with them run with num_workers 0.
@@ -291,9 +378,16 @@ def child_loader(dataset: str, packing: str, num_workers: int, steps: int, batch
     fields = {"batch_fields": batch_fields} if batch_fields else {}
     if verify_local_files is not None:
         fields["verify_local_files"] = verify_local_files
+    if transforms:
+        fields["transforms"] = transforms
     config = _config(dataset, THROUGHPUT, packing=packing, num_workers=num_workers, **fields)
     micro_batches = steps * config.global_batch_size // config.micro_batch_size
     loader = ZephonLoader(config)
+    if not metrics:  # loader.metrics' accounting off (its two clock reads per micro-batch stay)
+        loader._metrics = _NoMetrics()
+    elif account_metrics:  # the accounting's own time, measured in place (bench/metrics_overhead.py)
+        spent.update(metrics_s=0.0, micro_batches=0)
+        loader._metrics.count = _probed_count(loader._metrics, spent)
     clock = _Clock()
     batch = next(loader)  # start-up: workers spawn, the first lanes' first blocks are read
     _consume(batch)
@@ -372,7 +466,7 @@ def child_rss(dataset: str, num_workers: int) -> dict:
 
 
 CHILDREN = {
-    "scan": child_scan, "tokenizer": child_tokenizer, "loader": child_loader,
+    "scan": child_scan, "tokenizer": child_tokenizer, "loader": child_loader, "chat_floor": child_chat_floor,
     "make_states": child_make_states, "restore": child_restore, "rss": child_rss,
 }
 
@@ -419,11 +513,21 @@ def plan(docs: int, writer: str) -> dict[str, dict]:
     for name in ("pre_concat_k0", "pre_concat_k0_hash"):
         cases[f"{name}_1epoch"] = dict(cases[name], steps=max(2, pre_steps // PRE_EPOCHS))
     cases["pre_concat_k0_hash_1epoch"]["account_checks"] = True  # CPU time inside the checks, reported apart
+    # Issue 19: the per-document cost of a transform, the built-in identity (a Python call per document).
+    for name in ("pre_concat_k0", "pre_concat_k2"):
+        cases[f"{name}_identity"] = dict(cases[name], transforms=[{"function": "identity"}])
     for data, dataset, workers in (("pre", pre, (0, 2)), ("text", text, (0,))):
         for k in workers:
             for step in RESTORE_STEPS:
                 cases[f"restore_{data}_step{step}_k{k}"] = {
                     "kind": "restore", "dataset": dataset, "step": step, "num_workers": k}
+    chat, chat_twin = (str(_chat_dataset_dir(docs, pretokenized)) for pretokenized in (False, True))
+    if Path(chat_twin, "manifest.json").exists():  # built unless --only leaves the chat cases out
+        chat_steps = max(2, CHAT_EPOCHS * _dataset_tokens(chat_twin) // per_step)
+        cases["chat_floor"] = {"kind": "chat_floor", "dataset": chat}
+        for packing in ("concat", "best_fit"):
+            cases[f"chat_{packing}_k0"] = {"kind": "loader", "dataset": chat, "packing": packing, "num_workers": 0,
+                                           "steps": chat_steps}
     for label, count in (("n", docs // 4), ("10n", docs * 10 // 4)):
         for k in (0, 2):
             cases[f"rss_{label}_k{k}"] = {
@@ -463,7 +567,8 @@ def report(results: dict[str, list[dict]]) -> list[str]:
     verdicts = []
     for name, label in (("scan", "floor (a): bare pyarrow scan, pre-tokenized lanes"),
                         ("scan_crc", "(a) with page checksums verified, as the loader reads (no goal)"),
-                        ("tokenizer", "floor (b): tokenizers encode_batch_fast, default threads")):
+                        ("tokenizer", "floor (b): tokenizers encode_batch_fast, default threads"),
+                        ("chat_floor", "floor (c): chat template render + encode_batch_fast, bare loop")):
         if has(name):
             lines.append(f"| {label} | {_rate(results[name]) / 1e6:.2f} M tok/s | 1.00 | | | "
                          f"{_rate(results[name], 'cpu_s') / 1e6:.2f} M |")
@@ -473,6 +578,7 @@ def report(results: dict[str, list[dict]]) -> list[str]:
         ("pre_concat_k0_hash", "scan", None), ("pre_concat_k0_nochecks", "scan", None),
         ("pre_concat_k0_1epoch", "scan", None), ("pre_concat_k0_hash_1epoch", "scan", None),
         ("text_concat_k0", "tokenizer", GOAL_TOKENIZER_RATIO), ("text_concat_k2", "tokenizer", None),
+        ("chat_concat_k0", "chat_floor", GOAL_CHAT_RATIO), ("chat_best_fit_k0", "chat_floor", None),
     ):
         if not has(name, floor):
             continue
@@ -488,15 +594,17 @@ def report(results: dict[str, list[dict]]) -> list[str]:
                      f"{ratio:.2f} x {floor} | {goal_text} | {status} | "
                      f"{_rate(results[name], 'cpu_s') / 1e6:.2f} M ({cpu_ratio:.2f}) |")
     for name, base, what in (
-        ("pre_concat_k0", "pre_concat_k0_nochecks", "the footer, row-group and token checks (the defaults)"),
-        ("pre_concat_k0_hash", "pre_concat_k0", "the full-file SHA-256 (verify_local_files)"),
-        ("pre_concat_k0_hash_1epoch", "pre_concat_k0_1epoch", "the full-file SHA-256, a one-epoch run"),
+        ("pre_concat_k0", "pre_concat_k0_nochecks", "issue 14: the footer, row-group and token checks (the defaults)"),
+        ("pre_concat_k0_hash", "pre_concat_k0", "issue 14: the full-file SHA-256 (verify_local_files)"),
+        ("pre_concat_k0_hash_1epoch", "pre_concat_k0_1epoch", "issue 14: the full-file SHA-256, a one-epoch run"),
+        ("pre_concat_k0_identity", "pre_concat_k0", "issue 19: an identity transform per document (goal >= 0.95)"),
+        ("pre_concat_k2_identity", "pre_concat_k2", "issue 19: an identity transform per document, 2 workers"),
     ):
         if has(name, base):  # median over rounds of the ratio within a round (same machine load)
             ratio, cpu_ratio = (statistics.median(a["tokens"] / a[per] / (b["tokens"] / b[per])
                                                   for a, b in zip(results[name], results[base]))
                                 for per in ("seconds", "cpu_s"))
-            lines.append(f"| issue 14, cost of {what}: {name} / {base} | {ratio:.3f} | | | | ({cpu_ratio:.3f}) |")
+            lines.append(f"| cost of {what}: {name} / {base} | {ratio:.3f} | | | | ({cpu_ratio:.3f}) |")
     if has("pre_concat_k0_hash_1epoch"):
         runs = results["pre_concat_k0_hash_1epoch"]
         for key, what in (("hash_cpu_s", "the full-file SHA-256"), ("checks_cpu_s", "the footer, row-group and token checks")):
@@ -566,6 +674,8 @@ def main(argv=None) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     build_datasets(docs, args.writer)
+    if not args.only or any(p.startswith("chat") for p in args.only):
+        build_chat_datasets(docs)  # always by the Beam job: only it renders and validates conversations
     cases = plan(docs, args.writer)
     if args.only:
         cases = {n: c for n, c in cases.items() if any(n.startswith(p) for p in args.only)}

@@ -20,6 +20,7 @@ from loader.validation import (
 
 from loader.errors import ZephonError
 from loader.stages.features import BATCH_FEATURE_FIELDS
+from loader.transforms.spec import TransformSpec
 
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
@@ -48,6 +49,7 @@ class SourceConfig:
     name: Optional[str] = None  # defaults to the manifest's source_name
     exhaustion: str = "repeat"  # "repeat": next epoch (reshuffled); "stop": drop out of the mix
     max_epochs: Optional[int] = None  # with "repeat": stop after this many epochs
+    transforms: tuple[TransformSpec, ...] = ()  # this source's own, after the config's (README "Transforms")
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
         "path": FilePath(),
@@ -55,6 +57,7 @@ class SourceConfig:
         "name": OrAbsent(Text()),
         "exhaustion": Text(choices=EXHAUSTION_POLICIES),
         "max_epochs": OrAbsent(Integer(minimum=1)),
+        "transforms": ListOf(Record(TransformSpec)),
     }
 
     def __post_init__(self) -> None:
@@ -124,6 +127,12 @@ class LoaderConfig:
     batch_fields: tuple[str, ...] = BATCH_FIELDS
     # Step boundaries whose lane states are kept for state_dict(step=t) (frameworks fetch ahead).
     step_states_kept: int = 4
+    # Log loader.metrics' one-line summary at INFO every this many steps (0: never).
+    metrics_log_every_steps: int = 0
+    # Transforms of every source, before each dataset's own (README "Transforms"), and the step
+    # from which a change of them takes effect when resuming a checkpoint made with others.
+    transforms: tuple[TransformSpec, ...] = ()
+    transforms_from_step: Optional[int] = None
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
         "datasets": ListOf(Record(SourceConfig), min_items=1, example='datasets = [{path = "data/web"}]'),
@@ -156,6 +165,10 @@ class LoaderConfig:
         "read_ahead_threads": Integer(minimum=1, hint="set read_ahead = false to read on demand"),
         "batch_fields": Names(BATCH_FIELDS, required=("input_ids",)),
         "step_states_kept": Integer(minimum=0),
+        "metrics_log_every_steps": Integer(minimum=0, hint="0 means no periodic metrics line"),
+        "transforms": ListOf(Record(TransformSpec), example='transforms = [{function = "drop_regex", '
+                                                           'args = {pattern = "lorem"}}]'),
+        "transforms_from_step": OrAbsent(Integer(minimum=0)),
     }
 
     def __post_init__(self) -> None:
@@ -257,8 +270,22 @@ class LoaderConfig:
             "mixing_unit": self.mixing_unit if len(self.datasets) > 1 else None,
         }
 
+    def source_transforms(self, index: int) -> tuple[TransformSpec, ...]:
+        """The transforms of ``datasets[index]``: the config's, then the dataset's own."""
+        return self.transforms + self.datasets[index].transforms
+
+    def transform_entries(self) -> Optional[list[list[dict[str, Any]]]]:
+        """Per dataset, its transforms as configured (None without any: the fingerprint of a
+        config without transforms is what it was before transforms existed)."""
+        per_source = [[t.to_entry() for t in self.source_transforms(k)] for k in range(len(self.datasets))]
+        return per_source if any(per_source) else None
+
     def fingerprint(self) -> str:
-        blob = json.dumps(self.stream_fields(), sort_keys=True).encode()
+        fields_ = self.stream_fields()
+        transforms = self.transform_entries()
+        if transforms is not None:  # the transforms decide which documents (and tokens) exist
+            fields_ = dict(fields_, transforms=transforms)
+        blob = json.dumps(fields_, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
 
 

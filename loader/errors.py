@@ -19,3 +19,24 @@ class ZephonError(Exception):
     # The CLI's exit status for this error: 1 = data or a job that failed; subclasses about
     # what the user typed or configured (options, config, topology, state) say 2 = usage.
     exit_code: int = 1
+
+
+class RecordRejected(ZephonError, ValueError):
+    """One input record refused for a named reason; the pipeline counts and skips it.
+
+    Subclasses name their stable reasons in ``REASONS`` (the names manifests and metrics count
+    by); ``detail`` says what is wrong where, so the record can be fixed at its source.
+    """
+
+    REASONS: tuple[str, ...] = ()
+
+    def __init__(self, reason: str, detail: str):
+        if reason not in self.REASONS:
+            raise ValueError(f"unknown reject reason {reason!r} for {type(self).__name__}; known: {', '.join(self.REASONS)}")
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+    def __reduce__(self):
+        # Beam and worker processes pickle exceptions; rebuild from both fields, not from args.
+        return (type(self), (self.reason, self.detail))

@@ -34,19 +34,25 @@ import time
 import weakref
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from loader.checkpoint import schema as checkpoint_schema, state as state_mod
+from loader.chat.block import check_chat_sources
 from loader.config import ConfigError, LoaderConfig
 from loader.order.data_parallel import resolve_data_parallel
 from loader.stages.lane import LaneSpec, SourceSpec
 from loader.io.blocks import TokenFormat
 from loader.io.manifest import Manifest, ManifestError, read_manifest
+from loader.metrics import LoaderMetrics, MetricsRecorder
 from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.stages.collate import OUTPUTS, Collator, to_torch
+from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
 from loader.stages.features import FEATURES
 from loader.order.ordering import Topology, lanes_of_worker
-from loader.stages.producer import End, Item, build_lanes, produce_one
+from loader.stages.producer import End, Item, build_lanes, produce_one, start_reading
+from loader.transforms import resume as transform_resume
+from loader.transforms.chain import TransformChain
 from loader.checkpoint.step_states import StepStateHistory
 from loader.workers.pool import WorkerError, WorkerPool, slots_per_worker  # noqa: F401 - WorkerError re-exported
 from loader.stages.tokenizer import (
@@ -74,11 +80,23 @@ class ZephonLoader:
         device_mesh: Any = None,
         dp_mesh_dim: Optional[str] = None,
         output: str = "torch",
+        pin_memory: bool = False,
     ) -> None:
         if output not in OUTPUTS:
             raise ConfigError(f"ZephonLoader(output={output!r}): must be one of {list(OUTPUTS)} (\"torch\": "
                               "dicts of torch tensors; \"numpy\": dicts of NumPy arrays, e.g. for JAX)")
+        if pin_memory and output != "torch":
+            raise ConfigError(f"ZephonLoader(pin_memory=True, output={output!r}): pinned memory is for torch "
+                              "tensors bound for an accelerator; pass output=\"torch\" or pin_memory=False")
         self.output = output
+        # Micro-batches assembled in pinned memory (loader.stages.pinned); without an
+        # accelerator there is none: a no-op with one warning, as torch's DataLoader does.
+        self._pinned: Optional[PinnedBuffers] = None
+        if pin_memory:
+            if pinning_available():
+                self._pinned = PinnedBuffers()
+            else:
+                warn_pinning_unavailable()
         self.config = config
         identity = resolve_data_parallel(rank=rank, world_size=world_size, dp_rank=dp_rank,
                                          dp_world_size=dp_world_size, device_mesh=device_mesh,
@@ -134,20 +152,29 @@ class ZephonLoader:
         # when any pre-tokenized source's lane files hold its column, token_sources under
         # token mixing. Every sequence, and so every micro-batch, holds all of them.
         columns = {c.get("name") for m in self.manifests if m.pretokenized for c in m.schema}
+        if any(m.online_chat for m in self.manifests):
+            columns.add("loss_mask")  # made online by the chat blocks (loader.chat.block)
         token_mixing = config.mixing_unit == "token" and len(self.manifests) > 1
         self.features = tuple(name for name, f in FEATURES.items()
                               if (f.column is not None and f.column in columns)
                               or (name == "token_sources" and token_mixing))
+        token_format = TokenFormat(bos_id=bos_id, eos_id=eos_id if config.add_eos else None)
+        chat_reject_reasons = check_chat_sources(self.manifests, self.source_names, tokenizer, seq_len=config.seq_len,
+                                                 packing=config.packing, wrap_tokens=token_format.extra)
+        # Transforms (loader.transforms): imported and checked here, not first in a worker.
+        self.source_transforms = self._resolved_transforms()
+        self._transform_changes: list[dict] = []  # changes on resume, as the checkpoint records them
         self.spec = LaneSpec(
             sources=tuple(
-                SourceSpec(name, d.path, m.to_json(), d.exhaustion, d.max_epochs)
-                for name, d, m in zip(self.source_names, config.datasets, self.manifests)
+                SourceSpec(name, d.path, m.to_json(), d.exhaustion, d.max_epochs, transforms)
+                for name, d, m, transforms in zip(self.source_names, config.datasets, self.manifests,
+                                                  self.source_transforms)
             ),
             seed=config.seed,
             seq_len=config.seq_len,
             packing=config.packing,
             best_fit_open_bins=config.best_fit_open_bins,
-            token_format=TokenFormat(bos_id=bos_id, eos_id=eos_id if config.add_eos else None),
+            token_format=token_format,
             pad_id=pad_id,
             tokenizer_json=tokenizer.to_str() if needs_text else None,
             storage_options=storage_options,
@@ -173,7 +200,15 @@ class ZephonLoader:
         self._collator = Collator(
             seq_len=config.seq_len, global_batch_size=config.global_batch_size,
             micro_batch_size=config.micro_batch_size, per_rank_batch=self.topology.per_rank_batch,
-            batch_fields=config.batch_fields, features=self.features,
+            batch_fields=config.batch_fields, features=self.features, chat_reject_reasons=chat_reject_reasons,
+            empty=np.empty if self._pinned is None else self._pinned.empty,
+        )
+        self._metrics = MetricsRecorder(
+            source_names=self.source_names, seq_len=config.seq_len, per_rank_batch=self.topology.per_rank_batch,
+            supervised="loss_mask" in self.features, token_mixing=token_mixing,
+            batched_token_sources="token_source_ids" in config.batch_fields,
+            log_every_steps=config.metrics_log_every_steps,
+            dataset_rejected={n: dict(m.rejected) for n, m in zip(self.source_names, self.manifests)},
         )
         self._run: Optional[_Run] = None
         self._pool: Optional[WorkerPool] = None
@@ -182,6 +217,29 @@ class ZephonLoader:
             # Started now, so that the workers import and map their memory while the trainer
             # builds its model; they serve every run (and restore) of this loader.
             self._start_pool()
+
+    def _resolved_transforms(self) -> list[tuple]:
+        resolved = []
+        for k, (name, manifest) in enumerate(zip(self.source_names, self.manifests)):
+            specs = tuple(spec.resolved(manifest.pretokenized) for spec in self.config.source_transforms(k))
+            if specs:
+                if any(c.get("name") == "conversation" for c in manifest.schema):
+                    raise ConfigError(f"datasets[{k}] ({name!r}): transforms do not apply to chat sources rendered "
+                                      "online yet; shard them with --tokenizer (or --transform in the Beam job)")
+                feature_names = [f for f in self.features if FEATURES[f].column in
+                                 {c.get("name") for c in manifest.schema}]
+                TransformChain(specs, seed=self.config.seed, source=name, pretokenized=manifest.pretokenized,
+                               feature_names=feature_names)  # imports each function, checks its stage
+            resolved.append(specs)
+        return resolved
+
+    def transform_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """What the transforms did in this rank's lanes, as of the batches handed out:
+        ``{source: {"position:function": {"dropped": n, "changed": n}}}`` (documents of the row
+        groups each lane has taken from; the global figure is the sum over ranks, or this of
+        a merged state: :func:`loader.transforms.resume.counts_report`)."""
+        states = transform_resume.as_plain(self._current_lane_states())
+        return transform_resume.counts_report(self.source_names, self.source_transforms, list(states.values()))
 
     # -- schedule ------------------------------------------------------------------------
     def _initial_phases(self) -> list[MixturePhase]:
@@ -226,7 +284,12 @@ class ZephonLoader:
                 for n, m, d in zip(self.source_names, self.manifests, self.config.datasets)
             ],
             "schedule": [p.to_dict(self.source_names) for p in self.phases],
+            **self._transforms_header(),
         }
+
+    def _transforms_header(self) -> dict[str, Any]:
+        entry = transform_resume.header_entry(self.source_names, self.source_transforms, self._transform_changes)
+        return {} if entry is None else {"transforms": entry}
 
     def state_dict(self, step: Optional[int] = None) -> dict[str, Any]:
         """Rank-local state (this rank's lanes), JSON-serialisable.
@@ -321,6 +384,7 @@ class ZephonLoader:
 
         Every field is checked first (:meth:`_checked_lane_states`); a bad state changes nothing.
         """
+        started = time.perf_counter()
         position, next_index, lanes = self._checked_lane_states(state)
         self._adopt_schedule(state["schedule"], next_index // self.config.global_batch_size)
         self._end_run()
@@ -329,6 +393,11 @@ class ZephonLoader:
         at_boundary = position % self.topology.per_rank_batch == 0
         self._step_states.reset(position // self.topology.per_rank_batch if at_boundary else None, lanes)
         self._lanes_in_step = set()
+        self._metrics.restored(time.perf_counter() - started)
+
+    def metrics(self) -> LoaderMetrics:
+        """Counters since the loader was built and for the last whole step (:mod:`loader.metrics`)."""
+        return self._metrics.metrics(self.step)
 
     def _checked_lane_states(self, state: Any) -> tuple[int, int, dict[int, dict]]:
         """``(rank position, next global index, this rank's lane states)`` of a state whose every
@@ -336,7 +405,12 @@ class ZephonLoader:
         ours, then ranges against our datasets; a :class:`~loader.checkpoint.state.StateError` names the
         JSON path of each bad field."""
         header = checkpoint_schema.parse_header(state)
-        state_mod.compare_with(state, self._expected_header())
+        expected = self._expected_header()
+        change = transform_resume.accepted_change(
+            state, expected, from_step=self.config.transforms_from_step,
+            resume_step=header.next_global_index // self.config.global_batch_size,
+            token_mixing=self.config.mixing_unit == "token" and len(self.manifests) > 1)
+        state_mod.compare_with(state, expected, allow_transform_change=change is not None)
         if header.rank_local:
             if (header.rank, header.world_size) != (self.topology.rank, self.topology.world_size):
                 raise state_mod.StateError(
@@ -363,9 +437,17 @@ class ZephonLoader:
         checkpoint_schema.check_lanes(header, parsed, self._state_limits(), next_index, problems)
         problems.raise_if_any()
         # Bins arrive as the arrays parsed while checking them: converted once.
-        return position, next_index, {
-            l: checkpoint_schema.stage_state(state["lanes"][state_mod.lane_key(l)], parsed[l]) for l in self.rank_lanes
-        }
+        lanes = {l: checkpoint_schema.stage_state(state["lanes"][state_mod.lane_key(l)], parsed[l])
+                 for l in self.rank_lanes}
+        self._transform_changes = list((state.get("transforms") or {}).get("changes", []))
+        if change is not None:  # declared with transforms_from_step: recorded, cursors re-placed
+            from loader.io.lane_reader import TRANSFORMS_CHANGED
+
+            log.info("transforms change at resume step %d for sources %s", change["step"], change["sources"])
+            self._transform_changes.append(change)
+            lanes = {l: transform_resume.marked_lane_state(lane, change["sources"], TRANSFORMS_CHANGED)
+                     for l, lane in lanes.items()}
+        return position, next_index, lanes
 
     def _state_limits(self) -> "checkpoint_schema.StateLimits":
         """What a checkpoint's ranges are checked against: our config and manifests (no data read)."""
@@ -428,6 +510,7 @@ class ZephonLoader:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        started = time.perf_counter()  # the trainer's wait (loader.metrics)
         self._start_run()
         if self.finite:
             at_boundary = self.rank_position % self.topology.per_rank_batch == 0
@@ -454,7 +537,11 @@ class ZephonLoader:
                 self.lane_states[lane_id] = item.lane_state
         if self.rank_position % self.topology.per_rank_batch == 0:
             self._record_step_boundary()
-        return self._collate(items)
+        if self._metrics.copies_token_sources:  # not batched: copied before collation frees worker slots
+            self._metrics.keep_token_sources(items)
+        batch = self._collate(items)
+        self._metrics.count(items, batch, time.perf_counter() - started, self.rank_position)
+        return batch
 
     def _record_step_boundary(self) -> None:
         """The last micro-batch of a step is being handed out: keep the lanes' states as of now."""
@@ -511,6 +598,8 @@ class ZephonLoader:
         milliseconds), the trainer's process produces the items itself, then hands the
         lanes' states to the workers at an item boundary (a step boundary when steps are
         looked ahead). The stream is the same either way; the first batch does not wait.
+        Nor does the hand-over: the workers start from the states handed over while the
+        trainer's lanes go on producing, until every worker has caught up (``_Run.lead``).
         """
         if self._run is None:
             if self.config.num_workers > 0 and (self._pool is None or not self._pool.healthy()):
@@ -520,8 +609,7 @@ class ZephonLoader:
         elif self._run.warm_start and self._step_items is None:
             self._pool.raise_if_dead()  # a worker that died starting up is an error, not a slow start
             if self._pool.all_ready():
-                self._end_run()
-                self._run = _Run(self, self._pool)
+                self._run = _Run(self, self._pool, lead=self._run)
 
     def _start_pool(self) -> None:
         items_held = self.topology.per_rank_batch if self.finite else self.config.micro_batch_size
@@ -546,6 +634,8 @@ class ZephonLoader:
         """The micro-batch of ``items``: NumPy arrays (loader.stages.collate), as torch tensors unless
         ``output="numpy"``."""
         batch = self._collator.collate(items, self.rank_position)
+        if self._pinned is not None:
+            return self._pinned.to_torch(batch)
         return batch if self.output == "numpy" else to_torch(batch)
 
     def wait_for_workers(self, timeout_s: Optional[float] = None) -> None:
@@ -603,9 +693,24 @@ class ZephonLoader:
 class _Run:
     """One pass of iteration from a fixed start: in-process lanes or the worker pool's processes."""
 
-    def __init__(self, loader: ZephonLoader, pool: Optional[WorkerPool], warm_start: bool = False) -> None:
+    def __init__(self, loader: ZephonLoader, pool: Optional[WorkerPool], warm_start: bool = False,
+                 lead: Optional["_Run"] = None) -> None:
         cfg = loader.config
         self.warm_start = warm_start  # in-process until the workers are ready
+        # The warm start's in-process run, handed over from: it goes on producing while the
+        # workers open their lanes and read their first row groups (a few hundred ms, which
+        # the trainer waited for at the hand-over: bench/RESULTS.md, issue 16), until every
+        # worker has a message at or past the trainer's index; what they made before it is
+        # dropped. Both produce the same items from the same lane states.
+        self.lead = lead
+        # A trainer faster than the workers (replay flat out) would keep the lead forever, so
+        # it is given up once every worker is producing and the trainer has taken four times
+        # the gap it then had over the slowest worker: workers faster than the trainer (a
+        # trainer with other work) have caught up by then (busy trainer: at 1.2-1.5 gaps);
+        # if not, the trainer waits for them (replay flat out: they took over after 0.6 s).
+        self._lead_until: Optional[int] = None
+        self._last_received: dict[int, int] = {}  # worker -> global index of its last item so far
+        self.drop_before = 0  # workers' items before this index were made by the lead: dropped
         self.num_lanes = loader.num_lanes
         self.timeout_s = cfg.worker_timeout_s
         self.pool = pool
@@ -619,6 +724,7 @@ class _Run:
             # The trainer's thread calls produce_one for each index in turn: no generator and
             # no position bookkeeping between the loader and its lanes.
             self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states)
+            start_reading(self.in_process_lanes, loader.next_global_index, self.num_lanes)
             return
         num_workers = len(pool.processes)
         lanes_per_worker = [lanes_of_worker(loader.rank_lanes, k, num_workers) for k in range(num_workers)]
@@ -635,15 +741,26 @@ class _Run:
     def next_item(self, global_index: int) -> Item:
         if self.ended_at is not None and global_index >= self.ended_at:
             raise StopIteration
+        if self.lead is not None and not self._workers_caught_up(global_index):
+            try:
+                return self.lead.next_item(global_index)
+            except StopIteration:
+                self.ended_at = self.lead.ended_at
+                raise
         if self.in_process_lanes is not None:
             lane = self.in_process_lanes[global_index % self.num_lanes]
             item = produce_one(lane, global_index, snapshot_state=not self.reads_lanes_directly)
         else:
             worker_id = self.worker_of_lane[global_index % self.num_lanes]
             pending = self.pending[worker_id]
-            while not pending:
-                pending.extend(self.pool.receive(worker_id, self.timeout_s))
-            item = pending.popleft()
+            while True:
+                while not pending:
+                    pending.extend(self.pool.receive(worker_id, self.timeout_s))
+                item = pending.popleft()
+                if isinstance(item, End) or item.global_index >= self.drop_before:
+                    break
+                if item.lease is not None:  # the lead made it: see _workers_caught_up
+                    item.lease.item_done()
         if isinstance(item, End):
             self.ended_at = item.global_index
             raise StopIteration
@@ -651,9 +768,46 @@ class _Run:
             raise RuntimeError(f"internal ordering error: expected index {global_index}, got {item.global_index}")
         return item
 
-    def close(self) -> None:
+    def _workers_caught_up(self, global_index: int) -> bool:
+        """Whether every worker has its next item at or past ``global_index``; once they all
+        have, the lead is closed. Items before it (the lead produced them) are dropped, and
+        their slots go back, so a worker behind the trainer never waits for slots."""
+        caught_up = True
+        for worker_id, pending in self.pending.items():
+            while True:
+                while pending and not isinstance(pending[0], End) and pending[0].global_index < global_index:
+                    dropped = pending.popleft()
+                    if dropped.lease is not None:
+                        dropped.lease.item_done()
+                if pending:
+                    break
+                items = self.pool.try_receive(worker_id)
+                if items is None:
+                    caught_up = False
+                    break
+                if items and not isinstance(items[-1], End):
+                    self._last_received[worker_id] = items[-1].global_index
+                pending.extend(items)
+        if not caught_up and self._lead_until is None and len(self._last_received) == len(self.pending):
+            gap = global_index - min(self._last_received.values())  # every worker is producing now
+            self._lead_until = global_index + 4 * gap
+        if caught_up or (self._lead_until is not None and global_index >= self._lead_until):
+            self.lead.close_lanes()
+            self.lead = None
+            self.drop_before = global_index
+            return True
+        return False
+
+    def close_lanes(self) -> None:
         for lane in (self.in_process_lanes or {}).values():
             lane.close()
+        self.in_process_lanes = None
+
+    def close(self) -> None:
+        if self.lead is not None:
+            self.lead.close_lanes()
+            self.lead = None
+        self.close_lanes()
         self.pending = {}
         if self.pool is not None:
             self.pool.end_run()

@@ -237,6 +237,31 @@ class Weights(Rule):
         return dict(value)
 
 
+def _is_json_value(value: Any) -> bool:
+    if value is None or isinstance(value, (str, bool)) or _is_integer(value):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if _is_list(value):
+        return all(_is_json_value(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_json_value(v) for k, v in value.items())
+    return False
+
+
+@dataclass(frozen=True)
+class JsonTable(Rule):
+    """A table of name -> JSON value (strings, finite numbers, booleans, lists, tables); a dict."""
+
+    expected: str = "a table of name -> JSON value (string, finite number, boolean, list or table)"
+
+    def check(self, value: Any, path: str, problems: Problems) -> Any:
+        if not isinstance(value, Mapping) or not _is_json_value(value):
+            problems.bad(path, value, self.expected)
+            return value
+        return dict(value)
+
+
 @dataclass(frozen=True)
 class ListOf(Rule):
     """A list (TOML array, JSON array) of ``item``; stored as a tuple."""

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from loader.errors import ZephonError
+from loader.errors import RecordRejected
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -49,23 +49,13 @@ REJECT_REASONS = (
 )
 
 
-class ConversationRejected(ZephonError, ValueError):
-    """One chat record refused for a named reason; the pipeline counts and skips it.
-
-    ``reason`` is one of :data:`REJECT_REASONS`; the message says what is wrong where
-    (message index, field, value) so the record can be fixed at its source.
+class ConversationRejected(RecordRejected):
+    """One chat record refused for a named reason (one of :data:`REJECT_REASONS`); the
+    pipeline counts and skips it. The message says what is wrong where (message index,
+    field, value) so the record can be fixed at its source.
     """
 
-    def __init__(self, reason: str, detail: str):
-        if reason not in REJECT_REASONS:
-            raise ValueError(f"unknown reject reason {reason!r}; known: {REJECT_REASONS}")
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-    def __reduce__(self):
-        # Beam and worker processes pickle exceptions; rebuild from both fields, not from args.
-        return (type(self), (self.reason, self.detail))
+    REASONS = REJECT_REASONS
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ template's ``strftime_now`` is the one exception; templates that call it depend 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import jinja2.exceptions
 import numpy as np
 
 from loader.chat.conversations import Conversation, ConversationRejected, parse_conversation
-from loader.chat.masks import covered_characters, token_mask_from_spans, tokenize_rendered
+from loader.chat.masks import TokenizedChat, covered_characters, tokenize_rendered_batch
 from loader.chat.spans import LOSS_ON_CHOICES, AssistantSpans, ChatOptionError, assistant_spans, check_choice
 from loader.chat.template import ChatTemplate
 from loader.errors import ZephonError
@@ -79,44 +79,52 @@ def _renders_non_assistant_text(conversation: Conversation, rendered: AssistantS
     return False
 
 
-def encode_conversation(
-    record: Any,
-    template: ChatTemplate,
-    tokenizer,
-    *,
-    loss_on: str = "all",
-    max_tokens: Optional[int] = None,
-    overflow: str = "reject",
-    messages_field: str = "messages",
-    tools_field: str = "tools",
-) -> EncodedConversation:
-    """Encode one chat record; raise :class:`ConversationRejected` (with ``.reason``) to refuse it.
-
-    ``loss_on``: ``"all"`` supervises every assistant turn, ``"last"`` the last one only.
-    ``max_tokens`` / ``overflow``: the length bound and what a longer conversation gets.
-    ``messages_field`` / ``tools_field``: where the record holds its messages and tools.
-    Bad options raise :class:`loader.chat.spans.ChatOptionError`; a tokenizer with truncation
-    or padding enabled a :class:`loader.stages.tokenizer.TokenizerError`.
-    """
+def check_options(loss_on: str, max_tokens: Optional[int], overflow: str) -> None:
+    """Refuse encoding options outside their choices (:class:`ChatOptionError`, naming the option)."""
     check_choice("loss_on", loss_on, LOSS_ON_CHOICES)
     check_choice("overflow", overflow, OVERFLOW_CHOICES)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ChatOptionError(f"max_tokens must be a positive integer or None (got {max_tokens!r})")
 
-    conversation = parse_conversation(record, messages_field=messages_field, tools_field=tools_field)
-    rendered = _spans_or_reject(template, conversation, loss_on)
-    tokens = tokenize_rendered(tokenizer, rendered.text)
-    loss_mask = token_mask_from_spans(tokens.offsets, rendered.spans)
-    input_ids = tokens.input_ids
 
+@dataclass(frozen=True)
+class RenderedConversation:
+    """A validated conversation and its render with the assistant spans: what is left is tokenizing."""
+
+    conversation: Conversation
+    spans: AssistantSpans
+
+    @property
+    def text(self) -> str:
+        return self.spans.text
+
+
+def render_conversation(
+    record: Any, template: ChatTemplate, *, loss_on: str = "all", messages_field: str = "messages",
+    tools_field: str = "tools",
+) -> RenderedConversation:
+    """Validate and render one record (the steps before tokenization); raises :class:`ConversationRejected`."""
+    conversation = parse_conversation(record, messages_field=messages_field, tools_field=tools_field)
+    return RenderedConversation(conversation, _spans_or_reject(template, conversation, loss_on))
+
+
+def finish_encoding(
+    rendered: RenderedConversation, tokens: TokenizedChat, *, max_tokens: Optional[int] = None,
+    overflow: str = "reject",
+) -> EncodedConversation:
+    """The loss mask of a tokenized render, then the guards (module docstring); raises
+    :class:`ConversationRejected`."""
+    conversation, spans = rendered.conversation, rendered.spans
+    input_ids = tokens.input_ids
+    loss_mask = tokens.loss_mask(spans.spans)
     if not loss_mask.any():
         why = "it has no assistant message" if not conversation.assistant_indices() else "no token overlaps an assistant span"
-        raise ConversationRejected("empty_loss_mask", f"no token is supervised: {why} ({rendered.source})")
-    if loss_mask.all() and _renders_non_assistant_text(conversation, rendered):
+        raise ConversationRejected("empty_loss_mask", f"no token is supervised: {why} ({spans.source})")
+    if loss_mask.all() and _renders_non_assistant_text(conversation, spans):
         raise ConversationRejected(
             "full_loss_mask",
             f"all {len(loss_mask)} tokens are supervised although the render holds non-assistant text "
-            f"({rendered.source}); the template's generation tags cover more than the assistant turns",
+            f"({spans.source}); the template's generation tags cover more than the assistant turns",
         )
     truncated = False
     if max_tokens is not None and len(input_ids) > max_tokens:
@@ -132,6 +140,64 @@ def encode_conversation(
     return EncodedConversation(
         input_ids=np.ascontiguousarray(input_ids),
         loss_mask=np.ascontiguousarray(loss_mask),
-        mask_source=rendered.source,
+        mask_source=spans.source,
         truncated=truncated,
     )
+
+
+def encode_conversation(record: Any, template: ChatTemplate, tokenizer, **options: Any) -> EncodedConversation:
+    """Encode one chat record; raise :class:`ConversationRejected` (with ``.reason``) to refuse it.
+
+    ``options`` are :func:`encode_conversations`' keywords: ``loss_on`` (``"all"`` supervises
+    every assistant turn, ``"last"`` the last one only), ``max_tokens`` / ``overflow`` (the
+    length bound and what a longer conversation gets), ``messages_field`` / ``tools_field``
+    (where the record holds its messages and tools). Bad options raise
+    :class:`loader.chat.spans.ChatOptionError`; a tokenizer with truncation or padding enabled
+    a :class:`loader.stages.tokenizer.TokenizerError`.
+    """
+    (outcome,) = encode_conversations([record], template, tokenizer, **options)
+    if isinstance(outcome, ConversationRejected):
+        raise outcome
+    return outcome
+
+
+def encode_conversations(
+    records: Sequence[Any],
+    template: ChatTemplate,
+    tokenizer,
+    *,
+    loss_on: str = "all",
+    max_tokens: Optional[int] = None,
+    overflow: str = "reject",
+    messages_field: str = "messages",
+    tools_field: str = "tools",
+) -> list[Union[EncodedConversation, ConversationRejected]]:
+    """:func:`encode_conversation` of each record, the renders tokenized in one batched call.
+
+    One ``encode_batch`` over all renders runs the tokenizer on every core and pays its call
+    overhead once, where one ``encode`` per conversation serialises both; ids and offsets are
+    the same (so the result is too). A refused record's entry is its
+    :class:`ConversationRejected`, in record order.
+    """
+    check_options(loss_on, max_tokens, overflow)
+    outcomes: list = []
+    rendered: list[RenderedConversation] = []
+    for record in records:
+        try:
+            outcome = render_conversation(record, template, loss_on=loss_on, messages_field=messages_field,
+                                          tools_field=tools_field)
+        except ConversationRejected as exc:
+            outcome = exc
+        else:
+            rendered.append(outcome)
+        outcomes.append(outcome)
+    encodings = tokenize_rendered_batch(tokenizer, [r.text for r in rendered])
+    results = iter(encodings)
+    for index, outcome in enumerate(outcomes):
+        if isinstance(outcome, RenderedConversation):
+            tokens = next(results)
+            try:
+                outcomes[index] = finish_encoding(outcome, tokens, max_tokens=max_tokens, overflow=overflow)
+            except ConversationRejected as exc:
+                outcomes[index] = exc
+    return outcomes

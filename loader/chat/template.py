@@ -114,16 +114,16 @@ class _GenerationTracker(jinja2.ext.Extension):
         rendered_body = caller()
         tracking = self._tracking.get()
         if tracking is not None:
-            rendered_blocks, spans = tracking
-            start = len("".join(rendered_blocks))
+            rendered_length, spans = tracking
+            start = rendered_length[0]  # == len("".join(blocks yielded so far)), kept as a running sum
             spans.append((start, start + len(rendered_body)))
         return rendered_body
 
     @contextmanager
-    def track(self, rendered_blocks: list[str], spans: list[tuple[int, int]]):
+    def track(self, rendered_length: list[int], spans: list[tuple[int, int]]):
         if self._tracking.get() is not None:
             raise RuntimeError("a chat template render is already tracking generation spans in this context")
-        token = self._tracking.set((rendered_blocks, spans))
+        token = self._tracking.set((rendered_length, spans))
         try:
             yield
         finally:
@@ -345,10 +345,12 @@ class ChatTemplate:
         if not track_generation:
             return RenderedChat(compiled.render(**variables))
         rendered_blocks: list[str] = []
+        rendered_length = [0]  # characters yielded so far: joining the blocks at every tag was quadratic
         spans: list[tuple[int, int]] = []
-        with compiled.environment.zephon_generation_tracker.track(rendered_blocks, spans):
+        with compiled.environment.zephon_generation_tracker.track(rendered_length, spans):
             for block in compiled.generate(**variables):
                 rendered_blocks.append(block)
+                rendered_length[0] += len(block)
         return RenderedChat("".join(rendered_blocks), tuple(spans))
 
 

@@ -27,12 +27,14 @@ State shapes (``L`` lanes, ``S`` sources; see the stage modules for their meanin
 
     header   format, version, num_lanes, config{...}, config_fingerprint, tokenizer_fingerprint,
              sources[{name, dataset_fingerprint, exhaustion, max_epochs}], schedule[{step, weights}],
-             next_global_index [, rank, world_size, rank_position], lanes{"00017": lane}
+             next_global_index [, rank, world_size, rank_position] [, transforms{sources{name: [{function,
+             args, version, stage}]}, changes[{step, sources}]}], lanes{"00017": lane}
     lane     {outputs, sources: {name: {packer, stopped}}}   or, token mixing, {outputs, mixed: packer}
     packer   concat {stream}   best_fit {stream, bins[{serial, tokens, piece_starts, doc_starts
              [, token_sources] [, loss_mask ...]}], serial}   (each lane-file feature of loader.stages.features,
              one value per token, in its range; which ones a bin must hold is checked on restore)
-    stream   cursor {epoch, block, offset, exhausted}   or, token mixing, {sources[cursor x S],
+    stream   cursor {epoch, block, offset, exhausted [, transforms[[dropped, changed] x transforms]]}
+             or, token mixing, {sources[cursor x S],
              tokens[S], current, phase_start}
 """
 
@@ -246,6 +248,7 @@ class Cursor:
     block: int
     offset: int
     exhausted: bool
+    transforms: tuple[tuple[int, int], ...] = ()  # per transform (dropped, changed): counters only
 
 
 @dataclass(frozen=True)
@@ -315,7 +318,7 @@ def parse_header(state: Any) -> Header:
     check_format(state)
     problems = Problems()
     rank_local = "rank" in state
-    _fields(state, "", _HEADER_KEYS + (_RANK_KEYS if rank_local else ()), problems)
+    _fields(state, "", _HEADER_KEYS + (_RANK_KEYS if rank_local else ()), problems, optional=("transforms",))
     value = state.get
     num_lanes = _int(value("num_lanes"), "num_lanes", problems, low=1) if "num_lanes" in state else None
     config = value("config")
@@ -335,6 +338,8 @@ def parse_header(state: Any) -> Header:
     sources = _parse_sources(value("sources"), problems) if "sources" in state else None
     names = None if sources is None else [s.name for s in sources]
     schedule = _parse_schedule(value("schedule"), names, problems) if "schedule" in state else None
+    if "transforms" in state:
+        _parse_transforms_header(state["transforms"], names, problems)
     next_index = _int(value("next_global_index"), "next_global_index", problems) if "next_global_index" in state else None
     rank = world_size = position = None
     if rank_local:
@@ -512,7 +517,7 @@ def _parse_packer(raw: Any, path: str, header: Header, mixed_sources: int, probl
 
 
 def _parse_cursor(raw: Any, path: str, problems: Problems) -> Optional[Cursor]:
-    entry = _fields(raw, path, ("epoch", "block", "offset", "exhausted"), problems)
+    entry = _fields(raw, path, ("epoch", "block", "offset", "exhausted"), problems, optional=("transforms",))
     if entry is None:
         return None
     values = (
@@ -521,7 +526,65 @@ def _parse_cursor(raw: Any, path: str, problems: Problems) -> Optional[Cursor]:
         _int(entry["offset"], f"{path}.offset", problems),
         _bool(entry["exhausted"], f"{path}.exhausted", problems),
     )
-    return None if None in values else Cursor(*values)
+    counts = _parse_transform_counts(entry["transforms"], f"{path}.transforms", problems) \
+        if "transforms" in entry else ()
+    return None if None in values or counts is None else Cursor(*values, transforms=counts)
+
+
+def _parse_transform_counts(value: Any, path: str, problems: Problems) -> Optional[tuple]:
+    """A stream's transform counters: a list of ``[dropped, changed]`` pairs of integers >= 0."""
+    if not isinstance(value, list):
+        problems.add(path, f"must be a list of [dropped, changed] pairs (got {_type_name(value)} {_show(value)})")
+        return None
+    pairs = []
+    for k, pair in enumerate(value):
+        if not isinstance(pair, list) or len(pair) != 2:
+            problems.add(f"{path}[{k}]", f"must be a [dropped, changed] pair of counts (got {_show(pair)})")
+            return None
+        counts = (_int(pair[0], f"{path}[{k}][0]", problems), _int(pair[1], f"{path}[{k}][1]", problems))
+        if None in counts:
+            return None
+        pairs.append(counts)
+    return tuple(pairs)
+
+
+def _parse_transforms_header(value: Any, names: Optional[list], problems: Problems) -> None:
+    """The header's ``transforms``: ``{"sources": {name: [entry]}, "changes": [{"step", "sources"}]}``."""
+    entry = _fields(value, "transforms", ("sources", "changes"), problems)
+    if entry is None:
+        return
+    sources = entry["sources"]
+    if not isinstance(sources, dict):
+        problems.add("transforms.sources", f"must be an object of source name -> transforms (got {_show(sources)})")
+    else:
+        for name, specs in sources.items():
+            path = f"transforms.sources.{name}"
+            if names is not None and name not in names:
+                problems.add(path, f"names no source of the state (sources: {names})")
+            if not isinstance(specs, list):
+                problems.add(path, f"must be a list of transforms (got {_type_name(specs)})")
+                continue
+            for k, spec in enumerate(specs):
+                item = _fields(spec, f"{path}[{k}]", ("function", "args", "version", "stage"), problems)
+                if item is None:
+                    continue
+                _str(item["function"], f"{path}[{k}].function", problems)
+                if not isinstance(item["args"], dict):
+                    problems.add(f"{path}[{k}].args", f"must be an object (got {_show(item['args'])})")
+                for field_name in ("version", "stage"):
+                    if item[field_name] is not None:
+                        _str(item[field_name], f"{path}[{k}].{field_name}", problems)
+    changes = entry["changes"]
+    if not isinstance(changes, list):
+        problems.add("transforms.changes", f"must be a list (got {_type_name(changes)})")
+        return
+    for k, change in enumerate(changes):
+        item = _fields(change, f"transforms.changes[{k}]", ("step", "sources"), problems)
+        if item is None:
+            continue
+        _int(item["step"], f"transforms.changes[{k}].step", problems)
+        if not isinstance(item["sources"], list) or not all(isinstance(n, str) for n in item["sources"]):
+            problems.add(f"transforms.changes[{k}].sources", f"must be a list of source names (got {_show(item['sources'])})")
 
 
 def _parse_mixed_stream(raw: Any, path: str, count: int, problems: Problems) -> Optional[MixedStream]:

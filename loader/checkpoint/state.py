@@ -73,9 +73,37 @@ def check_header(state: Any) -> None:
     parse_header(state)
 
 
-def compare_with(state: dict, expected: dict) -> None:
-    """Refuse a resume whose stream-defining settings differ; name every difference by its JSON path."""
+def _describe_transforms(entries: list) -> str:
+    if not entries:
+        return "none"
+    parts = []
+    for entry in entries:
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted((entry.get("args") or {}).items()))
+        version = f" v{entry['version']}" if entry.get("version") is not None else ""
+        parts.append(f"{entry.get('function')}({args}){version}")
+    return "[" + ", ".join(parts) + "]"
+
+
+def transform_differences(state: dict, expected: dict) -> dict[str, str]:
+    """Per source whose transforms differ between the checkpoint and now: what each has."""
+    saved = (state.get("transforms") or {}).get("sources", {})
+    now = (expected.get("transforms") or {}).get("sources", {})
+    names = [s["name"] for s in expected["sources"]] + sorted(set(saved) | set(now))
+    differences = {}
+    for name in dict.fromkeys(names):
+        if saved.get(name, []) != now.get(name, []):
+            differences[name] = (f"transforms of source {name!r}: checkpoint {_describe_transforms(saved.get(name, []))}, "
+                                 f"now {_describe_transforms(now.get(name, []))}")
+    return differences
+
+
+def compare_with(state: dict, expected: dict, allow_transform_change: bool = False) -> None:
+    """Refuse a resume whose stream-defining settings differ; name every difference by its JSON path.
+
+    Different transforms are a difference unless ``allow_transform_change`` (the config
+    declares from which step they take effect: ``transforms_from_step``)."""
     differences = []
+    transforms = transform_differences(state, expected)
     if state["num_lanes"] != expected["num_lanes"]:
         differences.append(f"num_lanes (lane count L): checkpoint {state['num_lanes']}, now {expected['num_lanes']}")
     for key, now in expected["config"].items():
@@ -88,7 +116,9 @@ def compare_with(state: dict, expected: dict) -> None:
     for key in state["config"]:
         if key not in expected["config"]:
             differences.append(f"config.{key}: not a stream setting of this Zephon (checkpoint {state['config'][key]!r})")
-    if state.get("config_fingerprint") != expected["config_fingerprint"] and not differences:
+    if transforms and not allow_transform_change:
+        differences.extend(transforms.values())
+    if state.get("config_fingerprint") != expected["config_fingerprint"] and not differences and not transforms:
         differences.append(
             f"config_fingerprint: checkpoint {str(state.get('config_fingerprint'))[:12]}... does not match "
             f"its own config (now {expected['config_fingerprint'][:12]}...)"
@@ -113,6 +143,9 @@ def compare_with(state: dict, expected: dict) -> None:
             "cannot resume: the checkpoint was made with a different data configuration; "
             "a resume must keep seed, lanes, seq_len, tokenizer, packing and datasets. Differences:\n  - "
             + "\n  - ".join(differences)
+            + ("\n(to change transforms on resume, set transforms_from_step = the resume step in the config: "
+               "the new transforms then apply from that step on, recorded in the checkpoint)" if transforms
+               and not allow_transform_change else "")
         )
 
 

@@ -1,4 +1,4 @@
-"""The audit command: one SHA-256 per global batch, whatever the topology.
+"""Batch fingerprints: one SHA-256 per global batch, whatever the topology.
 
 ``zephon fingerprints CONFIG --world-size W --num-workers K --micro-batch M --steps A:B``
 builds all ``W`` rank loaders, reassembles every global batch in global-index order and
@@ -83,11 +83,13 @@ def collect_fingerprints(
     load_state: Optional[dict] = None,
     save_state_step: Optional[int] = None,
     keep_sequences: bool = False,
+    transform_counts: Optional[dict] = None,
 ) -> tuple[list[StepFingerprint], Optional[dict]]:
     """Fingerprints of steps ``[start_step, end_step)`` and the merged state at ``save_state_step``.
 
     Without ``load_state`` the loaders start at step 0 and steps before ``start_step`` are
-    consumed but not printed.
+    consumed but not printed. ``transform_counts``: a dict filled with what the transforms did
+    by the end, summed over the ranks (``ZephonLoader.transform_counts``).
     """
     from loader.pipeline import ZephonLoader  # torch: not for a config or state file that is refused first
 
@@ -150,10 +152,26 @@ def collect_fingerprints(
                 results.append(StepFingerprint(step, digest.hexdigest(), source_counts, sequences, supervised_counts))
         if save_state_step is not None and save_state_step == end_step:
             saved = merge_rank_states([loader.state_dict() for loader in loaders])
+        if transform_counts is not None:
+            for loader in loaders:  # each rank counts its own lanes
+                for source, per_transform in loader.transform_counts().items():
+                    into = transform_counts.setdefault(source, {})
+                    for label, counts in per_transform.items():
+                        total = into.setdefault(label, {"dropped": 0, "changed": 0})
+                        total["dropped"] += counts["dropped"]
+                        total["changed"] += counts["changed"]
     finally:
         for loader in loaders:
             loader.close()
     return results, saved
+
+
+def transform_count_lines(transform_counts: dict) -> list[str]:
+    """``# transforms SOURCE: POSITION:FUNCTION dropped=N changed=N, ...`` per source with
+    transforms (``#`` lines: a fingerprint log's comments, skipped by ``zephon diff``)."""
+    return [f"# transforms {source}: " + ", ".join(f"{label} dropped={c['dropped']} changed={c['changed']}"
+                                                  for label, c in per_transform.items())
+            for source, per_transform in transform_counts.items()]
 
 
 def _parse_steps(text: str) -> tuple[int, int]:
@@ -224,12 +242,15 @@ def command(argv: Sequence[str]) -> int:
             parser.error(f"--save-state STEP must be an integer in {start}..{end} (got {step_text!r})")
         save_step = int(step_text)
     load_state = read_state_file(args.load_state) if args.load_state else None
+    transform_counts: dict = {}
     results, saved = collect_fingerprints(
         config, world_size=args.world_size, start_step=start, end_step=end,
-        load_state=load_state, save_state_step=save_step,
+        load_state=load_state, save_state_step=save_step, transform_counts=transform_counts,
     )
     for result in results:
         print(result.line())
+    for line in transform_count_lines(transform_counts):
+        print(line)
     if save_file is not None and saved is not None:
         with open(save_file, "w") as fh:
             fh.write(dumps(saved))

@@ -8,6 +8,10 @@
    4 simulated ranks with 2 worker processes each, and show the fingerprints agree;
 5. checkpoint at a step, resume with another world size, and show the stream continues
    identically.
+
+Each stage prints its wall time when it ends, the sharding job its summary (documents,
+rejects, bytes, time, per-lane balance: :mod:`beam_jobs.progress`), and the run ends with a
+table of the stages' times.
 """
 
 from __future__ import annotations
@@ -20,8 +24,18 @@ import time
 from typing import Optional, Sequence
 
 
-def _say(message: str) -> None:
+def _say(message: str, timer=None, stage: str = "") -> None:
+    """Start a stage: the previous stage's wall time, then this one's title."""
+    if timer is not None:
+        _took(timer)
+        timer.start(stage)
     print(f"\n== {message}", flush=True)
+
+
+def _took(timer) -> None:
+    seconds = timer.stop()
+    if seconds is not None:
+        print(f"   ({timer.stages[-1][0]}: {seconds:.1f} s)", flush=True)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -47,6 +61,7 @@ def command(argv: Sequence[str]) -> int:
         if value < minimum:  # --steps: step 5 resumes from a checkpoint inside the run
             parser.error(f"{option} must be >= {minimum} (got {value})")
     from beam_jobs import inspect_dataset, sample_data, shard
+    from beam_jobs.progress import StageTimer
     from loader.config import LoaderConfig
     from loader.commands.fingerprints import collect_fingerprints
 
@@ -54,25 +69,26 @@ def command(argv: Sequence[str]) -> int:
     raw, datasets = os.path.join(out, "raw"), os.path.join(out, "datasets")
     tokenizer = sample_data.default_tokenizer_path()
     started = time.monotonic()
+    timer = StageTimer()
 
-    _say(f"1. generating {args.docs} sample documents in {raw}")
+    _say(f"1. generating {args.docs} sample documents in {raw}", timer, "generate")
     sample_data.make_sample(raw, num_docs=args.docs, seed=0)
 
-    _say("2. sharding with Apache Beam (FnApiRunner): prose as text, code pre-tokenized")
+    _say("2. sharding with Apache Beam (FnApiRunner): prose as text, code pre-tokenized", timer, "shard")
     for name, extra in (("prose", []), ("code", ["--tokenizer", tokenizer])):
-        manifest = shard.run([
+        options, pipeline_args = shard.parse_args([
             "--input", os.path.join(raw, name, "*"), "--output", os.path.join(datasets, name),
             "--source-name", name, "--id-field", "id", "--num-lanes", str(args.num_lanes),
             "--seed", "0", "--overwrite", "--max-reject-fraction", "0.05", *extra,
         ])
-        print(f"   {name}: {manifest.documents} documents, {len(manifest.files)} files, "
-              f"rejected {sum(manifest.rejected.values())} {dict(manifest.rejected)}")
+        shard.run_shard(options, pipeline_args, on_summary=lambda summary, name=name: print(
+            f"   {name}: " + summary.text().replace("\n", "\n   ")))
 
-    _say("3. inspecting")
+    _say("3. inspecting", timer, "inspect")
     for name in ("prose", "code"):
         inspect_dataset.main([os.path.join(datasets, name)])
 
-    _say("4. streaming a 0.7/0.3 mix with online tokenization and concat packing")
+    _say("4. streaming a 0.7/0.3 mix with online tokenization and concat packing", timer, "stream")
     config_path = os.path.join(out, "loader.json")
     with open(config_path, "w") as fh:
         json.dump({
@@ -93,7 +109,7 @@ def command(argv: Sequence[str]) -> int:
     same = [a.line() == b.line() for a, b in zip(reference, elastic)]
     print(f"   4 ranks x 2 workers, micro-batch 2: {sum(same)}/{len(same)} steps identical to 1 rank")
 
-    _say("5. checkpoint at step 3 on 4 ranks, resume on 2 ranks")
+    _say("5. checkpoint at step 3 on 4 ranks, resume on 2 ranks", timer, "checkpoint and resume")
     cut = min(3, args.steps - 1)
     _, state = collect_fingerprints(config, world_size=4, end_step=cut, save_state_step=cut)
     state_path = os.path.join(out, f"state-step{cut}.json")
@@ -105,6 +121,8 @@ def command(argv: Sequence[str]) -> int:
     same_resume = [a.line() == b.line() for a, b in zip(reference[cut:], resumed)]
     print(f"   state: {os.path.getsize(state_path)} bytes of JSON at {state_path}")
     print(f"   resumed steps {cut}..{args.steps - 1}: {sum(same_resume)}/{len(same_resume)} identical")
+    _took(timer)
+    print("\nstage times:\n" + timer.table())
     print(f"\ndone in {time.monotonic() - started:.1f} s; loader config: {config_path}")
     print(f"next: zephon fingerprints {config_path} --world-size 2 --steps 0:{args.steps}")
     ok = all(same) and all(same_resume)

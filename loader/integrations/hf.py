@@ -38,6 +38,8 @@ What the subclass changes, and why (checked against transformers 5.24 / accelera
   (``skip_first_batches``) would skip the trained steps a second time, so ``ZephonTrainer``
   **switches it off** (``ignore_data_skip=True``, logged at construction) and refuses to
   train if it was switched back on.
+- **Metrics.** Every training log (each ``logging_steps``) also holds the loader's
+  ``loader.metrics()`` as ``zephon/...`` scalars (``log_zephon_metrics=False`` leaves them out).
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ class ZephonTrainer(Trainer):
         *,
         zephon_loader: Union[ZephonLoader, LoaderConfig],
         model_inputs: Sequence[str] = DEFAULT_MODEL_INPUTS,
+        log_zephon_metrics: bool = True,
         **kwargs: Any,
     ) -> None:
         if args is None:
@@ -188,6 +191,7 @@ class ZephonTrainer(Trainer):
             )
         self.zephon_loader = zephon_loader
         self.model_inputs = tuple(model_inputs)
+        self.log_zephon_metrics = log_zephon_metrics
         self._check_topology()
         missing = [k for k in self.model_inputs if k not in zephon_loader.config.batch_fields]
         if missing:
@@ -211,6 +215,14 @@ class ZephonTrainer(Trainer):
         if hasattr(self, "_train_batch_size"):  # what Trainer logs and stores as the per-device batch size
             self._train_batch_size = micro_batch_size
         self.add_callback(ZephonCheckpointCallback(zephon_loader))
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's log, with this rank's loader metrics (``zephon/...``, :meth:`LoaderMetrics.flat
+        <loader.metrics.LoaderMetrics.flat>`) added to every training log (the ones with a ``loss``),
+        so every ``report_to`` integration (TensorBoard, W&B, ...) records them."""
+        if self.log_zephon_metrics and "loss" in logs:
+            logs = {**logs, **self.zephon_loader.metrics().flat()}
+        super().log(logs, *args, **kwargs)
 
     def _check_topology(self) -> None:
         topology = self.zephon_loader.topology

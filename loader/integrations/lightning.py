@@ -33,6 +33,9 @@ What it guarantees, and why each part is needed (Lightning 2.6):
   when the micro-batches per step changed; on load they are rewritten to
   ``global_step x accumulate_grad_batches`` of the new run.
 
+- **Metrics.** After every optimizer step the loader's ``loader.metrics()`` are logged as
+  ``zephon/...`` scalars with ``LightningModule.log_dict`` (``log_metrics=False`` leaves them out).
+
 An elastic resume (other world size or micro-batch size, same ``global_batch_size``) needs
 ``accumulate_grad_batches`` set to the new ``micro_steps_per_step`` = B / (W x micro-batch);
 the loss must not depend on how a step's sequences are split into micro-batches (sum the
@@ -97,7 +100,8 @@ class ZephonLightning(Callback):
     micro-batch's ``step``/``micro_step`` against Lightning's counters (cheap; keep it on).
     """
 
-    def __init__(self, source: Union[LoaderConfig, ZephonLoader], *, check_batches: bool = True) -> None:
+    def __init__(self, source: Union[LoaderConfig, ZephonLoader], *, check_batches: bool = True,
+                 log_metrics: bool = True) -> None:
         if isinstance(source, ZephonLoader):
             self.config, self._loader = source.config, source
         elif isinstance(source, LoaderConfig):
@@ -107,6 +111,7 @@ class ZephonLightning(Callback):
                 f"ZephonLightning takes a LoaderConfig or a ZephonLoader (got {type(source).__name__})"
             )
         self.check_batches = check_batches
+        self.log_metrics = log_metrics
         self._iterable = ZephonTrainIterable(self)
         self._trainer: Optional[pl.Trainer] = None
 
@@ -223,6 +228,15 @@ class ZephonLightning(Callback):
                 "on other batches than the loader's steps. Was the loader iterated outside of Lightning, or "
                 "its state loaded by hand?"
             )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """After the last micro-batch of each optimizer step: this rank's loader metrics
+        (``zephon/...``) through ``LightningModule.log_dict``, so the trainer's loggers record
+        them every ``log_every_n_steps``."""
+        if self.log_metrics and self._loader is not None and isinstance(batch, dict) \
+                and batch.get("micro_step") == trainer.accumulate_grad_batches - 1:
+            pl_module.log_dict(self._loader.metrics().flat(), on_step=True, on_epoch=False)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

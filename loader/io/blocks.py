@@ -34,12 +34,14 @@ class TokenFormat:
 
 
 # Text blocks are tokenized as the cursor reaches them, in calls that start at this many
-# characters (~10 sequences' worth) and double each call: a row group holds up to 1 MiB of
-# text, and tokenizing it in one call made the first batch, a restore and every block change
-# wait for the whole group. The calls grow because many small ones serialise: with fixed
-# 64 KiB calls ~20% of the tokenizer's CPU time ran on the calling thread, outside its
-# thread pool; doubling calls (4-5 per row group) keep that at ~2%, as one call per group.
-TOKENIZE_CHARS = 64 * 1024
+# characters (~2 sequences of 2048 tokens) and double each call: a row group holds up to
+# 1 MiB of text, and tokenizing it in one call made the first batch, a restore and every
+# block change wait for the whole group. The calls grow because many small ones serialise:
+# with fixed 64 KiB calls ~20% of the tokenizer's CPU time ran on the calling thread, outside
+# its thread pool; doubling calls (6-7 per row group) keep that small. Starting at 64 KiB
+# instead of 16 KiB cost a fresh text loader 2.5x the CPU to its first batch (every lane
+# of the batch tokenizes its first call: 0.51-0.58 s against 0.17-0.26 s, bench/RESULTS.md, issue 16).
+TOKENIZE_CHARS = 16 * 1024
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Block:
     doc_starts: np.ndarray  # int64, len = documents + 1; last entry = len(tokens)
     complete: bool = True  # False: documents after the last ``doc_starts`` entry are still text
     features: Mapping[str, np.ndarray] = NO_FEATURES  # per-token arrays aligned with ``tokens`` (loader.stages.features)
+    transform_counts: Optional[object] = None  # what the source's transforms did to the row group (loader.transforms)
 
     def ensure(self, position: int) -> None:
         """Make ``tokens`` extend past ``position``, or hold the whole block."""
@@ -342,13 +345,16 @@ def wrap_documents(flat_ids: np.ndarray, lengths: np.ndarray, fmt: TokenFormat) 
 
 
 def build_block(values: pa.Array, feature_columns: Sequence[pa.Array], *, features: Sequence[Feature],
-                token_format: TokenFormat, tokenizer, where: str, row_group: int) -> Block:
+                token_format: TokenFormat, tokenizer, where: str, row_group: int, chat=None) -> Block:
     """The block of one row group's column values (rows in replay order).
 
     ``values``: the ``input_ids`` column of a pre-tokenized lane, or the ``text`` column of a
     text lane (``tokenizer`` set); ``feature_columns``: the lane-file feature columns, as
-    ``features``. Errors name ``where`` (the file) and ``row_group``.
+    ``features``. Errors name ``where`` (the file) and ``row_group``. ``chat``: an online chat
+    lane's :class:`loader.chat.block.OnlineChat`; ``values`` is then its ``conversation`` column.
     """
+    if chat is not None:  # online chat: rendered, tokenized and masked by the block (loader.chat.block)
+        return chat.block(values.to_pylist(), token_format, where, row_group)
     if tokenizer is not None:
         return TextBlock(values.to_pylist(), tokenizer, token_format)
     block = pretokenized_block(values, token_format, where, row_group)

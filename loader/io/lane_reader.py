@@ -12,7 +12,11 @@ restoring a text lane tokenizes the block's documents up to ``offset``, at most 
 The next blocks are read in the background (:mod:`loader.io.read_ahead`), and every file and
 row group is checked as it is read (:mod:`loader.io.integrity`).
 
-State keys (``get_state``): ``epoch``, ``block``, ``offset``, ``exhausted``.
+State keys (``get_state``): ``epoch``, ``block``, ``offset``, ``exhausted``; with transforms
+(:mod:`loader.transforms`) also ``transforms``: per transform ``[dropped, changed]`` documents of
+the blocks before the cursor's, and of the cursor's own once it has taken from it (counters
+only: a dropped document yields no tokens, and the cursor counts tokens of the transformed
+block, which every process rebuilds alike).
 """
 
 from __future__ import annotations
@@ -30,12 +34,19 @@ from loader.io import storage
 from loader.io.blocks import Block, Chunk, DocumentsView, TokenFormat, build_block
 from loader.io.integrity import (FIX, LaneDataError, check_footer, check_no_unlisted_files, check_row_group,
                                  verify_local_file)
-from loader.io.manifest import MANIFEST_NAME, FileEntry, Manifest
+from loader.io.manifest import CONVERSATION_COLUMN, MANIFEST_NAME, FileEntry, Manifest
 from loader.io.read_ahead import READ_AHEAD_BLOCKS, ReadAheadQueue
+from loader.metrics import note_row_group_read
 from loader.order.epochs import epoch_blocks, row_order
 from loader.stages.features import Feature, column_features, slice_features
+from loader.transforms.chain import TransformCounts, chain_for
+from loader.transforms.rows import LazyColumns, apply_transforms, extra_columns
 
 log = logging.getLogger(__name__)
+
+# Set by ZephonLoader.load_state_dict in a restored cursor saved under other transforms
+# (declared with transforms_from_step); never written by get_state.
+TRANSFORMS_CHANGED = "_transforms_changed"
 
 
 class LaneTokenStream:
@@ -56,7 +67,18 @@ class LaneTokenStream:
         read_ahead: bool = False,
         read_ahead_threads: int = 1,
         read_ahead_blocks: int = READ_AHEAD_BLOCKS,
+        transforms: tuple = (),  # resolved loader.transforms.TransformSpec of this source, in order
+        chat=None,  # a loader.chat.block.OnlineChat for online chat lanes (manifest.online_chat)
     ) -> None:
+        # Online chat: the conversation column is rendered, tokenized and masked by its block
+        # (loader.chat.block), whose rejects the tally reports once per block entered.
+        self.chat = chat
+        self.chat_rejects = None
+        if chat is not None:
+            from loader.chat.block import RejectTally
+
+            self.chat_rejects = RejectTally()
+            self._empty_blocks = 0  # consecutive blocks whose every conversation was rejected
         self.dataset_path = dataset_path
         self.source_name = source_name
         self.lane_id = lane_id
@@ -105,15 +127,75 @@ class LaneTokenStream:
         self._ahead = ReadAheadQueue(self._read_queued_block, read_ahead_threads)
         # The next block, read early by documents_ahead: ((epoch, block), Block).
         self._peeked: Optional[tuple[tuple[int, int], Block]] = None
+        # Transforms (loader.transforms): the source's chain, the columns it reads, and the
+        # counts of the blocks before the current one; a restored state's counts wait in
+        # _restored_counts until the cursor's block is read again.
+        self.transforms = chain_for(transforms, seed=seed, source=source_name, pretokenized=self.pretokenized,
+                                    feature_names=self.feature_names)
+        self._transform_columns = extra_columns(self.transforms, manifest)
+        self._counts_before = TransformCounts.zeros(len(self.transforms)) if self.transforms else None
+        self._restored_counts: Optional[tuple[TransformCounts, bool]] = None
+        self._counts_memo: list = [None, None]  # counts without / with the current block (see _counts_at)
+        self._empty_blocks_in_a_row = 0  # a lane whose every document is dropped is an error, not a hang
 
     @property
     def feature_names(self) -> tuple[str, ...]:
         """The features every chunk of this stream carries (registry order)."""
+        if self.chat is not None:
+            return ("loss_mask",)  # made by the chat block, not read from a column
         return tuple(f.name for f in self.features)
 
     # -- state -------------------------------------------------------------------------
     def get_state(self) -> dict:
-        return {"epoch": self.epoch, "block": self.block_index, "offset": self.offset, "exhausted": self.exhausted}
+        state = {"epoch": self.epoch, "block": self.block_index, "offset": self.offset, "exhausted": self.exhausted}
+        if self.transforms is not None:
+            state["transforms"] = self._counts_at(self.epoch, self.block_index, self.offset)
+        return state
+
+    def _counts_at(self, epoch: int, block_index: int, offset: int) -> list:
+        """The transform counts of a state at this cursor: the blocks before its block, and its
+        block too once taken from (``offset > 0``); the cursor is at or after the current block.
+        A JSON list, shared by the states that have the same counts (never mutated: a state is
+        taken per sequence, the counts change per block)."""
+        if self._restored_counts is not None:
+            return self._restored_counts[0].to_state()
+        key, current = self._block_key, self._block
+        if key is None or current is None:
+            return self._counts_before.to_state()
+        ahead = key < (epoch, block_index)
+        with_current = ahead or offset > 0
+        if ahead and offset > 0 and self._peeked is not None and self._peeked[0] == (epoch, block_index):
+            # a bulk reader's state inside the next block (read early): not cached, rare
+            return self._counts_before.plus(current.transform_counts).plus(self._peeked[1].transform_counts).to_state()
+        counts = self._counts_memo[with_current]
+        if counts is None:
+            counts = self._counts_memo[with_current] = self._counts_before.plus(
+                current.transform_counts if with_current else None).to_state()
+        return counts
+
+    def transform_counts(self) -> Optional[TransformCounts]:
+        """What this stream's transforms did so far (every block read as the cursor's, whole)."""
+        if self.transforms is None:
+            return None
+        total = TransformCounts.from_state(self._counts_at(self.epoch, self.block_index, self.offset))
+        if self._restored_counts is None and self._block is not None and self._block_key == (
+                self.epoch, self.block_index) and self.offset == 0:
+            total.add(self._block.transform_counts)
+        return total
+
+    def _block_loaded(self, key: tuple[int, int], block: Block) -> None:
+        """Counter bookkeeping when ``block`` becomes the current block (see :meth:`_counts_at`)."""
+        self._counts_memo = [None, None]
+        if self._restored_counts is not None:
+            saved, taken_from = self._restored_counts
+            self._restored_counts = None
+            self._counts_before = saved.plus(None)
+            if taken_from:  # the saved counts include this block: they are counted again from it
+                for mine, its in zip(self._counts_before.counts, block.transform_counts.counts):
+                    mine[0] -= its[0]
+                    mine[1] -= its[1]
+        elif self._block_key is not None and self._block is not None and self._block_key < key:
+            self._counts_before.add(self._block.transform_counts)
 
     def set_state(self, state: dict, path: str = "stream") -> None:
         """Continue from ``state``, checked by ``loader.checkpoint.schema`` (``ZephonLoader.load_state_dict``).
@@ -128,9 +210,43 @@ class LaneTokenStream:
         self.offset = int(state["offset"])
         self.exhausted = bool(state.get("exhausted", False))
         self._restored_path = None if self.exhausted else path
+        if self.chat_rejects is not None:
+            self.chat_rejects.restore(self.epoch, self.block_index, self.offset)
+        if self.transforms is not None:
+            if state.get(TRANSFORMS_CHANGED):
+                self._restore_after_transform_change()
+                return
+            saved = state.get("transforms")
+            counts = TransformCounts.from_state(saved) if saved is not None else TransformCounts.zeros(
+                len(self.transforms))
+            self._restored_counts = (counts, self.offset > 0 and not self.exhausted)
+            if self._block_key == (self.epoch, self.block_index) and self._block is not None:
+                key, self._block_key = self._block_key, None
+                self._block_loaded(key, self._block)
+                self._block_key = key
         if self._restored_path is not None and self._block_key == (self.epoch, self.block_index) \
                 and self._block is not None:
             self._check_restored_cursor(self.epoch, self.block_index, self._block)
+
+    def _restore_after_transform_change(self) -> None:
+        """A cursor saved under other transforms (``transforms_from_step``): its offset counted
+        tokens of another transformed block, so it moves forward to the next document start of
+        this block (or its end); counters start again from zero."""
+        self._counts_before = TransformCounts.zeros(len(self.transforms))
+        self._counts_memo = [None, None]
+        self._restored_counts = None
+        self._block_key = self._block = None
+        if self.exhausted:
+            self._restored_path = None
+            return
+        self._check_restored_cursor(self.epoch, self.block_index)  # the block exists
+        self._restored_path = None
+        block = self._load_block(self.epoch, self.block_index)
+        block.ensure(self.offset)
+        if self.offset >= len(block.tokens):
+            self.offset = len(block.tokens)
+        else:
+            self.offset = int(block.doc_starts[np.searchsorted(block.doc_starts, self.offset)])
 
     def _check_restored_cursor(self, epoch: int, block_index: int, block: Optional[Block] = None) -> None:
         """The checks of a restored cursor that need the data (see :meth:`set_state`)."""
@@ -226,6 +342,10 @@ class LaneTokenStream:
             block = self._settle_read_ahead(wanted=key)
         if block is None:
             block = self._read_block(epoch, *self.blocks_of_epoch(epoch)[block_index])
+        if self.chat_rejects is not None:
+            self.chat_rejects.register(key, block)
+        if self.transforms is not None:
+            self._block_loaded(key, block)
         self._block_key, self._block = key, block
         if self._restored_path is not None:
             self._check_restored_cursor(epoch, block_index, block)
@@ -257,6 +377,25 @@ class LaneTokenStream:
             order = self._row_order(key[0], *where, rows) if key[0] > 0 and rows is not None else None
             self._ahead.submit(key, where, order)
 
+    def start_reading(self) -> None:
+        """Queue the read of the cursor's block in the background (with read-ahead on).
+
+        A lane's first block is otherwise read when its first sequence is asked for: the
+        second micro-batch of a fresh loader, the first to use lanes 8-15 of 16, waited for
+        their reads (bench/RESULTS.md, issue 16), and a worker read its lanes' blocks one
+        after another. A block that cannot be read or does not exist is left to the read the
+        stream really makes (it raises there, naming the file or the state's path).
+        """
+        if not self.read_ahead or self.exhausted or self._block is not None or len(self._ahead):
+            return
+        key = (self.epoch, self.block_index)
+        try:
+            blocks = self.blocks_of_epoch(key[0])
+        except Exception:  # noqa: BLE001 - raised again, with its context, by the stream's own read
+            return
+        if key[1] < len(blocks):
+            self._ahead.submit(key, blocks[key[1]], None)
+
     def _read_queued_block(self, key: tuple[int, int], where: tuple[int, int], order: Optional[np.ndarray]) -> Block:
         return self._read_block(key[0], *where, order=order)
 
@@ -281,13 +420,14 @@ class LaneTokenStream:
         """
         entry = self.files[file_ordinal]
         path = storage.join(self.dataset_path, entry.path)
-        column = "input_ids" if self.pretokenized else "text"
+        column = "input_ids" if self.pretokenized else CONVERSATION_COLUMN if self.chat is not None else "text"
         try:
             parquet = self._parquet(file_ordinal)
             # One column: pyarrow's thread pool parallelises across columns, so for us it is
             # only a hand-off (and more threads per worker process); ~8% less CPU without.
             columns = [column] + [f.column for f in self.features]
             table = parquet.read_row_group(row_group, columns=columns, use_threads=False)
+            note_row_group_read(parquet.metadata.row_group(row_group), columns)  # loader.metrics
             # combine_chunks copies even a single chunk
             values, *feature_columns = [c.chunk(0) if c.num_chunks == 1 else c.combine_chunks() for c in table.columns]
             check_row_group(len(values), parquet.metadata, row_group, path)
@@ -302,10 +442,21 @@ class LaneTokenStream:
                 indices = pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)])
                 values = pc.take(values, indices)
                 feature_columns = [pc.take(c, indices) for c in feature_columns]
+            if self.transforms is not None:  # key, metadata (...) columns: read if a function asks
+                transform_columns = LazyColumns(
+                    lambda names: self._extra_columns(parquet, row_group, names, indices if epoch > 0 else None),
+                    self._transform_columns)
+            counts = None
+            if self.transforms is not None and not self.pretokenized:  # text: before tokenization
+                texts = values.to_pylist()
+                kept, counts = apply_transforms(self.transforms, transform_columns, texts=texts)
+                if kept is not texts:
+                    values = pa.array(kept, pa.string())
             block = build_block(values, feature_columns, features=self.features, token_format=self.token_format,
                                 tokenizer=None if self.pretokenized else self.tokenizer, where=path,
-                                row_group=row_group)
+                                row_group=row_group, chat=self.chat)
             if not self.pretokenized:
+                block.transform_counts = counts
                 return block  # text: the manifest has no token totals to check against
         except ZephonError:
             raise  # already names the file (a StorageError also says what to do about storage)
@@ -316,7 +467,18 @@ class LaneTokenStream:
             ) from exc
         documents = len(block.doc_starts) - 1
         self._note_group_tokens(file_ordinal, row_group, len(block.tokens) - self.token_format.extra * documents)
+        if self.transforms is not None:  # pre-tokenized: on the ids and features, after the checks
+            block, counts = apply_transforms(self.transforms, transform_columns, block=block,
+                                             token_format=self.token_format)
+            block.transform_counts = counts
         return block
+
+    @staticmethod
+    def _extra_columns(parquet: pq.ParquetFile, row_group: int, names, indices) -> dict:
+        """Columns of a row group the transforms asked for, in the block's (epoch) row order."""
+        table = parquet.read_row_group(row_group, columns=list(names), use_threads=False)
+        columns = {n: c.chunk(0) if c.num_chunks == 1 else c.combine_chunks() for n, c in zip(names, table.columns)}
+        return columns if indices is None else {n: pc.take(c, indices) for n, c in columns.items()}
 
     def _note_group_tokens(self, file_ordinal: int, row_group: int, tokens: int) -> None:
         """Once every row group of a file has been read, its tokens must be the manifest's."""
@@ -336,7 +498,20 @@ class LaneTokenStream:
                 f"the manifest says {entry.tokens}: the file or the manifest is corrupt; {FIX}"
             )
 
+    def _check_not_all_rejected(self, block_tokens: int) -> None:
+        """Online chat: a block left without tokens has every conversation rejected online; a
+        whole epoch of them would make ``take`` loop forever, so it is an error instead."""
+        self._empty_blocks = self._empty_blocks + 1 if block_tokens == 0 else 0
+        if self._empty_blocks > len(self.blocks_of_epoch(self.epoch)):
+            raise LaneDataError(
+                f"lane {self.lane_id} of source {self.source_name!r} ({self.dataset_path}): every conversation of "
+                "a whole epoch is rejected online (empty_loss_mask, full_loss_mask or too_long: see the log and "
+                "batch['chat_rejects']); fix the template, --chat-loss-on or --chat-max-tokens and re-shard"
+            )
+
     def _advance_block(self) -> None:
+        if self.transforms is not None:
+            self._note_block_left()
         self.block_index += 1
         self.offset = 0
         if self.block_index >= len(self.blocks_of_epoch(self.epoch)):
@@ -344,6 +519,20 @@ class LaneTokenStream:
             self.block_index = 0
             if self.max_epochs is not None and self.epoch >= self.max_epochs:
                 self.exhausted = True
+
+    def _note_block_left(self) -> None:
+        """Refuse a lane whose transforms drop every document: its stream would search forever."""
+        empty = self._block is not None and self._block_key == (self.epoch, self.block_index) \
+            and len(self._block.tokens) == 0
+        self._empty_blocks_in_a_row = self._empty_blocks_in_a_row + 1 if empty else 0
+        if self._empty_blocks_in_a_row >= len(self.blocks_of_epoch(self.epoch)):
+            from loader.transforms.spec import TransformError
+
+            raise TransformError(
+                f"the transforms of source {self.source_name!r} drop every document of lane {self.lane_id} "
+                f"({', '.join(spec.function for spec in self.transforms.specs)}): the lane can never produce a "
+                "sequence; loosen the filters, or filter offline (zephon shard --transform) so that the job "
+                "shards only the documents kept")
 
     def at_document_start(self) -> bool:
         """True when the next token is a document's first (or nothing is left)."""
@@ -388,6 +577,8 @@ class LaneTokenStream:
         block = self._settle_read_ahead(wanted=key)  # the read-ahead's head, or nothing pending
         if block is None:
             block = self._read_block(key[0], *self.blocks_of_epoch(key[0])[key[1]])
+        if self.chat_rejects is not None:
+            self.chat_rejects.register(key, block)
         self._peeked = (key, block)
         return block
 
@@ -398,11 +589,18 @@ class LaneTokenStream:
     def state_at(self, view: DocumentsView, position: int) -> dict:
         """The state with the cursor at a virtual position of ``view``."""
         block_index, offset = view.where(position)
-        return {"epoch": view.epoch, "block": block_index, "offset": offset, "exhausted": False}
+        state = {"epoch": view.epoch, "block": block_index, "offset": offset, "exhausted": False}
+        if self.transforms is not None:
+            state["transforms"] = self._counts_at(view.epoch, block_index, offset)
+        return state
 
     def rewound_state(self, rows: int, row_len: int) -> dict:
         """The state before the last ``rows`` rows of ``row_len`` (all in the current block)."""
-        return dict(self.get_state(), offset=self.offset - rows * row_len)
+        offset = self.offset - rows * row_len
+        state = dict(self.get_state(), offset=offset)
+        if self.transforms is not None:  # the counts of a cursor at that offset
+            state["transforms"] = self._counts_at(self.epoch, self.block_index, offset)
+        return state
 
     def take_rows(self, row_len: int, max_rows: int) -> Optional[Chunk]:
         """Up to ``max_rows`` whole rows of ``row_len`` tokens from the current block, or None.
@@ -460,6 +658,8 @@ class LaneTokenStream:
             tokens, doc_starts = block.tokens, block.doc_starts
             available = len(tokens) - offset
             if available <= 0:
+                if self.chat is not None:
+                    self._check_not_all_rejected(len(tokens))
                 self._advance_block()
                 continue
             count = min(n - taken, available)

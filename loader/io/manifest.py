@@ -26,8 +26,51 @@ loss_mask      binary            optional, pre-tokenized only: one byte (0 or 1)
                                  it as ``loss_mask`` (``list<uint8>`` is read too). A per-token
                                  feature of ``loader.stages.features``: its presence in ``schema`` is
                                  what makes the loader read it
+conversation   string            only for chat data tokenized online (``--messages-field``
+                                 without ``--tokenizer``): the validated conversation as
+                                 compact JSON, ``{"messages": [...], "tools": [...]}``
+                                 (``tools`` only when the record has them; keys in the
+                                 record's order, ``null`` values of messages dropped, non-
+                                 ASCII kept). ``text`` holds its plain render. The loader
+                                 renders, tokenizes and masks it with the manifest's ``chat``
 <kept field>   string            each ``--keep-fields`` value, JSON-encoded
 =============  ================  ==========================================================
+
+Image datasets (``--image-field``, or WebDataset input; README "Images (vision-language)")
+add these columns after ``text`` (and before kept fields); ``text`` then holds the
+document's text segments concatenated, nothing inserted between them. Element ``k`` of each
+``image_*`` list is the document's ``k``-th image:
+
+===================  =============  ===================================================
+column               type           meaning
+===================  =============  ===================================================
+segments             list<int32>    the document in order: an entry ``e >= 0`` is a text
+                                    segment ending at UTF-8 byte ``e`` of ``text`` (starting
+                                    where the previous one ended), ``-1`` is the next image
+                                    (``loader.vision.segments.decode_segments``)
+num_images           int32          images in the document (the ``-1`` entries)
+image_bytes          list<binary>   each image's encoded bytes exactly as read (no
+                                    re-encoding; stored without a Parquet codec)
+image_format         list<string>   ``JPEG``, ``PNG`` or ``WEBP`` (sniffed and decoded)
+image_width          list<int32>    width as stored (EXIF orientation not applied)
+image_height         list<int32>    height as stored
+image_sha256         list<string>   hex SHA-256 of ``image_bytes``
+image_visual_tokens  list<int32>    only when the job had ``--image-policy``: each image's
+                                    visual tokens under the manifest's ``images.policy``
+===================  =============  ===================================================
+
+They record ``images`` in the manifest (:class:`loader.vision.record.ImagesRecord`): the
+number of images, the limits every image was checked against and the image-processing
+policy of ``image_visual_tokens`` with its fingerprint (or nulls). It is part of the dataset
+fingerprint; text datasets have no ``images`` entry and keep their manifests and fingerprints.
+
+Chat datasets (``--messages-field``) record ``chat`` in the manifest (:class:`ChatRecord`): the
+messages field, whether the lanes are tokenized (``input_ids`` + ``loss_mask``) or hold
+conversations, ``loss_on``, ``max_tokens``, ``overflow``, the template's fingerprint and, for
+online data, the template itself (its Jinja sources, special tokens, variables, name), so that
+the loader renders with exactly what the job validated. ``chat`` (all but ``template_origin``,
+a path of the writing machine) is part of the dataset fingerprint: a dataset re-sharded with
+another template or option is another dataset, and a checkpoint of the old one is refused.
 
 Concatenating a lane's part files in ``part`` order gives the lane in order-key order.
 """
@@ -41,6 +84,8 @@ from typing import Any, Optional
 
 from loader.chat.conversations import REJECT_REASONS as _CONVERSATION_REJECT_REASONS
 from loader.errors import ZephonError
+from loader.vision.reasons import IMAGE_REJECT_REASONS
+from loader.vision.record import ImagesRecord
 from loader.io import storage
 from loader.io.storage_options import SHA256_HEX
 
@@ -64,7 +109,10 @@ DOCUMENT_REJECT_REASONS = (
     "unreadable_file",
 )
 CHAT_REJECT_REASONS = _CONVERSATION_REJECT_REASONS
+# An image job records the document reasons and the image reasons of loader.vision.reasons.
+IMAGE_DOCUMENT_REJECT_REASONS = DOCUMENT_REJECT_REASONS + IMAGE_REJECT_REASONS
 REJECT_REASONS = DOCUMENT_REJECT_REASONS + CHAT_REJECT_REASONS
+CONVERSATION_COLUMN = "conversation"  # the lane-file column of conversations rendered online
 
 
 class ManifestError(ZephonError, ValueError):
@@ -155,6 +203,101 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class ChatRecord:
+    """The manifest's ``chat`` entry: how the conversations of a chat dataset are encoded.
+
+    ``tokenized``: the lanes hold ``input_ids`` and ``loss_mask`` (the job encoded them);
+    otherwise they hold :data:`CONVERSATION_COLUMN` and ``template`` is set (``sources``,
+    ``special_tokens``, ``extra_variables``, ``template_name``: what
+    :class:`loader.chat.ChatTemplate` is built from). ``template_origin`` names the file the
+    job read (information only, not fingerprinted).
+    """
+
+    messages_field: str
+    tokenized: bool
+    loss_on: str
+    max_tokens: Optional[int]
+    overflow: str
+    template_fingerprint: str
+    template: Optional[dict[str, Any]] = None
+    template_origin: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.template is None:
+            del data["template"]
+        return data
+
+    def fingerprint_content(self) -> dict[str, Any]:
+        content = self.to_dict()
+        content.pop("template_origin", None)
+        return content
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "chat") -> "ChatRecord":
+        """Parse the ``chat`` entry; every problem is reported at once, each naming its field."""
+        from loader.chat.encode import OVERFLOW_CHOICES
+        from loader.chat.spans import LOSS_ON_CHOICES
+
+        if not isinstance(data, dict):
+            raise ManifestError(f"{where}: expected an object, got {type(data).__name__}")
+        problems = []
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            problems.append(f"unknown fields {unknown} (known: {sorted(known)})")
+        for name, typ in (("messages_field", str), ("tokenized", bool), ("loss_on", str), ("overflow", str),
+                          ("template_fingerprint", str)):
+            if name not in data:
+                problems.append(f"missing field '{name}'")
+            elif not isinstance(data[name], typ):
+                problems.append(f"field '{name}' must be {typ.__name__} (got {data[name]!r:.80})")
+        if isinstance(data.get("loss_on"), str) and data["loss_on"] not in LOSS_ON_CHOICES:
+            problems.append(f"field 'loss_on' must be one of {LOSS_ON_CHOICES} (got {data['loss_on']!r})")
+        if isinstance(data.get("overflow"), str) and data["overflow"] not in OVERFLOW_CHOICES:
+            problems.append(f"field 'overflow' must be one of {OVERFLOW_CHOICES} (got {data['overflow']!r})")
+        max_tokens = data.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+            problems.append(f"field 'max_tokens' must be a positive int or null (got {max_tokens!r:.80})")
+        if isinstance(data.get("template_fingerprint"), str) and not SHA256_HEX.fullmatch(data["template_fingerprint"]):
+            problems.append(f"field 'template_fingerprint' must be 64 lowercase hex digits "
+                            f"(got {data['template_fingerprint']!r:.80})")
+        template = data.get("template")
+        if template is not None:
+            problems += [f"template.{p}" for p in _template_problems(template)]
+        elif data.get("tokenized") is False:
+            problems.append("field 'template' is missing: a dataset tokenized online needs the template it renders with")
+        origin = data.get("template_origin")
+        if origin is not None and not isinstance(origin, str):
+            problems.append(f"field 'template_origin' must be a string or null (got {origin!r:.80})")
+        if problems:
+            raise ManifestError(f"{where}: " + "; ".join(problems))
+        return cls(**{name: data.get(name) for name in known})
+
+
+def _template_problems(template: Any) -> list[str]:
+    if not isinstance(template, dict):
+        return [f"must be an object (got {type(template).__name__})"]
+    problems = []
+    sources = template.get("sources")
+    if not (isinstance(sources, dict) and sources and all(isinstance(k, str) and isinstance(v, str)
+                                                             for k, v in sources.items())):
+        problems.append("sources must be a non-empty object of template name -> Jinja text")
+    tokens = template.get("special_tokens", {})
+    if not (isinstance(tokens, dict) and all(isinstance(v, str) for v in tokens.values())):
+        problems.append("special_tokens must be an object of token name -> text")
+    if not isinstance(template.get("extra_variables", {}), dict):
+        problems.append("extra_variables must be an object")
+    name = template.get("template_name")
+    if name is not None and not isinstance(name, str):
+        problems.append(f"template_name must be a string or null (got {name!r:.80})")
+    unknown = sorted(set(template) - {"sources", "special_tokens", "extra_variables", "template_name"})
+    if unknown:
+        problems.append(f"unknown fields {unknown}")
+    return problems
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything the loader needs to know about a dataset, and nothing machine-specific."""
 
@@ -169,11 +312,18 @@ class Manifest:
     files_per_lane: int = 1
     format_version: int = FORMAT_VERSION
     dataset_fingerprint: str = ""
+    chat: Optional[ChatRecord] = None  # chat datasets (``--messages-field``): see the module docstring
+    images: Optional[ImagesRecord] = None  # image datasets: see the module docstring
 
     # -- derived views -------------------------------------------------------------------
     @property
     def pretokenized(self) -> bool:
         return self.tokenizer is not None
+
+    @property
+    def online_chat(self) -> bool:
+        """The lanes hold conversations, rendered and tokenized by the loader."""
+        return self.chat is not None and not self.chat.tokenized
 
     @property
     def total_tokens(self) -> Optional[int]:
@@ -207,6 +357,10 @@ class Manifest:
                 [f.path, f.rows, f.tokens, f.sha256] for f in self.files
             ),
         }
+        if self.chat is not None:  # only then: every other dataset keeps its fingerprint
+            content["chat"] = self.chat.fingerprint_content()
+        if self.images is not None:  # likewise
+            content["images"] = self.images.to_dict()
         blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -229,6 +383,8 @@ class Manifest:
             "documents": self.documents,
             "rejected": dict(sorted(self.rejected.items())),
             "files": [f.to_dict() for f in sorted(self.files, key=lambda f: (f.lane, f.part))],
+            **({"chat": self.chat.to_dict()} if self.chat is not None else {}),
+            **({"images": self.images.to_dict()} if self.images is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -270,6 +426,24 @@ class Manifest:
         files_per_lane = data.get("files_per_lane", 1)
         if not isinstance(files_per_lane, int) or isinstance(files_per_lane, bool) or files_per_lane < 1:
             problems.append(f"field 'files_per_lane' must be an int >= 1 (got {files_per_lane!r:.80})")
+        chat = None
+        if data.get("chat") is not None:
+            try:
+                chat = ChatRecord.from_dict(data["chat"], "chat")
+            except ManifestError as exc:
+                problems.append(str(exc))
+        if chat is not None and isinstance(data.get("schema"), list):
+            columns = {c.get("name") for c in data["schema"] if isinstance(c, dict)}
+            if chat.tokenized != (data.get("tokenizer") is not None):
+                problems.append(f"chat.tokenized is {chat.tokenized} but the dataset is "
+                                f"{'' if data.get('tokenizer') is not None else 'not '}pre-tokenized ('tokenizer')")
+            if not chat.tokenized and CONVERSATION_COLUMN not in columns:
+                problems.append(f"chat.tokenized is false but the schema has no {CONVERSATION_COLUMN!r} column")
+        images = None
+        if data.get("images") is not None:
+            image_problems = ImagesRecord.problems_of(data["images"])
+            problems += [f"images: {p}" for p in image_problems]
+            images = None if image_problems else ImagesRecord.from_dict(data["images"])
         if problems:
             raise ManifestError(f"{where}: " + "; ".join(problems))
         num_lanes = data["num_lanes"]
@@ -319,6 +493,8 @@ class Manifest:
                 files_per_lane=files_per_lane,
                 format_version=version,
                 dataset_fingerprint=data["dataset_fingerprint"],
+                chat=chat,
+                images=images,
             )
             recorded = manifest.dataset_fingerprint
             actual = manifest.compute_fingerprint()

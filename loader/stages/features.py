@@ -71,6 +71,7 @@ class Feature:
     batch_dtype: np.dtype  # dtype of the batch array
     masks_labels: bool = False  # labels are IGNORE_INDEX where the value is 0
     value_range: Optional[tuple[int, int]] = None  # [low, high]: checked in lane files and best-fit bin states
+    audit_only: bool = False  # made only by ``zephon audit`` (loader.commands.audit); never in a training stream
 
 
 # Registry order is the order features appear in worker slots, bin states and batches.
@@ -86,6 +87,16 @@ FEATURES: dict[str, Feature] = {
         Feature("loss_mask", np.dtype(np.uint8), pad=0, bos=0, eos=None, default=1, column="loss_mask",
                 batch_field="loss_mask", batch_dtype=np.dtype(np.uint8), masks_labels=True,
                 value_range=(0, 1)),
+        # Provenance of every token, for ``zephon audit`` only (loader.commands.audit): the
+        # document it comes from, as ``epoch << 40 | row of the lane`` (rows counted in the
+        # lane's epoch-0 order), and its offset in the wrapped document (BOS/EOS included).
+        # No training loader has them: ZephonLoader selects column features and
+        # token_sources only, so its batches and checkpoints are unchanged, and worker slots
+        # reserve no per-token room for them (slot_bytes_per_token).
+        Feature("audit_document", np.dtype(np.int64), pad=-1, bos=-1, eos=-1, default=-1, column=None,
+                batch_field=None, batch_dtype=np.dtype(np.int64), audit_only=True),
+        Feature("audit_offset", np.dtype(np.int64), pad=-1, bos=-1, eos=-1, default=-1, column=None,
+                batch_field=None, batch_dtype=np.dtype(np.int64), audit_only=True),
     )
 }
 
@@ -173,5 +184,6 @@ def batch_feature(name: str, sequences: Sequence, rows: int, seq_len: int) -> np
 
 
 def slot_bytes_per_token() -> int:
-    """Bytes per token of every feature at once (the worker slot's worst case)."""
-    return sum(f.dtype.itemsize for f in FEATURES.values())
+    """Bytes per token of every feature at once (the worker slot's worst case); audit-only
+    features never travel through workers."""
+    return sum(f.dtype.itemsize for f in FEATURES.values() if not f.audit_only)

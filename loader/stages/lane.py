@@ -40,6 +40,7 @@ class SourceSpec:
     manifest_json: str
     exhaustion: str
     max_epochs: Optional[int]
+    transforms: tuple = ()  # resolved loader.transforms.TransformSpec, applied by the source's streams
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class LaneExhausted(Exception):
 
 
 class Lane:
+    # The per-source stream type; ``zephon audit`` substitutes one that reads document lengths
+    # and records each token's provenance (loader.io.provenance).
+    stream_class = LaneTokenStream
+
     def __init__(self, spec: LaneSpec, lane_id: int, manifests: Sequence, tokenizer) -> None:
         self.spec = spec
         self.lane_id = lane_id
@@ -81,7 +86,7 @@ class Lane:
         shares = spec.schedule.peak_shares()
         for source, manifest, share in zip(spec.sources, manifests, shares):
             max_epochs = 1 if source.exhaustion == "stop" else source.max_epochs
-            stream = LaneTokenStream(
+            stream = self.stream_class(
                 dataset_path=source.dataset_path,
                 manifest=manifest,
                 source_name=source.name,
@@ -94,8 +99,12 @@ class Lane:
                 read_ahead=spec.read_ahead,
                 read_ahead_threads=spec.read_ahead_threads,
                 read_ahead_blocks=read_ahead_depth(share, takes_next_block_early=self.token_mixing),
+                transforms=source.transforms,
+                **({"chat": self._online_chat(manifest, source, tokenizer)} if manifest.online_chat else {}),
             )
             streams.append(stream)
+        # Online chat streams, whose rejects each item reports (loader.chat.block); usually none.
+        self._chat_streams = tuple(s for s in streams if getattr(s, "chat_rejects", None) is not None)
         # Token mixing: the phase of the last step asked for, (start step, weights, the lane's
         # output count at the phase's end or None), as ``next_sequence`` needs it per sequence.
         self._phase_step = -1
@@ -149,9 +158,47 @@ class Lane:
             if source_id < 0:
                 raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")
 
+    def _online_chat(self, manifest, source: SourceSpec, tokenizer):
+        """The encoder of an online chat source (loader.chat.block), bounded by this spec's seq_len."""
+        from loader.chat.block import OnlineChat
+
+        return OnlineChat.of_manifest(manifest, tokenizer, source_name=source.name, seq_len=self.spec.seq_len,
+                                      packing=self.spec.packing, wrap_tokens=self.spec.token_format.extra)
+
+    def take_chat_rejects(self) -> Optional[dict]:
+        """Online chat rejects of the blocks the lane's streams entered since the last call
+        (``{reason: count}``), or None; the producer attaches them to the lane's next item."""
+        if not self._chat_streams:
+            return None
+        rejects = None
+        for stream, cursor in self._chat_cursors():
+            counts = stream.chat_rejects.take(cursor["epoch"], cursor["block"], cursor["offset"])
+            for reason, count in (counts or {}).items():
+                rejects = {} if rejects is None else rejects
+                rejects[reason] = rejects.get(reason, 0) + count
+        return rejects
+
+    def _chat_cursors(self) -> list:
+        """``(stream, cursor)`` of each chat stream as the lane's state would save it: which
+        blocks were entered must be read off the checkpointed cursor, not off the stream's
+        own (a token mix reads whole rows ahead and saves the cursors of the rows handed out)."""
+        if not self.token_mixing:
+            return [(stream, stream.get_state()) for stream in self._chat_streams]
+        packer = self.packers[0]
+        # concat: the rewound cursors of the rows handed out; best fit saves the live cursors
+        mixed = packer.get_state()["stream"] if isinstance(packer, ConcatPacker) else packer.stream.get_state()
+        return [(stream, cursor) for stream, cursor in zip(self.mixed_stream.streams, mixed["sources"])
+                if stream in self._chat_streams]
+
     def source_streams(self) -> list[LaneTokenStream]:
         """The lane's per-source token streams (under a token-mixing stream too)."""
         return [s for packer in self.packers for s in getattr(packer.stream, "streams", [packer.stream])]
+
+    def start_reading(self) -> None:
+        """Start reading every source's current block in the background (see
+        :meth:`LaneTokenStream.start_reading`): a run's lanes are read side by side, not on first use."""
+        for stream in self.source_streams():
+            stream.start_reading()
 
     def close(self) -> None:
         for stream in self.source_streams():

@@ -44,6 +44,7 @@ class PackedSequence:
     segment_starts: np.ndarray  # int32, sorted, starts with 0
     features: Mapping[str, np.ndarray] = NO_FEATURES  # name -> [seq_len] (loader.stages.features), pad values on padding
     majority_source: int = -1  # token-unit mixing: the source with most tokens, if counted already
+    padding: int = 0  # pad tokens at the tail (loader.metrics counts them; full concat rows have none)
 
     @property
     def token_sources(self) -> Optional[np.ndarray]:
@@ -144,7 +145,7 @@ def _sequence_from_chunk(chunk: Chunk, seq_len: int, pad_id: int) -> Optional[Pa
     if n < seq_len:
         parts.append(np.array([n], dtype=np.int64))
     segment_starts = np.concatenate(parts, dtype=np.int32)
-    return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=segment_starts)
+    return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=segment_starts, padding=seq_len - n)
 
 
 def _sequence_from_pieces(
@@ -182,7 +183,8 @@ def _sequence_from_pieces(
     if names:
         laid_out = lay_out(names, [p.features for p in pieces], [len(p.tokens) for p in pieces], seq_len)
         mask_labels(labels, laid_out)
-    return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=segment_starts, features=laid_out)
+    return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=segment_starts, features=laid_out,
+                          padding=seq_len - used)
 
 
 class ConcatPacker:

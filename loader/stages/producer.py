@@ -25,6 +25,7 @@ class Item:
     sequence: PackedSequence
     lane_state: Optional[dict]  # None when the consumer reads lane state directly
     lease: Any = None  # a worker's shared-memory slot held by ``sequence`` (loader.workers.messages)
+    chat_rejects: Optional[dict] = None  # online chat rejects reported with this item (loader.chat.block)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,13 @@ def build_lanes(spec: LaneSpec, lane_ids: list[int], lane_states: dict[int, dict
             lane.set_state(lane_states[lane_id])
         lanes[lane_id] = lane
     return lanes
+
+
+def start_reading(lanes: dict[int, Lane], first_index: int, num_lanes: int) -> None:
+    """Start the background reads of every lane's current block, in the order the lanes'
+    next sequences are asked for from global index ``first_index`` on."""
+    for lane_id in sorted(lanes, key=lambda lane_id: (lane_id - first_index) % num_lanes):
+        lanes[lane_id].start_reading()
 
 
 def produce(
@@ -78,4 +86,5 @@ def produce_one(lane: Lane, global_index: int, snapshot_state: bool) -> Item | E
         source_id, sequence = lane.next_sequence(global_index)
     except LaneExhausted:
         return End(global_index)
-    return Item(global_index, source_id, sequence, lane.get_state() if snapshot_state else None)
+    return Item(global_index, source_id, sequence, lane.get_state() if snapshot_state else None,
+                chat_rejects=lane.take_chat_rejects())

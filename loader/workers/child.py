@@ -29,9 +29,10 @@ import signal
 import traceback
 from multiprocessing.connection import Connection
 
-from loader.stages.producer import End, build_lanes, produce
+from loader.stages.producer import End, build_lanes, produce, start_reading
 from loader.workers.messages import ITEMS_PER_MESSAGE, write_message
 from loader.workers.shm import Segment
+from loader.workers.state_delta import StateEncoder
 
 # ``python -c`` program that starts a worker: it reads its setup from the command pipe with
 # the standard library only, so that the trainer's sys.path is in place before any import.
@@ -118,9 +119,21 @@ def _start(input_path: str, start_position: int):
         spec, lane_ids, lane_states, num_lanes, rank, world_size = pickle.load(fh)
     os.unlink(input_path)
     lanes = build_lanes(spec, lane_ids, lane_states)
+    start_reading(lanes, rank + start_position * world_size, num_lanes)  # every lane's block at once
     items = produce(lanes, num_lanes=num_lanes, rank=rank, world_size=world_size,
-                    start_position=start_position, snapshot_state=True)
-    return lanes, items
+                    start_position=start_position, snapshot_state=False)
+    return lanes, _with_lane_states(items, lanes, num_lanes)
+
+
+def _with_lane_states(items, lanes: dict, num_lanes: int):
+    """``items`` with each one's lane state after it, as deltas of the states sent before
+    (:mod:`loader.workers.state_delta`; the pool's decoder for this run rebuilds them)."""
+    encoder = StateEncoder()
+    for item in items:
+        if not isinstance(item, End):
+            lane_id = item.global_index % num_lanes
+            item.lane_state = encoder.encode(lane_id, lanes[lane_id].snapshot())
+        yield item
 
 
 def _close_lanes(lanes: dict) -> None:

@@ -10,11 +10,12 @@ copied into a micro-batch, after which the worker may overwrite the slot.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from loader.stages.features import FEATURES, NO_FEATURES, in_order
+from loader.metrics import IO, receive_shipped
 from loader.stages.packing import ConcatRow, PackedSequence
 from loader.stages.producer import End, Item
 from loader.workers.shm import read_arrays, write_arrays
@@ -72,7 +73,10 @@ def write_message(items: list, slot: memoryview) -> dict:
         "global_index": [it.global_index for it in items],
         "source_id": [it.source_id for it in items],
         "lane_state": [it.lane_state for it in items],
+        "chat_rejects": [it.chat_rejects for it in items],  # online chat rejects (None: none)
         "is_row": is_row,
+        "padding": [s.padding for s in sequences],  # pad tokens per sequence (loader.metrics)
+        "io": IO.delta_to_ship(),  # this worker's reads since its last message (loader.metrics)
         "start_counts": [len(s.doc_starts) if r else len(s.segment_starts) for s, r in zip(sequences, is_row)],
         "feature_rows": {},  # feature name -> which items carry it (every feature, generically)
         "end": end,
@@ -100,9 +104,13 @@ def write_message(items: list, slot: memoryview) -> dict:
     return descriptor
 
 
-def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[], None]]) -> list:
-    """The items of a :func:`write_message` descriptor; their arrays are views of ``slot``."""
+def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[], None]],
+                 decode_state: Optional[Callable[[Any], Any]] = None) -> list:
+    """The items of a :func:`write_message` descriptor; their arrays are views of ``slot``.
+    ``decode_state``: the run's :meth:`loader.workers.state_delta.StateDecoder.decode`, called
+    on every item's lane state in message order."""
     items: list = []
+    receive_shipped(descriptor.get("io"))
     if descriptor["global_index"]:
         arrays = read_arrays(slot, descriptor["layout"])
         input_ids = arrays["input_ids"]
@@ -124,10 +132,14 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
                 sequence = PackedSequence(
                     input_ids=input_ids[row], labels=labels[at_other],
                     segment_starts=segment_starts[at_starts : at_starts + count], features=features,
+                    padding=descriptor["padding"][row],
                 )
                 at_other += 1
                 at_starts += count
-            items.append(Item(global_index, source_id, sequence, lane_state, holder))
+            if decode_state is not None and lane_state is not None:
+                lane_state = decode_state(lane_state)
+            items.append(Item(global_index, source_id, sequence, lane_state, holder,
+                              descriptor["chat_rejects"][row]))
     if descriptor["end"] is not None:
         items.append(descriptor["end"])
     return items

@@ -30,6 +30,7 @@ from loader.errors import ZephonError
 from loader.workers.child import BOOTSTRAP
 from loader.workers.messages import ITEMS_PER_MESSAGE, read_message
 from loader.workers.shm import Segment, remove_stale_segments, slot_bytes
+from loader.workers.state_delta import StateDecoder
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class WorkerPool:
         self.segments: list[Segment] = []
         self.ready = [False] * num_workers
         self.run_id = 0
+        self.decoders: list[StateDecoder] = []  # the current run's, one per worker
         self.input_dir = tempfile.mkdtemp(prefix="zephon-workers-")
         env = dict(os.environ)
         # The tokenizer's thread pool in each worker gets its share of the cores, not all of them.
@@ -159,6 +161,7 @@ class WorkerPool:
                   num_lanes: int, rank: int, world_size: int, start_position: int) -> None:
         """Every worker drops what it was doing and produces from ``start_position``."""
         self.run_id += 1
+        self.decoders = [StateDecoder() for _ in lanes_per_worker]  # each worker's encoder starts anew too
         for worker_id, lane_ids in enumerate(lanes_per_worker):
             path = os.path.join(self.input_dir, f"run-{self.run_id}-worker-{worker_id}.pickle")
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
@@ -197,17 +200,37 @@ class WorkerPool:
             except (EOFError, OSError):  # its write end closed: it died, maybe mid-message
                 process.join(timeout=1.0)
                 raise self._died(worker_id) from None
-            # "ready" never arrives here: a run is started only after all_ready() took it.
-            kind, run_id = message[0], message[1]
-            if run_id != self.run_id:
-                continue  # an earlier run's: its slot was reclaimed by the new start
-            if kind == "error":
-                raise WorkerError(f"loader worker {worker_id} failed:\n{message[2]}")
-            slot, descriptor = message[2], message[3]
-            if slot is None:
-                return read_message(descriptor, memoryview(b""), None)
-            segment = self.segments[worker_id]
-            return read_message(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot))
+            items = self._items_of(worker_id, message)
+            if items is not None:
+                return items
+
+    def try_receive(self, worker_id: int) -> Optional[list]:
+        """:meth:`receive` if a message of the current run has arrived, else None (never blocks)."""
+        connection = self.messages[worker_id]
+        try:
+            while connection.poll(0):
+                items = self._items_of(worker_id, connection.recv())
+                if items is not None:
+                    return items
+        except (EOFError, OSError):
+            self.processes[worker_id].join(timeout=1.0)
+            raise self._died(worker_id) from None
+        return None
+
+    def _items_of(self, worker_id: int, message) -> Optional[list]:
+        """A message's items, None for an earlier run's message (its slot was reclaimed by the new start)."""
+        # "ready" never arrives here: a run is started only after all_ready() took it.
+        kind, run_id = message[0], message[1]
+        if run_id != self.run_id:
+            return None
+        if kind == "error":
+            raise WorkerError(f"loader worker {worker_id} failed:\n{message[2]}")
+        slot, descriptor = message[2], message[3]
+        decode = self.decoders[worker_id].decode
+        if slot is None:
+            return read_message(descriptor, memoryview(b""), None, decode)
+        segment = self.segments[worker_id]
+        return read_message(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode)
 
     def _give_back(self, segment: Segment, run_id: int, slot: int) -> None:
         if run_id == self.run_id:  # a later start has reclaimed every slot already

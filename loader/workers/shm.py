@@ -25,6 +25,7 @@ trainer or of both frees it. The only window is between creating the file and th
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -140,7 +141,7 @@ def read_arrays(slot: memoryview, layout: dict[str, tuple[str, tuple, int]]) -> 
     """Views (no copy) of the arrays :func:`write_arrays` put into ``slot``."""
     out = {}
     for name, (dtype, shape, offset) in layout.items():
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)  # not np.prod: a ufunc reduce costs ~10x more per array
         out[name] = np.frombuffer(slot, dtype=dtype, count=count, offset=offset).reshape(shape)
     return out
 

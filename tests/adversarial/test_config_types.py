@@ -62,6 +62,10 @@ SHAPED_CASES = {
     "weights": ["web=1", None, 1.0, NAN, True, [], [1, 1], {}, {"web": 0, "code": 0}],  # ScheduleEntry
     "batch_fields": ["input_ids", None, 3, NAN, True, {}, [], ["labels"], ["input_ids", "attention_mask"],
                      ["input_ids", "input_ids"], ["input_ids", 3], ["input_ids", None]],
+    "transforms": ["drop_regex", {"function": "identity"}, None, 5, NAN, True, [5], [None], [{}],  # issue 19
+                   [{"function": ""}], [{"function": "identity", "extra": 1}], [{"function": "identity", "args": 3}],
+                   [{"function": "identity", "args": {"x": NAN}}], [{"function": "identity", "stage": "words"}],
+                   [{"function": "nope"}], [{"function": "a b:c"}]],
 }
 
 

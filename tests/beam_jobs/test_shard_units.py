@@ -240,9 +240,11 @@ def test_help_documents_every_option_with_defaults(capsys):
     for option in ("--input", "--format", "--text-field", "--id-field", "--keep-fields", "--source-name",
                    "--num-lanes", "--seed", "--tokenizer", "--token-compression", "--target-file-mb", "--output",
                    "--overwrite", "--max-reject-fraction", "--messages-field", "--chat-template", "--chat-loss-on",
-                   "--chat-max-tokens", "--chat-overflow"):
+                   "--chat-max-tokens", "--chat-overflow", "--image-field", "--image-root", "--image-policy",
+                   "--max-image-mb", "--max-image-pixels", "--max-image-aspect-ratio", "--max-images-per-document"):
         assert option in text
-    assert text.count("(default") == 17 and text.count("(required)") == 2  # the other 17 options
+    # the other 17 options, --transform/--dedup and the 7 image options
+    assert text.count("(default") == 17 + 2 + 7 and text.count("(required)") == 2
 
 
 def test_parse_args_splits_job_and_pipeline_options():

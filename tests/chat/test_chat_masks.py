@@ -145,3 +145,34 @@ def test_span_to_token_rule_at_the_edges():
     assert token_mask_from_spans([], [(0, 4)]).tolist() == []
     mask = token_mask_from_spans(offsets, [(0, 6)])
     assert mask.dtype == np.uint8 and mask.flags.writeable and mask.tolist() == [1, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("chat_markers", (False, True))
+def test_the_mask_from_offset_lookups_equals_the_loop_over_all_offsets(chat_markers):
+    """``TokenizedChat.loss_mask`` looks the span edges up in the encoding instead of reading
+    every token's offsets; over real renders and random sorted, disjoint spans (empty ones and
+    edges inside multi-byte characters included) it marks what the reference loop marks."""
+    import random
+
+    from loader.chat.masks import token_mask_from_encoding
+
+    ours = tokenizer(chat_markers=chat_markers)
+    template = _template("chatml_generation.jinja")
+    rng = random.Random(3)
+    checked = 0
+    for record in RECORDS[:60]:
+        text = assistant_spans(template, parse_conversation(record)).text
+        tokens = tokenize_rendered(ours, text)
+        for _ in range(5):
+            cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 2 * rng.randint(1, 6))))
+            spans = list(zip(cuts[::2], cuts[1::2]))
+            if rng.random() < 0.2:
+                at = rng.randrange(len(text) + 1)
+                spans = sorted(spans + [(at, at)])
+                if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+                    continue
+            expected = token_mask_from_spans(tokens.offsets, spans).tolist()
+            assert token_mask_from_encoding(tokens.encoding, len(tokens.input_ids), spans).tolist() == expected
+            assert tokens.loss_mask(spans).tolist() == expected
+            checked += 1
+    assert checked > 200

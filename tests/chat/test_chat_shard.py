@@ -266,9 +266,9 @@ def test_too_long_rejects_and_option_errors(chat, tmp_path):
     # text jobs keep recording the document reasons only (their manifests are unchanged)
     assert set(DOCUMENT_REJECT_REASONS) & set(CHAT_REJECT_REASONS) == set()
 
-    with pytest.raises(shard.ShardConfigError, match="online chat rendering lands next; pass --tokenizer"):
-        shard.parse_args(["--input", "x.jsonl", "--output", "o", "--messages-field", "messages",
-                          "--chat-template", TEMPLATE])
+    online, _ = shard.parse_args(["--input", "x.jsonl", "--output", "o", "--messages-field", "messages",
+                                  "--chat-template", TEMPLATE])  # without --tokenizer: encoded online
+    assert online.chat and online.chat_online
     with pytest.raises(shard.ShardConfigError, match="--chat-max-tokens apply to chat records only"):
         shard.parse_args(["--input", "x.jsonl", "--output", "o", "--chat-max-tokens", "9"])
     with pytest.raises(shard.ShardConfigError, match="needs --chat-template"):

@@ -84,6 +84,9 @@ EXAMPLE = {
     "token_compression": "zstd", "target_file_mb": "128", "overwrite": "true", "max_reject_fraction": "0.05",
     "messages_field": "messages", "chat_template": "gs://my-bucket/tok/tokenizer_config.json",
     "chat_loss_on": "last", "chat_max_tokens": "4096", "chat_overflow": "truncate",
+    "image_field": "image", "image_root": "gs://my-bucket/images", "image_policy": "dynamic", "max_image_mb": "16",
+    "max_image_pixels": "16777216", "max_image_aspect_ratio": "50", "max_images_per_document": "32",
+    "transform": 'drop_regex:{"pattern": "lorem"}', "dedup": "exact",
 }
 
 
@@ -96,13 +99,24 @@ def test_every_example_value_passes_its_regex(metadata):
 
 def test_launcher_arguments_reach_the_job(monkeypatch):
     main = load_template_main()
-    argv = [f"--{k}={v}" for k, v in EXAMPLE.items()] + ["--project=p", "--region=europe-west4"]
+    image_keys = {k for k in EXAMPLE if k.startswith(("image_", "max_image"))}  # not with a chat job: below
+    curation_keys = {"transform", "dedup"}  # a text job's: below
+    argv = [f"--{k}={v}" for k, v in EXAMPLE.items() if k not in image_keys | curation_keys] + [
+        "--project=p", "--region=europe-west4"]
     options, pipeline_args = shard.parse_args(main.to_job_argv(argv))
     assert options.inputs == ("gs://my-bucket/raw/a-*.jsonl", "gs://my-bucket/raw/b-*.jsonl.gz")
     assert (options.num_lanes, options.seed, options.overwrite, options.keep_fields) == (256, 7, True, ("url", "lang"))
     assert (options.text_field, options.id_field, options.target_file_mb) == ("body", "id", 128.0)
     assert options.token_compression == "zstd"
     assert pipeline_args == ["--project=p", "--region=europe-west4", "--runner=DataflowRunner"]
+    images, _ = shard.parse_args(main.to_job_argv(
+        ["--input=gs://b/x", "--output=gs://b/y"] + [f"--{k}={EXAMPLE[k]}" for k in sorted(image_keys)]))
+    assert (images.images.image_field, images.images.image_root, images.images.policy["kind"]) == (
+        "image", "gs://my-bucket/images", "dynamic")
+    assert images.images.limits.max_images_per_document == 32 and images.images.limits.max_bytes == 16 << 20
+    curated, _ = shard.parse_args(main.to_job_argv(
+        ["--input=gs://b/x", "--output=gs://b/y"] + [f"--{k}={EXAMPLE[k]}" for k in sorted(curation_keys)]))
+    assert len(curated.transforms) == 1 and curated.dedup == "exact"
     options, _ = shard.parse_args(main.to_job_argv(["--input=gs://b/x", "--output=gs://b/y", "--overwrite=false"]))
     assert options.overwrite is False and options.num_lanes == shard.DEFAULT_NUM_LANES
 

@@ -141,7 +141,7 @@ def test_warm_start_hands_over_to_the_workers_without_changing_the_stream(make_c
     overrides = dict(datasets=[{"path": make_config().datasets[0].path, "max_epochs": 2}]) if finite else {}
     from loader.commands.fingerprints import collect_fingerprints
 
-    expected = [r.line() for r in collect_fingerprints(make_config("concat", **overrides), world_size=1, end_step=10)[0]]
+    expected = [r.line() for r in collect_fingerprints(make_config("concat", **overrides), world_size=1, end_step=16)[0]]
     real_all_ready = WorkerPool.all_ready
     for checks_before_ready in (0, 3, 7):
         calls = {"n": 0}
@@ -160,9 +160,95 @@ def test_warm_start_hands_over_to_the_workers_without_changing_the_stream(make_c
                 while not all(real.ready) and time.monotonic() < deadline:  # started, not yet let in
                     real_all_ready(real)
                     time.sleep(0.01)
-            got = run.run(10)
-            used_workers = not run.loaders[0]._run.warm_start
+            got = run.run(8)  # the trainer's lanes lead while the workers catch up
+            loader = run.loaders[0]
+            used_workers = not loader._run.warm_start
+            deadline = time.monotonic() + 30
+            while loader._run.lead is not None and time.monotonic() < deadline:
+                loader._run._workers_caught_up(loader.next_global_index)  # drops what the lead made
+                time.sleep(0.01)
+            caught_up = loader._run.lead is None
+            got += run.run(8)  # from the workers alone
         finally:
             run.close()
         assert got == expected, f"hand-over after {checks_before_ready} checks changed the stream"
         assert used_workers, "the workers never took over"
+        assert caught_up, "the workers never caught up with the trainer's lanes"
+
+
+@pytest.mark.timeout(120)
+def test_hand_over_does_not_wait_for_the_workers_first_messages(make_config, baseline, monkeypatch):
+    """At the hand-over the workers open their lanes and read their first row groups; the
+    trainer's lanes go on producing meanwhile, and what the workers made for indices already
+    handed out is dropped (its slots given back): same stream, no wait, no slot left held."""
+    from loader.workers.pool import WorkerPool
+
+    real_all_ready, real_try_receive = WorkerPool.all_ready, WorkerPool.try_receive
+    held_back = {"on": True}
+    monkeypatch.setattr(WorkerPool, "all_ready", lambda self: not held_back["on"] and real_all_ready(self))
+    # The workers' first messages are withheld for a while: the lead must carry on.
+    monkeypatch.setattr(WorkerPool, "try_receive",
+                        lambda self, k: None if held_back["slow"] else real_try_receive(self, k))
+    held_back["slow"] = True
+    config = make_config("concat", num_workers=2, micro_batch_size=1, prefetch=1)
+    run = LoaderRun(config)
+    try:
+        loader = run.loaders[0]
+        got = run.run(2)  # in-process: the workers are not let in yet
+        held_back["on"] = False
+        loader.wait_for_workers(30)
+        got += run.run(8)  # handed over; the lead produces every item, the workers' wait unread
+        lead_carried_on = loader._run.lead is not None and not loader._run.warm_start
+        time.sleep(0.5)  # the workers fill their slots with items the lead already made
+        held_back["slow"] = False
+        deadline = time.monotonic() + 30
+        while loader._run.lead is not None and len(got) < 36 and time.monotonic() < deadline:
+            got += run.run(1)  # a trainer's pace: the workers catch up between steps
+            time.sleep(0.05)
+        caught_up = loader._run.lead is None
+        got += run.run(2)
+    finally:
+        run.close()
+    assert got == baseline("concat", 38)[:len(got)], "the hand-over changed the stream"
+    assert lead_carried_on, "the trainer waited for the workers instead of producing"
+    # 64 items per worker made by the lead, 4 slots of 8 items per worker (prefetch 1): the
+    # workers catch up only if the dropped items' slots went back
+    assert caught_up, "the workers never caught up (slots of dropped items not given back?)"
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_faster_than_its_workers_gives_the_lead_up(make_config, baseline, monkeypatch):
+    """Workers that cannot catch up (here: their messages reach the trainer at half its pace)
+    must not leave the trainer producing forever: once every worker is producing, the lead
+    ends after a bounded number of items and the trainer waits for the workers, dropping
+    what they made before that point. The stream is unchanged."""
+    from loader.workers.pool import WorkerPool
+
+    real_all_ready, real_try_receive = WorkerPool.all_ready, WorkerPool.try_receive
+    gate = {"open": False, "calls": 0}
+    monkeypatch.setattr(WorkerPool, "all_ready", lambda self: gate["open"] and real_all_ready(self))
+
+    def slow_try_receive(self, worker_id):
+        gate["calls"] += 1
+        return real_try_receive(self, worker_id) if gate["calls"] % 32 == 0 else None
+
+    monkeypatch.setattr(WorkerPool, "try_receive", slow_try_receive)
+    config = make_config("concat", pretokenized=True, num_workers=2, micro_batch_size=1, prefetch=1)
+    run = LoaderRun(config)
+    try:
+        loader = run.loaders[0]
+        got = run.run(1)
+        gate["open"] = True
+        loader.wait_for_workers(30)
+        got += run.run(1)  # hands over; the lead produces
+        handed_over = loader._run.lead is not None
+        # the lead may run up to 5x as far as it had when every worker first delivered
+        while loader._run.lead is not None and len(got) < 1000:
+            got += run.run(1)
+        gave_up = loader._run.lead is None and loader._run._lead_until is not None
+        got += run.run(2)
+    finally:
+        run.close()
+    assert handed_over, "the hand-over did not start with the lead"
+    assert gave_up, "the lead never ended although the workers could not catch up"
+    assert got == baseline("concat", len(got), pretokenized=True), "giving the lead up changed the stream"

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from loader.io.lane_reader import LaneDataError
+from loader.io.integrity import LaneDataError
 from loader.pipeline import WorkerError, ZephonLoader
 from loader.io.storage import StorageError
 from tests.loader.settings import pids_alive
