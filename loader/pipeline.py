@@ -549,7 +549,7 @@ class ZephonLoader:
             return
         if self._run.reads_lanes_directly:
             lanes = self._run.in_process_lanes
-            changed = {l: lanes[l].snapshot() for l in self._lanes_in_step}
+            changed = {l: lanes[l].step_snapshot() for l in self._lanes_in_step}
         else:
             changed = {l: self.lane_states[l] for l in self._lanes_in_step}
         self._step_states.record(self.step, changed)

@@ -23,7 +23,7 @@ from loader.io.lane_reader import LaneTokenStream
 from loader.io.read_ahead import read_ahead_depth
 from loader.order.mixing import MixingSchedule
 from loader.order.ordering import lane_outputs_before
-from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence
+from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence, StateSnapshot
 from loader.checkpoint.state import StateError, lane_key
 from loader.io.storage import StorageOptions
 from loader.stages.token_mixing import MixedTokenStream
@@ -220,6 +220,24 @@ class Lane:
         """``get_state()`` as of now, where a packer's part may be a ``StateSnapshot`` (best fit:
         its arrays are built only if the snapshot is saved; ``loader.checkpoint.state.to_jsonable`` does it)."""
         return self._state(lambda packer: packer.snapshot() if hasattr(packer, "snapshot") else packer.get_state())
+
+    def step_snapshot(self) -> StateSnapshot:
+        """:meth:`snapshot`, itself built only if it is saved: what the loader keeps of every lane
+        at every step boundary (``step_states_kept``), so the common case (never asked for)
+        costs a few object creations per lane, not the state's dicts."""
+        parts = [packer.cursor_snapshot() if isinstance(packer, ConcatPacker)
+                 else packer.snapshot() if hasattr(packer, "snapshot") else packer.get_state()
+                 for packer in self.packers]
+        return StateSnapshot(self._snapshot_state, self.outputs, parts, tuple(self.stopped))
+
+    def _snapshot_state(self, outputs: int, parts: list, stopped: tuple) -> dict:
+        if self.token_mixing:
+            return {"outputs": outputs, "mixed": parts[0]}
+        return {
+            "outputs": outputs,
+            "sources": {source.name: {"packer": part, "stopped": stop}
+                        for source, part, stop in zip(self.spec.sources, parts, stopped)},
+        }
 
     def _state(self, packer_state) -> dict:
         if self.token_mixing:
