@@ -241,9 +241,10 @@ class ConcatPacker:
     def cursor_snapshot(self) -> "StateSnapshot | dict":
         """``get_state()`` as of now, as four integers until it is saved: the loader takes one
         per lane at every step boundary (building the dicts there was ~15% of in-process
-        replay with one micro-batch per step). Transform counters are built now."""
+        replay with one micro-batch per step). Transform counters, and a token mix's
+        streams (a ``MixedTokenStream``: one cursor per source), are built now."""
         stream = self.stream
-        if stream.transforms is not None:
+        if not isinstance(stream, LaneTokenStream) or stream.transforms is not None:
             return self.get_state()
         offset = stream.offset - (self._fill_rows - self._next_row) * self.seq_len
         return StateSnapshot(_concat_state, stream.epoch, stream.block_index, offset, stream.exhausted)
