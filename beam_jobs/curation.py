@@ -8,7 +8,9 @@
                                            v
                                    CurationReport (one dict, a side input of CommitManifest)
 
-The report is the manifest's ``transforms`` list (each transform's spec with its ``dropped``
+With ``--transform`` every document leaves Transform with a last element ``(dropped_by, layout
+text bytes)`` and a dropped one stays as a tombstone (:mod:`beam_jobs.transform_steps`);
+``DedupExact`` sees the live documents only. The report is the manifest's ``transforms`` list (each transform's spec with its ``dropped``
 and ``changed`` counts) and ``dedup`` entry (mode, normalisation, ``removed``,
 ``duplicate_groups``, where the list is), kept apart from ``rejected``: every input record is
 either a document, a rejection, dropped by a transform or removed as a duplicate.
@@ -23,7 +25,7 @@ import apache_beam as beam
 from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
 from beam_jobs.dedup import DedupExact, dedup_report
-from beam_jobs.transform_steps import COUNTS_TAG, TransformDocumentsFn, transforms_report
+from beam_jobs.transform_steps import COUNTS_TAG, TransformDocumentsFn, is_live, transforms_report
 from loader.transforms.spec import TransformSpec
 
 
@@ -44,7 +46,7 @@ class CurateDocuments(beam.PTransform):
     def __init__(self, specs: Sequence[TransformSpec], dedup: Optional[str], *, seed: int, source: str,
                  keep_fields: Sequence[str], output: str, text_is_fixed: bool = False, label=None):
         super().__init__(label)
-        self.specs = tuple(specs)
+        self.specs = tuple(specs)  # every --transform (the report's); the text-stage ones run here
         self.dedup = dedup
         self.seed, self.source, self.keep_fields = seed, source, tuple(keep_fields)
         self.output = output
@@ -52,16 +54,23 @@ class CurateDocuments(beam.PTransform):
 
     def expand(self, documents):
         side_inputs: dict = {"outcome_counts": None, "removed": None, "groups": None, "list_files": None}
+        tombstones = None
         if self.specs:
+            text_specs = tuple(spec for spec in self.specs if spec.stage == "text")  # the tokens ones: WriteLaneFiles
             transformed = documents | "Transform" >> beam.ParDo(TransformDocumentsFn(
-                self.specs, seed=self.seed, source=self.source, keep_fields=self.keep_fields,
+                text_specs, seed=self.seed, source=self.source, keep_fields=self.keep_fields,
                 text_is_fixed=self.text_is_fixed)).with_outputs(COUNTS_TAG, main="documents")
             documents = transformed.documents
             side_inputs["outcome_counts"] = AsDict(
                 transformed[COUNTS_TAG] | "CountTransformOutcomes" >> beam.combiners.Count.PerElement())
+            if self.dedup:  # tombstones are no text to compare: they pass the dedup untouched
+                documents, tombstones = documents | "SplitTombstones" >> beam.Partition(
+                    lambda document, _: 0 if is_live(document) else 1, 2)
         if self.dedup == "exact":
             documents, removed, groups, list_files = documents | "DedupExact" >> DedupExact(self.output)
             side_inputs.update(removed=AsSingleton(removed), groups=AsSingleton(groups), list_files=AsList(list_files))
+        if tombstones is not None:
+            documents = (documents, tombstones) | "RejoinTombstones" >> beam.Flatten()
         report = (
             documents.pipeline
             | "CurationStart" >> beam.Create([None])

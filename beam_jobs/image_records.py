@@ -163,10 +163,13 @@ def image_option_problems(options) -> list[str]:
     if taken:
         problems.append(f"--keep-fields {', '.join(taken)}: these names are the image columns of an image job's lane "
                         f"files ({', '.join(IMAGE_COLUMNS)})")
-    if options.chat:
-        problems.append("--messages-field with images (chat with image parts) is not supported by the job yet; "
-                        "shard image-caption or interleaved records without --messages-field")
-    if options.tokenizer is not None:
+    if options.chat and spec.image_field is not None:
+        problems.append("--image-field with --messages-field: a chat job's images are the image parts of its "
+                        "messages ({'type': 'image', 'image': PATH}); drop --image-field")
+    if options.chat and options.tokenizer is not None:
+        problems.append("--tokenizer with chat and images: conversations with image parts are encoded online (the "
+                        "loader expands each image's placeholder and places its image refs); drop --tokenizer")
+    elif options.tokenizer is not None:
         problems.append("--tokenizer with images: image documents are tokenized online (their text segments "
                         "around the image placeholders); drop --tokenizer")
     if getattr(options, "transforms", ()) or getattr(options, "dedup", None):
@@ -182,6 +185,9 @@ def resolve_image_job(options, input_files: Sequence[InputFile]):
     spec = options.images
     if spec is None and not webdataset:
         return options
+    if webdataset and options.chat:
+        raise ImageOptionError(f"WebDataset input ({webdataset[0]}) with --messages-field: chat records with image "
+                               "parts are read from JSONL or Parquet (their image parts name the images)")
     if spec is None:
         spec = ImageSpec()
         options = replace(options, images=spec)
@@ -196,7 +202,7 @@ def resolve_image_job(options, input_files: Sequence[InputFile]):
         raise ImageOptionError(f"an image job cannot read text input (e.g. {text_files[0]}): a text file is one "
                                "document without an image; give image records as JSONL, Parquet or WebDataset")
     records = [f.path for f in input_files if f.format in ("jsonl", "parquet")]
-    if records and spec.image_field is None:
+    if records and spec.image_field is None and not options.chat:
         raise ImageOptionError(f"JSONL/Parquet input in an image job (e.g. {records[0]}) needs --image-field FIELD "
                                "naming each record's image(s)")
     return options

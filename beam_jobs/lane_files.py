@@ -50,7 +50,7 @@ from beam_jobs.image_lanes import (
     image_nbytes,
 )
 from loader.order.hashing import file_bucket, lane_of_key, order_key_of
-from loader.io.manifest import CONVERSATION_COLUMN, FileEntry, lane_file_path
+from loader.io.manifest import CONVERSATION_COLUMN, TOMBSTONE_COLUMN, FileEntry, lane_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +87,15 @@ STATISTICS_COLUMNS = ("key", "order_key", "num_tokens")
 # Columns stored with the token codec (--token-compression): per-token data the loader decodes
 # every epoch. ``loss_mask`` (chat, one byte per id) is a feature column of loader.stages.features.
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
-RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens", "loss_mask", CONVERSATION_COLUMN)
+RESERVED_COLUMNS = ("key", "order_key", "text", "input_ids", "num_tokens", "loss_mask", CONVERSATION_COLUMN,
+                    TOMBSTONE_COLUMN)
 
 # Row tuple between AssignLane and WriteLaneFiles. The order key travels as 8 big-endian
 # bytes: Beam's fast coder pickles ints >= 2**63, and bytes compare in unsigned order. A chat
 # row (beam_jobs.chat_records) adds its encoding: (input_ids "<i4" bytes, loss_mask uint8 bytes), or
 # the conversation JSON (a str) when the loader encodes it online.
-LaneRow = tuple  # (order_key_be8: bytes, key: str, text: str, kept_values: tuple[str | None, ...][, encoded])
+# With --transform every row ends with (dropped_by, layout text bytes) (beam_jobs.transform_steps).
+LaneRow = tuple  # (order_key_be8: bytes, key: str, text: str, kept_values: tuple[str | None, ...][, encoded][, marker])
 
 
 def files_per_lane_for(total_text_bytes: int, num_lanes: int, target_file_bytes: int) -> int:
@@ -118,10 +120,11 @@ class AssignLaneFn(beam.DoFn):
 
 
 def lane_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool = False, conversation: bool = False,
-                images: bool = False, visual_tokens: bool = False):
+                images: bool = False, visual_tokens: bool = False, tombstones: bool = False):
     """The Arrow schema of a lane file (documented in :mod:`loader.io.manifest`); ``loss_mask``:
     chat data, pre-tokenized with a per-token loss mask; ``conversation``: chat data encoded online;
-    ``images``: image documents (:mod:`beam_jobs.image_lanes`), ``visual_tokens`` with a policy."""
+    ``images``: image documents (:mod:`beam_jobs.image_lanes`), ``visual_tokens`` with a policy;
+    ``tombstones``: a ``--transform`` job (the ``dropped_by`` column)."""
     if loss_mask and not pretokenized:
         raise ValueError("a loss_mask column needs the input_ids it is aligned with (pretokenized=True)")
     if conversation and pretokenized:
@@ -135,6 +138,8 @@ def lane_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool 
         fields.append(pa.field("loss_mask", LOSS_MASK_TYPE))
     if images:
         fields += image_fields(visual_tokens)
+    if tombstones:
+        fields.append(pa.field(TOMBSTONE_COLUMN, pa.int16()))
     fields += [pa.field(name, pa.string()) for name in keep_fields]
     return pa.schema(fields)
 
@@ -148,9 +153,9 @@ def _type_name(arrow_type) -> str:
 
 def manifest_schema(pretokenized: bool, keep_fields: Sequence[str], loss_mask: bool = False,
                     conversation: bool = False, images: bool = False,
-                    visual_tokens: bool = False) -> list[dict[str, str]]:
+                    visual_tokens: bool = False, tombstones: bool = False) -> list[dict[str, str]]:
     """The schema as the manifest records it: ``[{"name": ..., "type": ...}]``."""
-    schema = lane_schema(pretokenized, keep_fields, loss_mask, conversation, images, visual_tokens)
+    schema = lane_schema(pretokenized, keep_fields, loss_mask, conversation, images, visual_tokens, tombstones)
     return [{"name": f.name, "type": _type_name(f.type)} for f in schema]
 
 
@@ -202,6 +207,7 @@ class SerializedLaneFile:
     row_groups: int
     duplicate_keys: int
     images: int = 0  # image datasets: images in the file (summed into the manifest's "images")
+    tombstones: int = 0  # --transform: rows of dropped documents
 
 
 def sort_rows(rows: Iterable[LaneRow], has_kept_fields: bool) -> list[LaneRow]:
@@ -254,8 +260,15 @@ def encoded_token_columns(rows: Sequence[LaneRow]) -> tuple[pa.Array, np.ndarray
 def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[str], tokenizer=None,
                         token_compression: str = DEFAULT_TOKEN_COMPRESSION,
                         encoded: bool = False, conversations: bool = False, images: bool = False,
-                        visual_tokens: bool = False) -> SerializedLaneFile:
+                        visual_tokens: bool = False, markers: Optional[Sequence[tuple[int, int]]] = None,
+                        token_stage=None) -> SerializedLaneFile:
     """The exact bytes of one lane part file holding ``sorted_rows`` in that order.
+
+    ``markers``: a ``--transform`` job's ``(dropped_by, layout text bytes)`` per row (the
+    ``dropped_by`` column; row groups are cut by the original documents' text bytes, so a
+    tombstone or a changed text leaves them as they would be without the transforms);
+    ``token_stage``: its tokens-stage transforms (:class:`beam_jobs.transform_steps.TokenStage`),
+    applied to each row group's ids right after tokenization.
 
     ``images``: image rows carrying ``(segments, images)`` (:mod:`beam_jobs.image_records`),
     written as the image columns of :mod:`beam_jobs.image_lanes` (``visual_tokens``: with the
@@ -269,13 +282,18 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
     if (encoded or conversations) and tokenizer is not None:
         raise ValueError("chat rows are encoded by the job or by the loader, not by tokenizer=; pass tokenizer=None")
     schema = lane_schema(tokenizer is not None or encoded, keep_fields, loss_mask=encoded, conversation=conversations,
-                         images=images, visual_tokens=visual_tokens)
+                         images=images, visual_tokens=visual_tokens, tombstones=markers is not None)
     keys = pa.array([row[1] for row in sorted_rows], pa.string())
     order_keys = pa.array(np.frombuffer(b"".join(row[0] for row in sorted_rows), dtype=">u8").astype(np.uint64))
     texts = pa.array([row[2] for row in sorted_rows], pa.string())
     kept_columns = [pa.array([row[3][k] for row in sorted_rows], pa.string()) for k in range(len(keep_fields))]
-    conversation_column = pa.array([row[4] for row in sorted_rows], pa.string()) if conversations else None
-    content_nbytes = pc.binary_length(texts).to_numpy(zero_copy_only=False)
+    conversation_column = pa.array([row[5 if images else 4] for row in sorted_rows], pa.string()) \
+        if conversations else None  # chat with images: after the image payload (beam_jobs.chat_image_records)
+    if markers is not None:
+        content_nbytes = np.fromiter((m[1] for m in markers), dtype=np.int64, count=len(markers))
+        dropped_by = np.fromiter((m[0] for m in markers), dtype=np.int16, count=len(markers))
+    else:
+        content_nbytes = pc.binary_length(texts).to_numpy(zero_copy_only=False)
     bounds = row_group_bounds(content_nbytes + image_nbytes(sorted_rows) if images else content_nbytes)
 
     sink = pa.BufferOutputStream()
@@ -288,6 +306,9 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
                 columns.append(conversation_column.slice(start, length))
             if tokenizer is not None:
                 input_ids, num_tokens = tokenize_texts(tokenizer, [row[2] for row in sorted_rows[start:stop]])
+                if token_stage is not None:
+                    input_ids, num_tokens = _token_stage(token_stage, sorted_rows[start:stop], input_ids, num_tokens,
+                                                         dropped_by[start:stop], columns)
                 total_tokens += int(num_tokens.sum())
                 columns += [input_ids, pa.array(num_tokens)]
             elif encoded:
@@ -296,7 +317,13 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
                 columns += [input_ids, pa.array(num_tokens), loss_mask]
             if images:
                 columns += image_columns(sorted_rows[start:stop], visual_tokens)
-            columns += [column.slice(start, length) for column in kept_columns]
+            if markers is not None:
+                columns.append(pa.array(dropped_by[start:stop], pa.int16()))
+            kept = [column.slice(start, length) for column in kept_columns]
+            if markers is not None and token_stage is not None:
+                live = pa.array(dropped_by[start:stop] < 0)  # tokens-stage drops lose their kept fields too
+                kept = [pc.if_else(live, column, pa.scalar(None, pa.string())) for column in kept]
+            columns += kept
             # One write_table call with row_group_size >= its rows is exactly one row group.
             writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=length)
     duplicate_keys = sum(1 for a, b in zip(sorted_rows, sorted_rows[1:]) if a[1] == b[1])
@@ -307,7 +334,28 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
         row_groups=len(bounds),
         duplicate_keys=duplicate_keys,
         images=image_count(sorted_rows) if images else 0,
+        tombstones=int((dropped_by >= 0).sum()) if markers is not None else 0,
     )
+
+
+def _token_stage(stage, rows: Sequence[LaneRow], input_ids: pa.Array, num_tokens: np.ndarray,
+                 dropped_by: np.ndarray, columns: list) -> tuple[pa.Array, np.ndarray]:
+    """A row group's ids through the tokens-stage transforms; a row they drop becomes a tombstone
+    (its text in ``columns`` emptied)."""
+    flat = np.frombuffer(input_ids.buffers()[2], dtype="<i4") if input_ids.buffers()[2] is not None \
+        else np.zeros(0, np.int32)
+    live_before = dropped_by < 0
+    result = stage.apply(rows, flat, num_tokens, dropped_by)  # updates dropped_by
+    if result is None:
+        return input_ids, num_tokens
+    id_arrays, num_tokens = result
+    if (live_before != (dropped_by < 0)).any():
+        texts = columns[2]
+        columns[2] = pc.if_else(pa.array(dropped_by < 0), texts, pa.scalar("", pa.string()))
+    offsets = np.zeros(len(id_arrays) + 1, dtype=np.int64)
+    np.cumsum(num_tokens, out=offsets[1:])
+    flat = np.concatenate(id_arrays).astype(np.int32, copy=False) if id_arrays else np.zeros(0, np.int32)
+    return token_bytes_array(flat, offsets), num_tokens
 
 
 class WriteLaneFileFn(beam.DoFn):
@@ -316,7 +364,12 @@ class WriteLaneFileFn(beam.DoFn):
     def __init__(self, output: str, keep_fields: Sequence[str], tokenizer_path: Optional[str],
                  tokenizer_fingerprint: Optional[str], token_compression: str = DEFAULT_TOKEN_COMPRESSION,
                  encoded: bool = False, conversations: bool = False, images: bool = False,
-                 visual_tokens: bool = False):
+                 visual_tokens: bool = False, tombstones: bool = False, token_stage: Optional[dict] = None):
+        # tombstones: a --transform job, whose rows end with their (dropped_by, layout bytes) marker;
+        # token_stage: the TokenStage arguments of its tokens-stage transforms (built on the worker).
+        self.tombstones = tombstones
+        self.token_stage_args = token_stage
+        self.token_stage = None
         # encoded: chat rows arrive tokenized (ReadFiles encoded them); conversations: chat rows
         # carry their conversation JSON (encoded online); tokenizer_path is then None. images:
         # image rows (beam_jobs.image_records); each entry then also says how many images it holds.
@@ -337,6 +390,10 @@ class WriteLaneFileFn(beam.DoFn):
         self.tokens_counter = Metrics.counter("zephon.shard", "tokens_written")
 
     def setup(self) -> None:
+        if self.token_stage_args is not None:
+            from beam_jobs.transform_steps import TokenStage
+
+            self.token_stage = TokenStage(**self.token_stage_args)
         if self.tokenizer_path is None:
             return
         from loader.stages.tokenizer import describe, load_tokenizer
@@ -355,8 +412,22 @@ class WriteLaneFileFn(beam.DoFn):
 
         (lane_id, part), rows = element
         sorted_rows = sort_rows(rows, bool(self.keep_fields))
+        markers = None
+        if self.token_stage is not None:
+            self.token_stage.begin_file()
+        if self.tombstones:
+            markers = [row[-1] for row in sorted_rows]
+            sorted_rows = [row[:-1] for row in sorted_rows]
         serialized = serialize_lane_file(sorted_rows, self.keep_fields, self.tokenizer, self.token_compression,
-                                         self.encoded, self.conversations, self.images, self.visual_tokens)
+                                         self.encoded, self.conversations, self.images, self.visual_tokens,
+                                         markers=markers, token_stage=self.token_stage)
+        extra = {"images": serialized.images} if self.images else {}
+        if self.tombstones:  # summed by CommitManifest
+            extra["tombstones"] = serialized.tombstones
+            if self.token_stage is not None:
+                from beam_jobs.transform_steps import ENTRY_COUNTS
+
+                extra[ENTRY_COUNTS] = self.token_stage.entry_counts()
         relative_path = lane_file_path(lane_id, part)
         write_atomically(join_output(self.output, relative_path), serialized.data)
         self.files_counter.inc()
@@ -378,4 +449,4 @@ class WriteLaneFileFn(beam.DoFn):
             sha256=hashlib.sha256(serialized.data).hexdigest(),
             tokens=serialized.tokens,
             row_groups=serialized.row_groups,
-        ).to_dict() | ({"images": serialized.images} if self.images else {})  # summed by CommitManifest
+        ).to_dict() | extra  # summed by CommitManifest

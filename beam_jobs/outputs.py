@@ -250,15 +250,26 @@ def commit_manifest(
     if images is not None:
         images = {**images, "images": sum(int(entry.get("images", 0)) for entry in file_entries)}
     files = [FileEntry.from_dict(entry, f"file entry {entry.get('path')}") for entry in file_entries]
-    documents = sum(f.rows for f in files)
+    curation = dict(curation or {})
+    tombstones = sum(int(entry.get("tombstones", 0)) for entry in file_entries)  # --transform: dropped rows
+    if "transforms" in curation:
+        from beam_jobs.transform_steps import add_entry_counts
+
+        curation["transforms"] = [dict(t) for t in curation["transforms"]]
+        add_entry_counts(curation["transforms"], file_entries)  # the tokens-stage counts, per file
+        if tombstones != sum(t["dropped"] for t in curation["transforms"]):
+            raise ShardJobError(f"internal error: {tombstones} tombstones in the lane files, but the transforms "
+                                f"dropped {sum(t['dropped'] for t in curation['transforms'])} documents")
+    documents = sum(f.rows for f in files) - tombstones
     rejected = {reason: int(reject_counts.get(reason, 0)) for reason in reject_reasons}
     unknown = set(reject_counts) - set(reject_reasons)
     if unknown:
         raise ShardJobError(f"internal error: unknown reject reasons {sorted(unknown)}")
-    curation = curation or {}
     curated_away = sum(t["dropped"] for t in curation.get("transforms", ())) + curation.get("dedup", {}).get("removed", 0)
     check_reject_fraction(documents + curated_away, rejected, max_reject_fraction)
-    check_every_lane_has_documents((f.lane for f in files if f.rows > 0), num_lanes, documents)
+    # a lane of tombstones only holds no document: the loader could never read a token from it
+    check_every_lane_has_documents((f.lane for f, entry in zip(files, file_entries)
+                                    if f.rows - int(entry.get("tombstones", 0)) > 0), num_lanes, documents)
     manifest = Manifest(
         seed=seed,
         num_lanes=num_lanes,
@@ -271,6 +282,8 @@ def commit_manifest(
         files_per_lane=files_per_lane,
         chat=ChatRecord.from_dict(chat) if chat is not None else None,
         images=ImagesRecord.from_dict(images) if images is not None else None,
+        tombstones=tombstones,
+        transforms=tuple(curation.get("transforms", ())) if tombstones or "transforms" in curation else (),
     ).with_fingerprint()
     data = manifest.to_dict()
     data.update(curation)  # counts only: not part of the dataset fingerprint (the files are)

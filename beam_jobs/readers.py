@@ -474,6 +474,8 @@ def read_records(input_file: InputFile, spec: RecordSpec,
     if spec.images is not None:  # image documents: beam_jobs.image_records, beam_jobs.webdataset
         from beam_jobs.image_records import ImageRecordConverter
 
+        if spec.chat is not None:  # conversations with image parts: beam_jobs.chat_image_records
+            from beam_jobs.chat_image_records import ChatImageRecordConverter as ImageRecordConverter
         converter = ImageRecordConverter(spec, input_file, chat_encoder)
         if input_file.format == "webdataset":
             from beam_jobs.webdataset import read_webdataset

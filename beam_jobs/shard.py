@@ -90,6 +90,7 @@ from loader.io.manifest import (
     Manifest,
     read_manifest,
 )
+from loader.vision.reasons import IMAGE_REJECT_REASONS
 
 logger = logging.getLogger(__name__)
 
@@ -316,9 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(README \"Transforms\"); dropped and removed documents are counted in the manifest apart from rejects")
     curation.add_argument("--transform", dest="transforms", action="append", default=None,
                           metavar="MODULE:FUNCTION[@VERSION][:JSON-ARGS]",
-                          help="a text transform (the loader's, same seeds: seed from --seed and the key), e.g. "
+                          help="a transform (the loader's, same seeds: seed from --seed and the key), e.g. "
                                "'drop_regex:{\"pattern\": \"lorem\"}' or 'my.filters:clean@2'; repeatable, "
-                               "applied in order (default: none)")
+                               "applied in order; text ones before tokenization, tokens ones (after the text "
+                               "ones, needs --tokenizer) right after it; a dropped document stays in its lane as "
+                               "a tombstone (dropped_by column) the loader skips (default: none)")
     curation.add_argument("--dedup", choices=DEDUP_MODES, default=None,
                           help="exact: keep one document per normalised text (NFKC, casefold, whitespace runs "
                                "as one space), the one with the smallest key; the removed ones are listed in "
@@ -376,17 +379,52 @@ def _transform_specs(values: Optional[Sequence[str]]) -> tuple[TransformSpec, ..
 
 
 def offline_transforms(options: ShardOptions) -> tuple[TransformSpec, ...]:
-    """``--transform`` specs imported and resolved (stage, version); only text transforms run offline."""
+    """``--transform`` specs imported and resolved (stage, version). Text-stage ones run before
+    lanes; tokens-stage ones (README "Transforms") right after tokenization, so they need
+    ``--tokenizer`` and must follow every text-stage one."""
+    pretokenized = options.tokenizer is not None and not options.chat
     try:
-        specs = tuple(spec.resolved(pretokenized=False) for spec in options.transforms)
+        specs = tuple(spec.resolved(pretokenized=pretokenized) for spec in options.transforms)
     except TransformError as exc:
         raise ShardConfigError(f"--transform: {exc}") from None
+    if specs and options.images is not None:
+        raise ShardConfigError("--transform cannot be used in an image job yet (a tombstone would need an empty image "
+                               "payload, and the loader does not read image datasets yet); filter the records "
+                               "before sharding")
+    seen_tokens = None
     for spec in specs:
-        if spec.stage != "text":
+        if spec.stage == "records":
             raise ShardConfigError(
-                f"--transform {spec.function}: it works on tokens, which the job makes only when writing lane "
-                "files; apply it online (the loader config's transforms) or use a text transform")
+                f"--transform {spec.function}: records transforms run online only (the loader config's transforms "
+                "of an online chat source, on each conversation before rendering); in the job a chat dataset takes "
+                "text transforms, which see the rendered conversation and may drop it")
+        if spec.stage == "tokens":
+            if options.chat:
+                raise ShardConfigError(
+                    f"--transform {spec.function}: it works on tokens, and a chat job's tokens (and loss_mask) "
+                    "are made before the transforms run; apply it online (the loader config's transforms, "
+                    "stage \"tokens\") or use a text transform")
+            if options.tokenizer is None:
+                raise ShardConfigError(
+                    f"--transform {spec.function}: it works on tokens, and without --tokenizer the job makes none; "
+                    "pass --tokenizer (the transform then runs right after tokenization), apply it online (the "
+                    "loader config's transforms), or use a text transform")
+            seen_tokens = seen_tokens or spec.function
+        elif seen_tokens is not None:
+            raise ShardConfigError(
+                f"--transform {spec.function} works on text but follows the tokens transform {seen_tokens}: the job "
+                "runs text transforms before tokenization and tokens ones after it; put the text transforms first")
     return specs
+
+
+def token_stage_args(options: ShardOptions, specs: Sequence[TransformSpec]) -> Optional[dict]:
+    """The arguments of the job's :class:`beam_jobs.transform_steps.TokenStage`, or None."""
+    first = next((k for k, spec in enumerate(specs) if spec.stage == "tokens"), None)
+    if first is None:
+        return None
+    return {"specs": tuple(specs[first:]), "first_position": first, "seed": options.seed,
+            "source": options.resolved_source_name, "keep_fields": options.keep_fields,
+            "with_text": first > 0}  # online, a pre-tokenized document has text only with a text transform
 
 
 def with_default_runner(pipeline_args: Sequence[str]) -> list[str]:
@@ -444,7 +482,8 @@ class ShardDataset(beam.PTransform):
                 self.tokenizer_info["fingerprint"] if pretokenized and not opts.chat else None,
                 opts.token_compression, encoded=opts.chat and not opts.chat_online,
                 conversations=opts.chat_online, images=opts.images is not None,
-                visual_tokens=opts.images is not None and opts.images.policy is not None))
+                visual_tokens=opts.images is not None and opts.images.policy is not None,
+                tombstones=bool(self.transforms), token_stage=token_stage_args(opts, self.transforms)))
         )
         rejected_files = (
             rejections
@@ -468,13 +507,15 @@ class ShardDataset(beam.PTransform):
                 source_name=opts.resolved_source_name,
                 schema=manifest_schema(pretokenized, opts.keep_fields, loss_mask=opts.chat and pretokenized,
                                        conversation=opts.chat_online, images=opts.images is not None,
-                                       visual_tokens=opts.images is not None and opts.images.policy is not None),
+                                       visual_tokens=opts.images is not None and opts.images.policy is not None,
+                                       tombstones=bool(self.transforms)),
                 tokenizer=self.tokenizer_info,
                 max_reject_fraction=opts.max_reject_fraction,
                 files_per_lane=AsSingleton(files_per_lane),
                 reject_counts=AsDict(reject_counts),
                 rejected_files=AsList(rejected_files),
-                reject_reasons=(REJECT_REASONS if opts.chat else IMAGE_DOCUMENT_REJECT_REASONS if opts.images
+                reject_reasons=(REJECT_REASONS + IMAGE_REJECT_REASONS if opts.chat and opts.images else
+                                REJECT_REASONS if opts.chat else IMAGE_DOCUMENT_REJECT_REASONS if opts.images
                                 else DOCUMENT_REJECT_REASONS),
                 chat=self.chat_record,
                 images=opts.images.manifest_record(0).to_dict() if opts.images is not None else None,

@@ -21,6 +21,7 @@ from loader.validation import (
 from loader.errors import ZephonError
 from loader.stages.features import BATCH_FEATURE_FIELDS
 from loader.transforms.spec import TransformSpec
+from loader.vision.options import ImagesConfig, ImagesTable
 
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
@@ -133,6 +134,8 @@ class LoaderConfig:
     # from which a change of them takes effect when resuming a checkpoint made with others.
     transforms: tuple[TransformSpec, ...] = ()
     transforms_from_step: Optional[int] = None
+    # Image sources: policy, placeholder tokens, overflow, images per sequence (README, ``images``).
+    images: Optional[ImagesConfig] = None
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
         "datasets": ListOf(Record(SourceConfig), min_items=1, example='datasets = [{path = "data/web"}]'),
@@ -169,6 +172,7 @@ class LoaderConfig:
         "transforms": ListOf(Record(TransformSpec), example='transforms = [{function = "drop_regex", '
                                                            'args = {pattern = "lorem"}}]'),
         "transforms_from_step": OrAbsent(Integer(minimum=0)),
+        "images": ImagesTable(),
     }
 
     def __post_init__(self) -> None:
@@ -285,6 +289,8 @@ class LoaderConfig:
         transforms = self.transform_entries()
         if transforms is not None:  # the transforms decide which documents (and tokens) exist
             fields_ = dict(fields_, transforms=transforms)
+        if self.images is not None:  # placeholder tokens, overflow and caps decide the sequences
+            fields_ = dict(fields_, images=self.images.stream_entry())
         blob = json.dumps(fields_, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
 

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from loader.checkpoint import schema as checkpoint_schema, state as state_mod
+from loader.checkpoint import migrations as checkpoint_migrations, schema as checkpoint_schema, state as state_mod
 from loader.chat.block import check_chat_sources
 from loader.config import ConfigError, LoaderConfig
 from loader.order.data_parallel import resolve_data_parallel
@@ -49,11 +49,15 @@ from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.stages.collate import OUTPUTS, Collator, to_torch
 from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
 from loader.stages.features import FEATURES
+from loader.vision.block import ONLINE_IMAGE_REJECT_REASONS
+from loader.vision.options import resolve_image_options
+from loader.vision.transfer import image_slot_bytes
 from loader.order.ordering import Topology, lanes_of_worker
 from loader.stages.producer import End, Item, build_lanes, produce_one, start_reading
 from loader.transforms import resume as transform_resume
 from loader.transforms.chain import TransformChain
 from loader.checkpoint.step_states import StepStateHistory
+from loader.workers.messages import ITEMS_PER_MESSAGE
 from loader.workers.pool import WorkerError, WorkerPool, slots_per_worker  # noqa: F401 - WorkerError re-exported
 from loader.stages.tokenizer import (
     BOS_CANDIDATES,
@@ -121,16 +125,6 @@ class ZephonLoader:
             num_lanes=self.num_lanes, global_batch_size=config.global_batch_size,
             micro_batch_size=config.micro_batch_size, world_size=world_size, rank=rank,
         )
-        for name, dataset, manifest in zip(self.source_names, config.datasets, self.manifests):
-            # The Beam job stores images (issue 18), but no stage turns them into visual tokens and
-            # pixel_values yet: reading such a dataset as text would train on its captions alone.
-            if getattr(manifest, "images", None) is not None:
-                raise ManifestError(
-                    f"dataset {name!r} ({dataset.path}) holds images ({manifest.images.images} of them): the "
-                    "loader does not build image batches yet (visual tokens, pixel_values), and reading only "
-                    "its text would silently drop every image. Train on it once image batches land, or shard a "
-                    "text-only copy of the data for now"
-                )
         tokenizer = load_tokenizer(config.tokenizer, storage_options)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         for name, manifest in zip(self.source_names, self.manifests):
@@ -154,10 +148,16 @@ class ZephonLoader:
         columns = {c.get("name") for m in self.manifests if m.pretokenized for c in m.schema}
         if any(m.online_chat for m in self.manifests):
             columns.add("loss_mask")  # made online by the chat blocks (loader.chat.block)
+        # Image sources (loader.vision): placeholders, loss_mask 0 on them, image_ref per image.
+        image_options = resolve_image_options(config, self.manifests, self.source_names, tokenizer)
+        if image_options is not None:
+            columns.add("loss_mask")
         token_mixing = config.mixing_unit == "token" and len(self.manifests) > 1
         self.features = tuple(name for name, f in FEATURES.items()
                               if (f.column is not None and f.column in columns)
-                              or (name == "token_sources" and token_mixing))
+                              or (name == "token_sources" and token_mixing)
+                              or (name == "image_ref" and image_options is not None))
+        self.image_options = image_options
         token_format = TokenFormat(bos_id=bos_id, eos_id=eos_id if config.add_eos else None)
         chat_reject_reasons = check_chat_sources(self.manifests, self.source_names, tokenizer, seq_len=config.seq_len,
                                                  packing=config.packing, wrap_tokens=token_format.extra)
@@ -184,6 +184,7 @@ class ZephonLoader:
             read_ahead=config.read_ahead,
             read_ahead_threads=config.read_ahead_threads,
             features=self.features,
+            images=image_options,
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far
@@ -202,6 +203,8 @@ class ZephonLoader:
             micro_batch_size=config.micro_batch_size, per_rank_batch=self.topology.per_rank_batch,
             batch_fields=config.batch_fields, features=self.features, chat_reject_reasons=chat_reject_reasons,
             empty=np.empty if self._pinned is None else self._pinned.empty,
+            image_policy=image_options.policy if image_options is not None else None,
+            image_reject_reasons=ONLINE_IMAGE_REJECT_REASONS if image_options is not None else (),
         )
         self._metrics = MetricsRecorder(
             source_names=self.source_names, seq_len=config.seq_len, per_rank_batch=self.topology.per_rank_batch,
@@ -221,11 +224,13 @@ class ZephonLoader:
     def _resolved_transforms(self) -> list[tuple]:
         resolved = []
         for k, (name, manifest) in enumerate(zip(self.source_names, self.manifests)):
-            specs = tuple(spec.resolved(manifest.pretokenized) for spec in self.config.source_transforms(k))
-            if specs:
-                if any(c.get("name") == "conversation" for c in manifest.schema):
-                    raise ConfigError(f"datasets[{k}] ({name!r}): transforms do not apply to chat sources rendered "
-                                      "online yet; shard them with --tokenizer (or --transform in the Beam job)")
+            online_chat = manifest.online_chat  # "any" functions take the tokens stage there (after the render)
+            specs = tuple(spec.resolved(manifest.pretokenized or online_chat) for spec in self.config.source_transforms(k))
+            if specs and online_chat:
+                from loader.transforms.conversations import ChatTransforms
+
+                ChatTransforms(specs, seed=self.config.seed, source=name)  # imports each function, checks its stage
+            elif specs:
                 feature_names = [f for f in self.features if FEATURES[f].column in
                                  {c.get("name") for c in manifest.schema}]
                 TransformChain(specs, seed=self.config.seed, source=name, pretokenized=manifest.pretokenized,
@@ -239,7 +244,8 @@ class ZephonLoader:
         groups each lane has taken from; the global figure is the sum over ranks, or this of
         a merged state: :func:`loader.transforms.resume.counts_report`)."""
         states = transform_resume.as_plain(self._current_lane_states())
-        return transform_resume.counts_report(self.source_names, self.source_transforms, list(states.values()))
+        return transform_resume.counts_report(self.source_names, self.source_transforms, list(states.values()),
+                                              [m.tombstone_transforms if m.has_tombstones else () for m in self.manifests])
 
     # -- schedule ------------------------------------------------------------------------
     def _initial_phases(self) -> list[MixturePhase]:
@@ -385,6 +391,7 @@ class ZephonLoader:
         Every field is checked first (:meth:`_checked_lane_states`); a bad state changes nothing.
         """
         started = time.perf_counter()
+        state = checkpoint_migrations.upgrade(state)  # an older version's state, read as the current one
         position, next_index, lanes = self._checked_lane_states(state)
         self._adopt_schedule(state["schedule"], next_index // self.config.global_batch_size)
         self._end_run()
@@ -529,10 +536,9 @@ class ZephonLoader:
                 items.append(self._run.next_item(global_index))
                 self.rank_position += 1  # per item: a failing lane leaves the position at it
                 global_index += stride
-        touched = self._lanes_in_step
-        for item in items:
-            lane_id = item.global_index % self.num_lanes
-            touched.add(lane_id)
+        lane_ids = [item.global_index % self.num_lanes for item in items]
+        self._lanes_in_step.update(lane_ids)
+        for lane_id, item in zip(lane_ids, items):
             if item.lane_state is not None:
                 self.lane_states[lane_id] = item.lane_state
         if self.rank_position % self.topology.per_rank_batch == 0:
@@ -615,7 +621,9 @@ class ZephonLoader:
         items_held = self.topology.per_rank_batch if self.finite else self.config.micro_batch_size
         pool = WorkerPool(
             num_workers=min(self.config.num_workers, len(self.rank_lanes)), seq_len=self.config.seq_len,
-            num_slots=slots_per_worker(self.config.prefetch, items_held),
+            num_slots=slots_per_worker(self.config.prefetch, items_held), features=self.features,
+            extra_slot_bytes=0 if self.image_options is None else image_slot_bytes(
+                self.image_options.policy, self.config.seq_len, ITEMS_PER_MESSAGE, self.image_options.wrap_tokens),
         )
         self._pool = pool
         self._finalizer = weakref.finalize(
@@ -749,7 +757,7 @@ class _Run:
                 raise
         if self.in_process_lanes is not None:
             lane = self.in_process_lanes[global_index % self.num_lanes]
-            item = produce_one(lane, global_index, snapshot_state=not self.reads_lanes_directly)
+            item = produce_one(lane, global_index, not self.reads_lanes_directly)
         else:
             worker_id = self.worker_of_lane[global_index % self.num_lanes]
             pending = self.pending[worker_id]

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import numpy as np
 
 from loader.config import LoaderConfig
-from loader.commands.fingerprints import StepFingerprint, sequence_bytes
+from loader.commands.fingerprints import StepFingerprint, image_bytes_by_row, sequence_bytes
 from loader.checkpoint.state import merge_rank_states, to_jsonable
 
 JSON_LEAF_TYPES = (str, int, float, bool, type(None))
@@ -243,13 +243,14 @@ class LoaderRun:
                 assert batch["step"] == step, f"rank {rank} micro-batch says step {batch['step']}, expected {step}"
                 assert batch["micro_step"] == micro, f"rank {rank} micro_step {batch['micro_step']}, expected {micro}"
                 indices = batch["global_indices"].tolist()
+                images = image_bytes_by_row(batch)  # image configs: pixels are part of the line
                 assert len(indices) == self.config.micro_batch_size
                 assert all(i % self.world_size == rank for i in indices), f"rank {rank} got indices {indices}"
-                for index, ids, labels, source in zip(
+                for row, (index, ids, labels, source) in enumerate(zip(
                     indices, batch["input_ids"].numpy(), batch["labels"].numpy(), batch["source_ids"].tolist()
-                ):
+                )):
                     assert index not in rows, f"global index {index} delivered twice"
-                    rows[index] = (sequence_bytes(ids, labels), source)
+                    rows[index] = (sequence_bytes(ids, labels) + images.get(row, b""), source)
         if ended:
             assert [r for r, _ in ended] == list(range(self.world_size)), (
                 f"step {step}: ranks disagree about the end of the data: ranks/micro-steps {ended} stopped, "

@@ -7,7 +7,7 @@ Modules, in the order a record flows through them:
 - :mod:`~loader.chat.spans`: assistant character spans (generation tags, or prefix difference);
 - :mod:`~loader.chat.masks`: tokenization with offsets and the per-token loss mask;
 - :mod:`~loader.chat.encode`: :func:`encode_conversation`, the one entry point, with the guards
-  (:func:`~loader.chat.encode.encode_conversations`: many at once, one batched tokenizer call);
+  (:func:`~loader.chat.encode.encode_conversations`: many at once, batched tokenizer calls);
 - :mod:`~loader.chat.block`: online chat, a lane's row group of conversations encoded by the loader.
 """
 

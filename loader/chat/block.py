@@ -18,10 +18,16 @@ manifest's ``overflow``) applies at ``min(max_tokens, seq_len - wrap tokens)``
 (:func:`effective_max_tokens`); a pre-tokenized chat source whose ``max_tokens`` does not fit is
 refused when the loader is built (:func:`check_chat_fits`).
 
+Transforms (:mod:`loader.transforms.conversations`): with a source's transforms the lane reader
+hands the block its chain and the row group's key/metadata columns (:meth:`ChatBlock.transform`);
+records-stage transforms run on the records before rendering, tokens-stage ones on each
+accepted conversation's ids and loss mask, and the block is encoded when read so that its
+``transform_counts`` are known as a text block's are.
+
 Rejects found online are the token-level guards (:data:`ONLINE_REJECT_REASONS`; the others
-happened in the job). A block renders all its conversations on first use (one batched
-tokenizer call: :func:`loader.chat.encode.encode_conversations`), so its reject counts are known
-then. :class:`RejectTally` reports a block's rejects once, with the sequence whose production
+happened in the job). A block renders all its conversations on first use
+(:func:`loader.chat.encode.encode_conversations`: batched tokenizer calls of parts of the renders,
+on a helper thread while the rest render), so its reject counts are known then. :class:`RejectTally` reports a block's rejects once, with the sequence whose production
 moves the stream's cursor into (or past) the block; the first of each reason is logged once
 per process. Because "into the block" is read off the cursor, the counts of a micro-batch are
 the same on every topology and across a resume (a cursor restored inside a block has reported
@@ -94,13 +100,18 @@ def check_chat_sources(manifests, source_names, tokenizer, *, seq_len: int, pack
     """Check a loader's chat sources when it is built: pre-tokenized ones fit (:func:`check_chat_fits`),
     online ones have a usable template and bound. Returns the batch's ``chat_rejects`` reasons
     (empty without an online chat source: the batch then has no such field)."""
-    online = False
+    online = image_chat = False
     for manifest, name in zip(manifests, source_names):
         check_chat_fits(manifest, name, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens)
         if manifest.online_chat:
             OnlineChat.of_manifest(manifest, tokenizer, source_name=name, seq_len=seq_len, packing=packing,
                                    wrap_tokens=wrap_tokens)  # compiles the template: errors now, not in a worker
             online = True
+            image_chat = image_chat or getattr(manifest, "images", None) is not None
+    if image_chat:  # conversations with image parts (loader.vision.chat) add their own reason
+        from loader.vision.chat import IMAGE_CHAT_REJECT_REASONS
+
+        return ONLINE_REJECT_REASONS + IMAGE_CHAT_REJECT_REASONS
     return ONLINE_REJECT_REASONS if online else ()
 
 
@@ -186,12 +197,21 @@ class ChatBlock(Block):
         self._format = token_format
         self._where = (where, row_group)
         self.reject_counts: dict[str, int] = {}
+        self._transforms = None  # (ChatTransforms, LazyColumns) once transform() is called
         if not conversations:
             self.features = {"loss_mask": np.zeros(0, FEATURES["loss_mask"].dtype)}
 
     def ensure(self, position: int) -> None:
         if not self.complete:
             self._encode()
+
+    def transform(self, transforms, columns) -> None:
+        """Run ``transforms`` (a :class:`loader.transforms.conversations.ChatTransforms`) around the
+        encoding, with the row group's ``columns`` (``LazyColumns``), and encode now: the block's
+        ``transform_counts`` are its transforms' counters."""
+        self._transforms = (transforms, columns)
+        self.transform_counts = transforms.zeros()
+        self.ensure(0)
 
     def rejects(self) -> dict[str, int]:
         self.ensure(0)
@@ -215,11 +235,16 @@ class ChatBlock(Block):
 
     def _encode(self) -> None:
         chat = self._chat
+        records, rows = self._records(), None
+        if self._transforms is not None:  # records stage: before rendering
+            transforms, columns = self._transforms
+            records, rows = transforms.apply_records(columns, records, self.transform_counts)
         outcomes = encode_conversations(
-            self._records(), chat.template, chat.tokenizer, loss_on=chat.loss_on, max_tokens=chat.max_tokens,
-            overflow=chat.overflow, messages_field=MESSAGES_KEY, tools_field=TOOLS_KEY)
-        ids, masks = [], []
-        for outcome in outcomes:
+            records, chat.template, chat.tokenizer, loss_on=chat.loss_on, max_tokens=chat.max_tokens,
+            overflow=chat.overflow, messages_field=MESSAGES_KEY, tools_field=TOOLS_KEY,
+            from_json=rows is None)  # json.loads output, unless a records-stage transform replaced records
+        ids, masks, encoded_rows = [], [], []
+        for k, outcome in enumerate(outcomes):
             if isinstance(outcome, ConversationRejected):
                 if outcome.reason not in ONLINE_REJECT_REASONS:  # the job checked the rest: not its data
                     where, row_group = self._where
@@ -230,6 +255,10 @@ class ChatBlock(Block):
                 continue
             ids.append(outcome.input_ids)
             masks.append(outcome.loss_mask)
+            encoded_rows.append(rows[k] if rows is not None else k)
+        if self._transforms is not None:  # tokens stage: on the ids and loss mask of each accepted one
+            ids, masks = transforms.apply_tokens(columns, encoded_rows, ids, masks, self.transform_counts)
+            self._transforms = None
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         flat_ids = np.concatenate(ids).astype(np.int32, copy=False) if ids else np.zeros(0, np.int32)
         flat_mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
@@ -258,7 +287,7 @@ class RejectTally:
 
     def register(self, key: tuple[int, int], block: Block) -> None:
         """A block read (on any thread); the same key always holds the same conversations."""
-        if isinstance(block, ChatBlock):
+        if isinstance(block, ChatBlock) or hasattr(block, "reject_counts"):  # image blocks too (loader.vision.block)
             with self._lock:
                 self._blocks[key] = block
 

@@ -6,8 +6,8 @@ Each message is a mapping with:
 
 - ``role``: one of :data:`ROLES`;
 - ``content``: a string, or a list of content parts of which only text parts
-  (``{"type": "text", "text": str}``) are accepted for now (images and other media are
-  refused until the vision-language work lands). An assistant message that carries
+  (``{"type": "text", "text": str}``) are accepted, plus image parts (``{"type": "image", ...}``)
+  with ``image_parts=True`` (chat with images, :mod:`loader.vision.chat`). An assistant message that carries
   ``tool_calls`` may omit ``content`` (or give ``None``);
 - optional ``tool_calls`` (a list of mappings), ``name`` (a string, e.g. the tool's name on a
   ``tool`` message), and any other keys, which reach the template untouched.
@@ -37,7 +37,7 @@ REJECT_REASONS = (
     "unknown_role",  # a role outside ROLES (or not a string)
     "missing_content",  # no content, and not an assistant message with tool_calls
     "non_string_content",  # content neither a string nor a list of content parts
-    "unsupported_content_part",  # a content part that is not a text part (images: later)
+    "unsupported_content_part",  # a content part that is not a text part (nor an image part, with images)
     "bad_tool_calls",  # tool_calls not a list of mappings
     "bad_name",  # name not a string
     "bad_tools",  # record-level tools not a list of mappings
@@ -64,6 +64,7 @@ class Conversation:
 
     messages: tuple[dict, ...]
     tools: Optional[tuple[dict, ...]] = None
+    from_json: bool = False  # parsed from json.loads output: only JSON types (ChatTemplate.render's from_json)
 
     def assistant_indices(self) -> tuple[int, ...]:
         return tuple(index for index, message in enumerate(self.messages) if message["role"] == "assistant")
@@ -74,7 +75,7 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _check_content(index: int, message: dict) -> None:
+def _check_content(index: int, message: dict, image_parts: bool = False) -> None:
     where = f"messages[{index}] (role {message['role']!r})"
     if "content" not in message:
         if message["role"] == "assistant" and "tool_calls" in message:
@@ -89,15 +90,18 @@ def _check_content(index: int, message: dict) -> None:
         )
     for part_index, part in enumerate(content):
         is_text_part = isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        if image_parts and isinstance(part, Mapping) and part.get("type") == "image":
+            continue  # chat with images (loader.vision.chat): its references are checked there
         if not is_text_part:
             raise ConversationRejected(
                 "unsupported_content_part",
                 f"{where}.content[{part_index}] is not a text part {{'type': 'text', 'text': str}} "
-                f"(got {_short(part)}); image and other media parts are not supported yet",
+                f"(got {_short(part)}); image parts need an image job (zephon shard --image-root/--image-policy), "
+                "other media are not supported",
             )
 
 
-def _check_message(index: int, raw: Any) -> dict:
+def _check_message(index: int, raw: Any, image_parts: bool = False) -> dict:
     if not isinstance(raw, Mapping):
         raise ConversationRejected("not_a_message", f"messages[{index}] is not a mapping (got {_short(raw)})")
     message = {key: value for key, value in raw.items() if value is not None}
@@ -107,7 +111,7 @@ def _check_message(index: int, raw: Any) -> dict:
         raise ConversationRejected(
             "unknown_role", f"messages[{index}].role is {_short(message['role'])}; known roles: {ROLES}"
         )
-    _check_content(index, message)
+    _check_content(index, message, image_parts)
     tool_calls = message.get("tool_calls")
     if tool_calls is not None and not (
         isinstance(tool_calls, (list, tuple)) and all(isinstance(call, Mapping) for call in tool_calls)
@@ -121,9 +125,14 @@ def _check_message(index: int, raw: Any) -> dict:
 
 
 def parse_conversation(
-    record: Any, *, messages_field: str = "messages", tools_field: str = "tools"
+    record: Any, *, messages_field: str = "messages", tools_field: str = "tools", from_json: bool = False,
+    image_parts: bool = False,
 ) -> Conversation:
-    """Validate one record and return its :class:`Conversation`, or raise :class:`ConversationRejected`."""
+    """Validate one record and return its :class:`Conversation`, or raise :class:`ConversationRejected`.
+
+    ``from_json``: the record is ``json.loads`` output (only JSON types), so its messages
+    render as they are (:meth:`loader.chat.template.ChatTemplate.render`'s ``from_json``).
+    ``image_parts``: ``{"type": "image", ...}`` content parts are accepted (:mod:`loader.vision.chat`)."""
     messages = record.get(messages_field) if isinstance(record, Mapping) else None
     if not isinstance(messages, (list, tuple)):
         got = f"record type {type(record).__name__}" if not isinstance(record, Mapping) else _short(messages)
@@ -132,7 +141,7 @@ def parse_conversation(
         )
     if not messages:
         raise ConversationRejected("empty_conversation", f"field {messages_field!r} is an empty list")
-    checked = tuple(_check_message(index, message) for index, message in enumerate(messages))
+    checked = tuple(_check_message(index, message, image_parts) for index, message in enumerate(messages))
     tools = record.get(tools_field)
     if tools is not None:
         if not (isinstance(tools, (list, tuple)) and all(isinstance(tool, Mapping) for tool in tools)):
@@ -140,4 +149,4 @@ def parse_conversation(
                 "bad_tools", f"field {tools_field!r} must be a list of JSON-schema mappings (got {_short(tools)})"
             )
         tools = tuple(dict(tool) for tool in tools)
-    return Conversation(messages=checked, tools=tools)
+    return Conversation(messages=checked, tools=tools, from_json=from_json)

@@ -4,7 +4,7 @@ The single entry point the Beam job (offline tokenization) and the loader (onlin
 both produce the same arrays::
 
     record --parse_conversation--> Conversation --assistant_spans--> text + char spans
-           --tokenize_rendered--> ids + offsets --token_mask_from_spans--> loss_mask
+           --tokenize_rendered_batch--> ids + where each token is --loss_mask--> loss_mask
            --guards--> EncodedConversation | ConversationRejected(reason)
 
 Guards, in order (each a reason in :data:`loader.chat.conversations.REJECT_REASONS`):
@@ -21,6 +21,9 @@ template's ``strftime_now`` is the one exception; templates that call it depend 
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -28,12 +31,22 @@ import jinja2.exceptions
 import numpy as np
 
 from loader.chat.conversations import Conversation, ConversationRejected, parse_conversation
-from loader.chat.masks import TokenizedChat, covered_characters, tokenize_rendered_batch
+from loader.chat.masks import TokenizedChat, covered_characters, encode_renders, tokenized_renders
 from loader.chat.spans import LOSS_ON_CHOICES, AssistantSpans, ChatOptionError, assistant_spans, check_choice
 from loader.chat.template import ChatTemplate
 from loader.errors import ZephonError
 
 OVERFLOW_CHOICES = ("reject", "truncate")
+
+# encode_conversations tokenizes its renders in parts of at least this many characters, each
+# on a helper thread while the records after it render: the tokenizer releases the GIL, so
+# the (GIL-bound) Jinja render of one part and the tokenization of the previous one run at
+# once. Each text is encoded on its own, so the ids do not depend on where the parts end.
+# Smaller parts overlap more of the work but pay the batched call's overhead more often.
+TOKENIZE_PART_CHARS = 24 * 1024
+
+_helper_lock = threading.Lock()
+_helper: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid, executor): none inherited across fork
 
 # What a template may raise on data it does not accept: its own raise_exception
 # (TemplateError and its subclasses), or Python errors from operations on odd values.
@@ -101,10 +114,12 @@ class RenderedConversation:
 
 def render_conversation(
     record: Any, template: ChatTemplate, *, loss_on: str = "all", messages_field: str = "messages",
-    tools_field: str = "tools",
+    tools_field: str = "tools", from_json: bool = False,
 ) -> RenderedConversation:
-    """Validate and render one record (the steps before tokenization); raises :class:`ConversationRejected`."""
-    conversation = parse_conversation(record, messages_field=messages_field, tools_field=tools_field)
+    """Validate and render one record (the steps before tokenization); raises :class:`ConversationRejected`.
+    ``from_json``: the record is ``json.loads`` output (:func:`parse_conversation`)."""
+    conversation = parse_conversation(record, messages_field=messages_field, tools_field=tools_field,
+                                      from_json=from_json)
     return RenderedConversation(conversation, _spans_or_reject(template, conversation, loss_on))
 
 
@@ -171,28 +186,41 @@ def encode_conversations(
     overflow: str = "reject",
     messages_field: str = "messages",
     tools_field: str = "tools",
+    from_json: bool = False,
 ) -> list[Union[EncodedConversation, ConversationRejected]]:
-    """:func:`encode_conversation` of each record, the renders tokenized in one batched call.
+    """:func:`encode_conversation` of each record, the renders tokenized in batched calls.
 
-    One ``encode_batch`` over all renders runs the tokenizer on every core and pays its call
-    overhead once, where one ``encode`` per conversation serialises both; ids and offsets are
-    the same (so the result is too). A refused record's entry is its
-    :class:`ConversationRejected`, in record order.
+    A batched call runs the tokenizer on every core and pays its call overhead once per part,
+    where one ``encode`` per conversation serialises both; ids and masks are the same
+    (:func:`loader.chat.masks.tokenize_rendered_batch`). The renders are tokenized in parts of
+    :data:`TOKENIZE_PART_CHARS`, each on a helper thread while the next part renders (the
+    same ids: every text is encoded on its own). A refused record's entry is
+    its :class:`ConversationRejected`, in record order. ``from_json``: the records are
+    ``json.loads`` output (only JSON types), so they render without transformers' copy of
+    the messages (the same text: :meth:`loader.chat.template.ChatTemplate.render`).
     """
     check_options(loss_on, max_tokens, overflow)
     outcomes: list = []
-    rendered: list[RenderedConversation] = []
+    parts: list[tuple[list[str], Future]] = []  # each part's renders and their encode_renders, in order
+    texts: list[str] = []  # the renders of the part being filled
+    chars = 0
     for record in records:
         try:
             outcome = render_conversation(record, template, loss_on=loss_on, messages_field=messages_field,
-                                          tools_field=tools_field)
+                                          tools_field=tools_field, from_json=from_json)
         except ConversationRejected as exc:
             outcome = exc
         else:
-            rendered.append(outcome)
+            texts.append(outcome.text)
+            chars += len(outcome.text)
+            if chars >= TOKENIZE_PART_CHARS:
+                parts.append((texts, _tokenize_helper().submit(encode_renders, tokenizer, texts)))
+                texts, chars = [], 0
         outcomes.append(outcome)
-    encodings = tokenize_rendered_batch(tokenizer, [r.text for r in rendered])
-    results = iter(encodings)
+    last = encode_renders(tokenizer, texts)  # the last part: on this thread, while the helper finishes
+    tokenized = [tokens for part_texts, future in parts for tokens in tokenized_renders(tokenizer, part_texts,
+                                                                                          future.result())]
+    results = iter(tokenized + tokenized_renders(tokenizer, texts, last))
     for index, outcome in enumerate(outcomes):
         if isinstance(outcome, RenderedConversation):
             tokens = next(results)
@@ -201,3 +229,14 @@ def encode_conversations(
             except ConversationRejected as exc:
                 outcomes[index] = exc
     return outcomes
+
+
+def _tokenize_helper() -> ThreadPoolExecutor:
+    """The process's one helper thread for :func:`encode_conversations`' parts (a new one after a fork).
+
+    One thread: the parts of a call tokenize in order, each on the tokenizer's own thread pool."""
+    global _helper
+    with _helper_lock:
+        if _helper is None or _helper[0] != os.getpid():
+            _helper = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-chat-tokenize"))
+        return _helper[1]

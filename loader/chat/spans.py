@@ -69,6 +69,7 @@ def _render(template: ChatTemplate, conversation: Conversation, count: int, *, p
         tools=list(conversation.tools) if conversation.tools is not None else None,
         add_generation_prompt=prompt,
         track_generation=track,
+        from_json=conversation.from_json,
     )
 
 

@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import accumulate
 from typing import Any, Optional
 
 import jinja2
@@ -114,16 +115,19 @@ class _GenerationTracker(jinja2.ext.Extension):
         rendered_body = caller()
         tracking = self._tracking.get()
         if tracking is not None:
-            rendered_length, spans = tracking
-            start = rendered_length[0]  # == len("".join(blocks yielded so far)), kept as a running sum
-            spans.append((start, start + len(rendered_body)))
+            yielded, marks = tracking
+            # The span starts after the blocks yielded so far: their count now, their length at the
+            # end (summing them here, at every tag, was quadratic in the conversation's length).
+            marks.append((len(yielded), len(rendered_body)))
         return rendered_body
 
     @contextmanager
-    def track(self, rendered_length: list[int], spans: list[tuple[int, int]]):
+    def track(self, yielded: list[str], marks: list[tuple[int, int]]):
+        """Record ``(blocks yielded before it, body length)`` of every generation block into
+        ``marks`` while the render appends its blocks to ``yielded``."""
         if self._tracking.get() is not None:
             raise RuntimeError("a chat template render is already tracking generation spans in this context")
-        token = self._tracking.set((rendered_length, spans))
+        token = self._tracking.set((yielded, marks))
         try:
             yield
         finally:
@@ -213,11 +217,19 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _template_messages(messages) -> list[dict]:
-    """The messages as the template sees them (transformers' normalisation, in its order)."""
-    dropped_none = [{key: value for key, value in message.items() if value is not None} for message in messages]
+def _template_messages(messages, from_json: bool = False) -> list[dict]:
+    """The messages as the template sees them (transformers' normalisation, in its order).
+
+    ``from_json``: the messages hold only JSON types (``json.loads`` output) and no
+    ``None``-valued keys (:func:`loader.chat.conversations.parse_conversation` dropped them), so
+    dropping ``None`` and ``_plain`` would rebuild equal values: the messages are used as they
+    are (the sandbox is immutable: a template cannot change them)."""
+    if from_json:
+        plain = messages
+    else:
+        plain = _plain([{key: value for key, value in message.items() if value is not None} for message in messages])
     aliased = []
-    for message in _plain(dropped_none):
+    for message in plain:
         reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -263,6 +275,7 @@ class ChatTemplate:
     extra_variables: Mapping[str, Any] = field(default_factory=dict)
     template_name: Optional[str] = None
     _compiled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _generation_tags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.sources or not all(isinstance(text, str) for text in self.sources.values()):
@@ -279,6 +292,7 @@ class ChatTemplate:
             )
         env = _environment()
         for name, text in self.sources.items():
+            self._generation_tags[name] = _GENERATION_TAG_RE.search(text) is not None
             try:
                 self._compiled[name] = env.from_string(text)
             except jinja2.exceptions.TemplateSyntaxError as exc:
@@ -317,7 +331,7 @@ class ChatTemplate:
 
     def has_generation_tags(self, has_tools: bool = False) -> bool:
         """Whether the template used for such a conversation marks assistant spans (transformers' regex)."""
-        return _GENERATION_TAG_RE.search(self.sources[self.select(has_tools)]) is not None
+        return self._generation_tags[self.select(has_tools)]
 
     def render(
         self,
@@ -326,32 +340,40 @@ class ChatTemplate:
         tools=None,
         add_generation_prompt: bool = False,
         track_generation: bool = False,
+        from_json: bool = False,
     ) -> RenderedChat:
         """Render ``messages`` (a list of message mappings) to text, as ``apply_chat_template`` does.
 
         With ``track_generation`` the spans of ``{% generation %}`` blocks are recorded. Errors
         the template raises (``raise_exception``, undefined attributes, type errors on odd
         data) propagate: :mod:`loader.chat.encode` turns them into rejects of that record.
+        ``from_json`` promises that ``messages`` and ``tools`` hold only JSON types and the
+        messages no ``None``-valued keys (a :class:`~loader.chat.conversations.Conversation`
+        parsed from ``json.loads`` output): the same text, without transformers' copy of them.
         """
         compiled = self._compiled[self.select(tools is not None)]
         variables = {
             **_plain(dict(self.special_tokens)),
             **_plain(dict(self.extra_variables)),
-            "messages": _template_messages(messages),
-            "tools": _plain(list(tools)) if tools is not None else None,
+            "messages": _template_messages(messages, from_json),
+            "tools": (list(tools) if from_json else _plain(list(tools))) if tools is not None else None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }
         if not track_generation:
             return RenderedChat(compiled.render(**variables))
-        rendered_blocks: list[str] = []
-        rendered_length = [0]  # characters yielded so far: joining the blocks at every tag was quadratic
-        spans: list[tuple[int, int]] = []
-        with compiled.environment.zephon_generation_tracker.track(rendered_length, spans):
-            for block in compiled.generate(**variables):
-                rendered_blocks.append(block)
-                rendered_length[0] += len(block)
-        return RenderedChat("".join(rendered_blocks), tuple(spans))
+        yielded: list[str] = []
+        marks: list[tuple[int, int]] = []
+        context = compiled.new_context(variables)
+        with compiled.environment.zephon_generation_tracker.track(yielded, marks):
+            try:  # as Template.render, but the blocks land in a list the tracker can count
+                yielded.extend(compiled.root_render_func(context))  # appends one by one, in C
+            except Exception:
+                compiled.environment.handle_exception()
+        if not marks:
+            return RenderedChat("".join(yielded))
+        starts = list(accumulate(map(len, yielded), initial=0))
+        return RenderedChat("".join(yielded), tuple((starts[count], starts[count] + length) for count, length in marks))
 
 
 def _named_templates(value: Any, origin: str) -> dict[str, str]:

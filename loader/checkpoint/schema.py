@@ -31,8 +31,10 @@ State shapes (``L`` lanes, ``S`` sources; see the stage modules for their meanin
              args, version, stage}]}, changes[{step, sources}]}], lanes{"00017": lane}
     lane     {outputs, sources: {name: {packer, stopped}}}   or, token mixing, {outputs, mixed: packer}
     packer   concat {stream}   best_fit {stream, bins[{serial, tokens, piece_starts, doc_starts
-             [, token_sources] [, loss_mask ...]}], serial}   (each lane-file feature of loader.stages.features,
-             one value per token, in its range; which ones a bin must hold is checked on restore)
+             [, token_sources] [, loss_mask ...] [, piece_origins]}], serial}   (each lane-file feature of
+             loader.stages.features, one value per token, in its range; which ones a bin must hold is
+             checked on restore; piece_origins, version 2: [epoch, block, offset] per piece, the cursor
+             of its first token, before the stream's cursor, absent where unknown)
     stream   cursor {epoch, block, offset, exhausted [, transforms[[dropped, changed] x transforms]]}
              or, token mixing, {sources[cursor x S],
              tokens[S], current, phase_start}
@@ -47,7 +49,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from loader.stages.features import FEATURES
+from loader.stages.features import BIN_STATE_FEATURES, FEATURES
 from loader.checkpoint.state import STATE_FORMAT, STATE_VERSION, StateError
 
 MAX_REPORTED = 20  # bad fields listed in one error; the count of the rest is given
@@ -271,6 +273,7 @@ class Bin:
     doc_starts: list
     token_sources: Optional[np.ndarray]
     features: tuple = ()  # (name, int64 array) of the column features it holds (loader.stages.features), registry order
+    piece_origins: Optional[tuple] = None  # per piece (epoch, block, offset); None: unknown (a version-1 bin)
 
 
 @dataclass(frozen=True)
@@ -309,8 +312,12 @@ def check_format(state: Any) -> None:
         raise StateError(f"format: not a Zephon loader state (format={state.get('format')!r}, expected {STATE_FORMAT!r})")
     version = state.get("version")
     if type(version) is not int or version != STATE_VERSION:
+        from loader.checkpoint.migrations import MIGRATIONS
+
+        older = f"; versions {sorted(MIGRATIONS)} are upgraded by loader.checkpoint.migrations.upgrade, which " \
+            "load_state_dict applies" if type(version) is int and version in MIGRATIONS else ""
         raise StateError(f"version: loader state version {version!r} is not supported by this Zephon "
-                         f"(supports {STATE_VERSION})")
+                         f"(supports {STATE_VERSION}{older})")
 
 
 def parse_header(state: Any) -> Header:
@@ -610,7 +617,7 @@ def _parse_bin(raw: Any, path: str, mixed_sources: int, problems: Problems) -> O
     restore holds up to ``L x best_fit_open_bins`` bins, and value ranges are checked for
     all bins of a packer at once (:func:`_check_bin_values`)."""
     keys = ("serial", "tokens", "piece_starts", "doc_starts") + (("token_sources",) if mixed_sources else ())
-    entry = _fields(raw, path, keys, problems, optional=_BIN_FEATURES)
+    entry = _fields(raw, path, keys, problems, optional=_BIN_FEATURES + ("piece_origins",))
     if entry is None:
         return None
     serial = _int(entry["serial"], f"{path}.serial", problems)
@@ -663,13 +670,37 @@ def _parse_bin(raw: Any, path: str, mixed_sources: int, problems: Problems) -> O
                 problems.add(f"{path}.{name}[{int(bad[0])}]", f"must be in [{low}, {high}] (got {int(values[bad[0]])})")
                 ok = False
             features.append((name, values))
-    return Bin(serial, tokens, pieces, docs, sources, tuple(features)) if ok else None
+    origins = _parse_origins(entry["piece_origins"], f"{path}.piece_origins", len(pieces), problems) \
+        if "piece_origins" in entry else None
+    if "piece_origins" in entry and origins is None:
+        ok = False
+    return Bin(serial, tokens, pieces, docs, sources, tuple(features), origins) if ok else None
+
+
+def _parse_origins(value: Any, path: str, pieces: int, problems: Problems) -> Optional[tuple]:
+    """A bin's ``piece_origins``: one ``[epoch, block, offset]`` of integers >= 0 per piece."""
+    if not isinstance(value, list) or len(value) != pieces:
+        problems.add(path, f"must be a list of {pieces} [epoch, block, offset] cursors, one per piece "
+                     f"(got {_show(value)})")
+        return None
+    origins = []
+    for k, item in enumerate(value):
+        if isinstance(item, np.ndarray):
+            item = item.tolist()
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            problems.add(f"{path}[{k}]", f"must be [epoch, block, offset] (got {_show(item)})")
+            return None
+        values = [_int(x, f"{path}[{k}][{j}]", problems) for j, x in enumerate(item)]
+        if None in values:
+            return None
+        origins.append(tuple(values))
+    return tuple(origins)
 
 
 # Per-token features a best-fit bin may hold besides token_sources: those read from lane files
 # (loader.stages.features); which of them a packer's bins must hold is checked on restore, against
 # the source's lane files (BestFitPacker.set_state).
-_BIN_FEATURES = tuple(f.name for f in FEATURES.values() if f.column is not None)
+_BIN_FEATURES = BIN_STATE_FEATURES  # + stage-made ones saved in bins (image_ref)
 
 
 def _check_bin_values(bins: tuple, path: str, name: str, low: int, high: int, what: str, problems: Problems) -> None:
@@ -794,6 +825,29 @@ def _check_packer(packer: PackerState, path: str, lane_id: int, limits: StateLim
                          f"(got {len(bin_.tokens)})")
     vocab = limits.vocab_size if limits.vocab_size is not None else np.iinfo(np.int32).max + 1
     _check_bin_values(packer.bins, path, "tokens", 0, vocab, "token ids (the tokenizer's vocabulary)", problems)
+    _check_origins(packer, path, lane_id, limits, source, problems)
+
+
+def _check_origins(packer: PackerState, path: str, lane_id: int, limits: StateLimits, source: int,
+                   problems: Problems) -> None:
+    """Each piece's origin is a block of its source's lane, at or before that source's cursor
+    (a piece was taken before the cursor moved on); ``source`` -1: token mixing (the source is
+    the piece's first ``token_sources`` value)."""
+    for k, bin_ in enumerate(packer.bins):
+        if bin_.piece_origins is None:
+            continue
+        for j, (origin, start) in enumerate(zip(bin_.piece_origins, bin_.piece_starts)):
+            s = int(bin_.token_sources[start]) if source < 0 else source
+            cursor = packer.stream.sources[s] if isinstance(packer.stream, MixedStream) else packer.stream
+            blocks = limits.sources[s].blocks.get(lane_id)
+            where = f"{path}.bins[{k}].piece_origins[{j}]"
+            if blocks is not None and origin[1] >= blocks:
+                problems.add(where, f"block {origin[1]} is not a block of lane {lane_id} of source "
+                             f"{limits.sources[s].name!r} ({blocks} per epoch)")
+            elif not cursor.exhausted and origin >= (at := (cursor.epoch, cursor.block, cursor.offset)):
+                part = next((i for i in range(3) if origin[i] != at[i]), 2)  # the first component past the cursor's
+                problems.add(f"{where}[{part}]", f"a piece comes from before its stream's cursor {list(at)} "
+                             f"(got {list(origin)})")
 
 
 def _check_cursor(cursor: Cursor, path: str, lane_id: int, source: SourceLimits, limits: StateLimits,

@@ -3,7 +3,7 @@
 A state is plain JSON (never pickle)::
 
     {
-      "format": "zephon.loader_state", "version": 1,
+      "format": "zephon.loader_state", "version": 2,
       "next_global_index": 4096,          # global states: a step boundary (t * B)
       "rank": 0, "world_size": 4,         # rank-local states only
       "rank_position": 1024,              # rank-local: sequences this rank has consumed
@@ -22,7 +22,9 @@ takes its lanes). The size is bounded by ``L x (cursor + packer bound)``; it doe
 with the step.
 
 Nothing in a state is trusted: :mod:`loader.checkpoint.schema` checks every field on load and
-names the JSON path of each bad one (``lanes.00017.sources.web.packer.stream.block``).
+names the JSON path of each bad one (``lanes.00017.sources.web.packer.stream.block``). A state
+of an older version is upgraded first (:mod:`loader.checkpoint.migrations`: version 2 added the
+best-fit bins' ``piece_origins``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import numpy as np
 from loader.errors import ZephonError
 
 STATE_FORMAT = "zephon.loader_state"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: best-fit bins hold piece_origins (loader.checkpoint.migrations)
 
 
 class StateError(ZephonError, ValueError):
@@ -151,7 +153,9 @@ def compare_with(state: dict, expected: dict, allow_transform_change: bool = Fal
 
 def merge_rank_states(states: Iterable[dict]) -> dict:
     """Merge the rank-local states of one step into one global, topology-free state."""
-    states = list(states)
+    from loader.checkpoint.migrations import upgrade
+
+    states = [upgrade(s) for s in states]
     if not states:
         raise StateError("merge_rank_states needs at least one state")
     for state in states:
@@ -218,10 +222,14 @@ def dumps(state: dict) -> str:
 
 
 def loads(text: str) -> dict:
-    """Parse a state from JSON text (JSON only: never pickle) and check its top level."""
+    """Parse a state from JSON text (JSON only: never pickle), upgrade it to the current version
+    (:mod:`loader.checkpoint.migrations`) and check its top level."""
     try:
         state = json.loads(text)
     except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, bytes that are not UTF-8
         raise StateError(f"a loader state must be JSON text ({exc.__class__.__name__}: {exc})") from None
+    from loader.checkpoint.migrations import upgrade
+
+    state = upgrade(state)
     check_header(state)
     return state

@@ -6,7 +6,8 @@ row group and row, the token span taken from the document and where it sits in t
 sequence, then the padding. Spans count the *wrapped* document, ``[BOS] ids [EOS]`` as the
 config adds them, so ``wrapped[start:end] == input_ids[position:position + length]``.
 
-It never iterates the pipeline from step 0. The lanes of step ``N`` are rebuilt on
+It never runs the training pipeline, and iterates from step 0 only where neither a seek nor
+a checkpoint can place the lanes (``replay``, with a notice). The lanes of step ``N`` are rebuilt on
 :class:`~loader.io.provenance.ProvenanceStream` streams, which read document *lengths*
 (``num_tokens``, 4 bytes a document) and carry each token's document and offset as
 audit-only per-token features, and are brought to their state before step ``N`` like a
@@ -21,31 +22,42 @@ resume, by one of three methods (the report names the one used):
     Cost: ``O(N x B)`` integer work for the mixing counts (none for one source; about 3.5 s
     for 41,233 steps of ``B = 1024`` over two sources on two cores) and at most one file's
     ``num_tokens`` per lane and source, whatever ``N``.
-``checkpoint`` (``--load-state`` with a merged state at step ``S <= N``)
+``checkpoint`` (``--load-state`` with a merged state at step ``S <= N``; any packing)
     The saved cursors are restored and the lanes produce steps ``S .. N-1`` on lengths only;
-    the recorded mixture schedule is adopted as on a resume. Cost: the ``num_tokens`` of the
-    row groups those steps cover. A best-fit state whose open bins hold tokens cannot say
-    which documents they came from, so best fit replays instead (under the adopted schedule).
-``replay`` (best fit, token mixing, sources that stop or have ``max_epochs``)
-    The lanes produce every earlier output on lengths only. Cost: ``num_tokens`` of every
-    row group the lanes passed through (each read once: later epochs reuse them) and packer
-    CPU proportional to the documents before step ``N`` in those lanes; no token is decoded.
+    the recorded mixture schedule is adopted as on a resume. A best-fit state's open bins say
+    where each piece came from (``piece_origins``, state version 2: the stream cursor of its
+    first token), and each piece is resolved to its document by the lengths of that one row
+    group (:meth:`~loader.io.provenance.ProvenanceStream.piece_features`). Cost: the
+    ``num_tokens`` of the row groups of the open bins' pieces and of those steps ``S .. N``
+    pass through. A version-1 state has no origins: the audit replays instead (under the
+    adopted schedule) and its notes say so. ``--load-state DIR`` takes the newest state at or
+    before ``N`` of a directory (:mod:`loader.checkpoint.files`; e.g. a Trainer output_dir).
+``replay`` (no usable checkpoint, and best fit, token mixing, sources that stop or have ``max_epochs``)
+    A seek is impossible: which open bin a document joins depends on every earlier document
+    of the lane (token mixing: the next document's source on the tokens drawn before; a
+    stopping source: the fallbacks after it stops). The lanes produce every earlier output on
+    lengths only, after a notice (:func:`replay_notice`: why, how many outputs and documents,
+    a rough time). Cost: ``num_tokens`` of every row group the lanes passed through (each
+    read once: later epochs reuse them) and packer CPU proportional to the documents before
+    step ``N`` in those lanes; no token is decoded.
 
 Then the step's sequences are produced, and only for the row groups their documents lie in
 are the ``key`` column (and, with ``--text``, ``input_ids``) read. Text lanes (tokenized
 online) have no lengths on disk: ``seek`` and ``replay`` would tokenize every earlier
-document, so they are refused unless ``--load-state`` gives a checkpoint (then the row groups
-from it to step ``N`` are tokenized). Sources with online transforms or online chat
-rendering (whose documents change as they are read) are refused.
+document, so they are refused unless ``--load-state`` gives a usable checkpoint (then the row
+groups from it to step ``N``, and those of its open bins' pieces, are tokenized). Sources with
+online transforms or online chat rendering (whose documents change as they are read) are
+refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -101,6 +113,8 @@ class StepAudit:
     method: str
     reads: dict[str, int]  # row groups read, per column
     sequences: list[SequenceAudit]
+    notes: list[str] = field(default_factory=list)  # why this method, what it cost (replay, fallbacks)
+    state_step: Optional[int] = None  # the checkpoint's step (method checkpoint, or a replay's adopted schedule)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -109,6 +123,7 @@ class StepAudit:
         lines = [f"step {self.step}: {len(self.sequences)} sequence(s) of {self.seq_len} tokens "
                  f"({self.packing} packing); lane states by {self.method}; row groups read: "
                  + ", ".join(f"{column} {count}" for column, count in self.reads.items())]
+        lines += [f"note: {note}" for note in self.notes]
         for seq in self.sequences:
             lines.append(f"sequence {seq.position}  global index {seq.global_index}  lane {seq.lane}  "
                          f"source {seq.source}  pieces {len(seq.pieces)}  padding {seq.padding}")
@@ -187,7 +202,9 @@ def concat_cursor(stream: ProvenanceStream, position: int) -> Optional[dict]:
                      "do not match the lane files' num_tokens (corrupt dataset?); run `zephon inspect` on it")
 
 
-def choose_method(loader, has_state: bool, state_has_bins: bool) -> str:
+def choose_method(loader, has_state: bool, bins_resolvable: bool = True) -> str:
+    """``seek``, ``checkpoint`` or ``replay`` (see the module docstring); ``bins_resolvable``:
+    every open best-fit bin of the state says where its pieces came from (``piece_origins``)."""
     config = loader.config
     # Online transforms and online chat rendering change documents (drop them, change their
     # tokens) as they are read: their lengths are not the lane files' num_tokens.
@@ -201,32 +218,131 @@ def choose_method(loader, has_state: bool, state_has_bins: bool) -> str:
     text_lanes = [n for n, m in zip(loader.source_names, loader.manifests) if not m.pretokenized]
     finite = any(d.exhaustion == "stop" or d.max_epochs is not None for d in config.datasets)
     token_mixing = config.mixing_unit == "token" and len(loader.source_names) > 1
-    if has_state and not state_has_bins:
+    if has_state and bins_resolvable:
         return "checkpoint"
     if text_lanes:
         raise AuditError(
             f"sources {text_lanes} are text lanes tokenized online: their document lengths are not on disk, so "
             "auditing a step without a checkpoint would tokenize every earlier document"
-            + (" and a best-fit checkpoint's open bins do not say which documents they hold" if has_state else "")
-            + "; pass --load-state with a concat-packing checkpoint of the run at or before the step, or re-shard "
-            "the sources pre-tokenized (`zephon shard ... --tokenizer FILE`)")
+            + (" and this checkpoint's best-fit bins do not say where their pieces came from (a version-1 "
+               "checkpoint, or bins restored from one)" if has_state else "")
+            + "; pass --load-state with a checkpoint of the run at or before the step (saved by this Zephon: "
+            "version 2), or re-shard the sources pre-tokenized (`zephon shard ... --tokenizer FILE`)")
     if config.packing == "concat" and not finite and not token_mixing:
         return "seek"
     return "replay"
 
 
-def _state_has_bins(state: dict) -> bool:
+def _open_bins(state: dict) -> tuple[int, int]:
+    """``(open best-fit bins, those without piece_origins)`` of a state (checked on load before)."""
+    total = unknown = 0
     for lane in state.get("lanes", {}).values():
         packers = [lane["mixed"]] if "mixed" in lane else [s["packer"] for s in lane.get("sources", {}).values()]
-        if any(p.get("bins") for p in packers if isinstance(p, dict)):
-            return True
-    return False
+        for packer in packers:
+            for bin_ in packer.get("bins", ()):
+                total += 1
+                unknown += "piece_origins" not in bin_
+    return total, unknown
+
+
+def _resolved_lane_state(lane, state: dict) -> dict:
+    """A saved lane state for the audit's lane: each open bin's pieces become their documents'
+    provenance (:meth:`ProvenanceStream.piece_features` of its ``piece_origins``; zeros for the
+    tokens, as the audit's streams have), reading the lengths of those row groups only."""
+    from loader.checkpoint.state import lane_key
+
+    streams = lane.source_streams()
+    path = f"lanes.{lane_key(lane.lane_id)}"
+    if "mixed" in state:
+        return dict(state, mixed=_resolved_packer(state["mixed"], streams, f"{path}.mixed", mixed=True))
+    sources = {}
+    for source, stream in zip(lane.spec.sources, streams):
+        saved = state["sources"][source.name]
+        sources[source.name] = dict(saved, packer=_resolved_packer(
+            saved["packer"], [stream], f"{path}.sources.{source.name}.packer", mixed=False))
+    return dict(state, sources=sources)
+
+
+def _resolved_packer(packer: dict, streams: list, path: str, *, mixed: bool) -> dict:
+    if not packer.get("bins"):
+        return packer
+    bins = []
+    for k, saved in enumerate(packer["bins"]):
+        tokens = len(saved["tokens"])
+        starts = [int(x) for x in saved["piece_starts"]] + [tokens]
+        doc_starts = np.asarray(saved["doc_starts"], dtype=np.int64)
+        parts: dict[str, list] = {"audit_document": [], "audit_offset": []}
+        for j, (origin, lo, hi) in enumerate(zip(saved["piece_origins"], starts[:-1], starts[1:])):
+            stream = streams[int(saved["token_sources"][lo])] if mixed else streams[0]
+            inside = doc_starts[(doc_starts >= lo) & (doc_starts < hi)] - lo
+            features = stream.piece_features(origin, hi - lo, inside, f"{path}.bins[{k}].piece_origins[{j}]")
+            for name, values in features.items():
+                parts[name].append(values)
+        resolved = {"serial": saved["serial"], "tokens": np.zeros(tokens, dtype=np.int32),
+                    "piece_starts": saved["piece_starts"], "doc_starts": saved["doc_starts"],
+                    "piece_origins": saved["piece_origins"],
+                    **{name: np.concatenate(values) for name, values in parts.items()}}
+        if mixed:
+            resolved["token_sources"] = saved["token_sources"]
+        bins.append(resolved)
+    return dict(packer, bins=bins)
+
+
+# Lengths-only replay speed, documents per second of CPU on the shared 2-core dev machine
+# (`python bench/audit_replay.py --steps 3000`: best fit on integers ~370-420K, through the
+# lane ~30K, concat ~650K); only to say roughly what a replay will cost. Best fit under token
+# mixing replays through the lane (its deficit rule is the mixer's own).
+REPLAY_DOCUMENTS_PER_S = {"best_fit": 300_000, "best_fit_token_mixing": 25_000, "concat": 500_000}
+
+
+def replay_notice(loader, step: int, lane_ids: Sequence[int]) -> str:
+    """Why the lanes of ``step`` must be replayed from step 0, and what that costs."""
+    config = loader.config
+    token_mixing = config.mixing_unit == "token" and len(loader.source_names) > 1
+    reasons = []
+    if config.packing == "best_fit":
+        reasons.append("best-fit packing: which open bin a document joins, and when a bin is emitted, depends on every "
+                       "earlier document of the lane, so the open bins before a step cannot be computed from the step "
+                       "number")
+    if token_mixing:
+        reasons.append("token mixing: which source a lane's next document comes from depends on the tokens of the "
+                       "lane's earlier documents in the schedule phase")
+    if any(d.exhaustion == "stop" or d.max_epochs is not None for d in config.datasets):
+        reasons.append("sources that stop (exhaustion \"stop\" or max_epochs): once one stops, a lane's outputs fall "
+                       "back to the others, which depends on its earlier outputs")
+    outputs = sum(_lane_outputs_before(step * config.global_batch_size, lane, loader.num_lanes) for lane in lane_ids)
+    documents = sum(m.documents for m in loader.manifests)
+    wrapped = sum(m.total_tokens or 0 for m in loader.manifests) + loader.spec.token_format.extra * documents
+    estimate = ""
+    if wrapped and documents:
+        count = int(outputs * config.seq_len * documents / wrapped)
+        rate = REPLAY_DOCUMENTS_PER_S["best_fit_token_mixing" if token_mixing and config.packing == "best_fit"
+                                      else config.packing]
+        estimate = f", about {count:,} documents ({_duration(count / rate)} at ~{rate:,} documents/s)"
+    return (f"cannot seek to step {step} ({'; '.join(reasons)}): replaying the {outputs:,} earlier outputs of "
+            f"{len(lane_ids)} lane(s) on document lengths{estimate}, reading num_tokens of every row group they pass "
+            "through. To start from a checkpoint instead, pass --load-state with the run's checkpoint file or "
+            "directory (the newest state at or before the step is used)")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return "under a second"
+    if seconds < 120:
+        return f"roughly {seconds:.0f} s"
+    if seconds < 7200:
+        return f"roughly {seconds / 60:.0f} min"
+    return f"roughly {seconds / 3600:.1f} h"
 
 
 # -- the audit -----------------------------------------------------------------------------
 def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = None,
-               load_state: Optional[dict] = None, text: bool = False) -> StepAudit:
-    """The provenance of every token of global step ``step`` (see the module docstring)."""
+               load_state: Optional[dict] = None, text: bool = False,
+               notice: Optional[Callable[[str], None]] = None) -> StepAudit:
+    """The provenance of every token of global step ``step`` (see the module docstring).
+
+    ``notice`` is called with each of the report's notes as soon as it is known (the command
+    line prints them to stderr before a long replay starts)."""
     from loader.pipeline import ZephonLoader  # torch: after the arguments are checked
     from loader.stages.lane import LaneExhausted
 
@@ -242,7 +358,8 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
             if start_step > step:
                 raise AuditError(f"--load-state resumes at step {start_step}, after --step {step}: pass a "
                                  "checkpoint taken at or before the step")
-        method = choose_method(loader, load_state is not None, load_state is not None and _state_has_bins(load_state))
+        bins, unknown = _open_bins(load_state) if load_state is not None else (0, 0)
+        method = choose_method(loader, load_state is not None, not unknown)
         token_mixing = config.mixing_unit == "token" and len(loader.source_names) > 1
         features = AUDIT_FEATURES + (("token_sources",) if token_mixing else ())
         spec = replace(loader.spec, features=features, read_ahead=False)
@@ -250,11 +367,20 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
         indices = [step * B + p for p in positions]
         L = loader.num_lanes
         lane_ids = sorted({i % L for i in indices})
+        notes: list[str] = []
+        if load_state is not None and method == "replay":
+            notes.append(f"the checkpoint (step {start_step}) holds {unknown} of its {bins} open best-fit bins without "
+                         "piece origins (a version-1 checkpoint, or bins restored from one), so they cannot be resolved "
+                         "to documents: replaying from step 0 instead, under the checkpoint's mixture schedule")
+        if method == "replay":
+            notes.append(replay_notice(loader, step, lane_ids))
+        for note in notes if notice is not None else ():
+            notice(note)
         lanes = _build(spec, lane_ids, loader)
         if method == "checkpoint":
             first_index = start_step * B
             for lane_id, lane in lanes.items():
-                lane.set_state(loader.lane_states[lane_id])
+                lane.set_state(_resolved_lane_state(lane, loader.lane_states[lane_id]))
         else:
             first_index = 0
         if method == "seek":
@@ -262,9 +388,21 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
             for lane_id, lane in lanes.items():
                 lane.set_state(_seek_state(lane, counts[lane_id], config.seq_len, step * B))
         else:
+            from loader.commands import audit_replay
+
             for lane_id, lane in lanes.items():  # produce the lane's outputs before the step
                 first = _lane_outputs_before(first_index, lane_id, L)
-                for k in range(first, _lane_outputs_before(step * B, lane_id, L)):
+                end = _lane_outputs_before(step * B, lane_id, L)
+                if method == "replay":  # best fit on integers (audit_replay); None: token mixing, concat
+                    try:
+                        replayed = audit_replay.replayed_lane_state(lane, first, end)
+                    except LaneExhausted:
+                        raise AuditError(f"step {step} is past the end of the data (lane {lane_id} ends before its "
+                                         f"output {end})") from None
+                    if replayed is not None:
+                        lane.set_state(_resolved_lane_state(lane, replayed))
+                        continue
+                for k in range(first, end):
                     try:
                         lane.next_sequence(k * L + lane_id)
                     except LaneExhausted:
@@ -298,7 +436,8 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
         for lane in lanes.values():
             lane.close()
         return StepAudit(step=step, global_batch_size=B, seq_len=config.seq_len, packing=config.packing,
-                         method=method, reads=reads, sequences=sequences)
+                         method=method, reads=reads, sequences=sequences, notes=notes,
+                         state_step=start_step if load_state is not None else None)
     finally:
         loader.close()
 
@@ -395,10 +534,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step", type=int, required=True, help="the global step to audit (>= 0)")
     parser.add_argument("--sequence", type=int, default=None,
                         help="only this sequence: its position in the global batch (0 .. B-1)")
-    parser.add_argument("--load-state", metavar="FILE",
+    parser.add_argument("--load-state", metavar="FILE|DIR",
                         help="a merged checkpoint of the run at or before the step (JSON, as written by "
-                             "`zephon fingerprints --save-state` or global_state_dict()): seek from its cursors "
-                             "and adopt its recorded mixture schedule")
+                             "`zephon fingerprints --save-state`, the HF integration or global_state_dict()), or a "
+                             "directory of them (*.json and */*.json, e.g. a Trainer output_dir of "
+                             "checkpoint-N/zephon_state.json): the newest at or before the step is used. Its "
+                             "cursors and open best-fit bins are restored, its mixture schedule adopted, and only "
+                             "the steps from it to --step are produced")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--text", action="store_true", help="also decode each piece's tokens to text")
     return parser
@@ -417,13 +559,33 @@ def command(argv: Sequence[str]) -> int:
         parser.error(f"--step must be >= 0 (got {args.step})")
     config = LoaderConfig.from_file(args.config)
     load_state = None
+    found = []
     if args.load_state:
         from loader.commands.fingerprints import read_state_file
 
-        load_state = read_state_file(args.load_state)
-    report = audit_step(config, args.step, sequence=args.sequence, load_state=load_state, text=args.text)
+        path = args.load_state
+        if os.path.isdir(path):
+            from loader.checkpoint.files import newest_state_at_or_before
+
+            saved = newest_state_at_or_before(path, config.global_batch_size, args.step)
+            if saved is None:
+                found.append(f"--load-state {path}: no checkpoint at or before step {args.step}, so none is used")
+            else:
+                found.append(f"--load-state {path}: using {saved.path} (step {saved.step}), the newest checkpoint at "
+                             f"or before step {args.step}")
+            _print_notice(found[-1])
+            path = None if saved is None else saved.path
+        if path is not None:
+            load_state = read_state_file(path)
+    report = audit_step(config, args.step, sequence=args.sequence, load_state=load_state, text=args.text,
+                        notice=_print_notice)
+    report.notes[:0] = found
     print(report.to_json() if args.json else report.text())
     return 0
+
+
+def _print_notice(note: str) -> None:
+    print(f"zephon audit: {note}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ Byte layout of the hash (documented in README "Batch fingerprints"): for each se
 the global batch in increasing global index, its ``input_ids`` then its ``labels``, each as
 ``seq_len`` little-endian int32 values. Two runs print the same line for a step exactly
 when the trainer saw the same global batch.
+
+Image configs (a source holds images) append, after a sequence's labels, each of its images in
+token order: the offset of its first placeholder token and its ``(t, h, w)`` grid as four
+little-endian int64, then its ``pixel_values`` (the image's rows of the batch's array) as
+little-endian float32. A sequence without images adds nothing, so text-only configs keep their
+fingerprints byte for byte.
 """
 
 from __future__ import annotations
@@ -34,6 +40,26 @@ def sequence_bytes(input_ids, labels) -> bytes:
     ids = np.asarray(input_ids).astype("<i4", copy=False)
     lab = np.asarray(labels).astype("<i4", copy=False)
     return ids.tobytes() + lab.tobytes()
+
+
+def image_bytes_by_row(batch) -> dict[int, bytes]:
+    """The fingerprint bytes of each row's images in a micro-batch (rows without images absent)."""
+    if "pixel_values" not in batch:
+        return {}
+    as_numpy = lambda v: v.numpy() if hasattr(v, "numpy") else np.asarray(v)  # noqa: E731
+    pixels = as_numpy(batch["pixel_values"])
+    grids = as_numpy(batch["image_grid_thw"])
+    rows = as_numpy(batch["image_sequence_index"]).tolist()
+    offsets = as_numpy(batch["image_token_offsets"])
+    # dynamic layout: each image owns t * h * w patch rows; fixed: one [3, S, S] entry per image
+    sizes = grids.prod(axis=1) if pixels.ndim == 2 else np.ones(len(grids), np.int64)
+    ends = np.cumsum(sizes)
+    out: dict[int, bytes] = {}
+    for k, row in enumerate(rows):
+        head = np.array([offsets[k], *grids[k]], dtype="<i8").tobytes()
+        values = pixels[int(ends[k] - sizes[k]) : int(ends[k])].astype("<f4", copy=False).tobytes()
+        out[row] = out.get(row, b"") + head + values
+    return out
 
 
 @dataclass
@@ -124,11 +150,12 @@ def collect_fingerprints(
                     batch = next(loader)
                     if batch["step"] != step:
                         raise RuntimeError(f"rank produced step {batch['step']} while step {step} was expected")
+                    images = image_bytes_by_row(batch)
                     for row, (index, ids, labels, source) in enumerate(zip(
                         batch["global_indices"].tolist(), batch["input_ids"].numpy(),
                         batch["labels"].numpy(), batch["source_ids"].tolist(),
                     )):
-                        rows[index] = (sequence_bytes(ids, labels), source)
+                        rows[index] = (sequence_bytes(ids, labels) + images.get(row, b""), source)
                         if count_supervised:
                             token_sources = batch["token_source_ids"][row].numpy() if "token_source_ids" in batch else None
                             supervised_rows[index] = supervised_per_source(

@@ -345,14 +345,27 @@ def wrap_documents(flat_ids: np.ndarray, lengths: np.ndarray, fmt: TokenFormat) 
 
 
 def build_block(values: pa.Array, feature_columns: Sequence[pa.Array], *, features: Sequence[Feature],
-                token_format: TokenFormat, tokenizer, where: str, row_group: int, chat=None) -> Block:
+                token_format: TokenFormat, tokenizer, where: str, row_group: int, chat=None, images=None) -> Block:
     """The block of one row group's column values (rows in replay order).
 
     ``values``: the ``input_ids`` column of a pre-tokenized lane, or the ``text`` column of a
     text lane (``tokenizer`` set); ``feature_columns``: the lane-file feature columns, as
     ``features``. Errors name ``where`` (the file) and ``row_group``. ``chat``: an online chat
     lane's :class:`loader.chat.block.OnlineChat`; ``values`` is then its ``conversation`` column.
+    ``images``: an image lane's ``(ImageOptions, column names, BlockPlace)``; ``feature_columns``
+    are then those image columns (:mod:`loader.vision.block`).
     """
+    if images is not None:  # text and image placeholders, loss_mask and image_ref (loader.vision.block)
+        from loader.vision.block import ImageBlock
+
+        options, names, place = images
+        if chat is not None:  # conversations with image parts (loader.vision.chat)
+            from loader.vision.chat import ImageChatBlock
+
+            return ImageChatBlock(values.to_pylist(), dict(zip(names, feature_columns)), options, chat, token_format,
+                                  where, row_group, place)
+        return ImageBlock(values.to_pylist(), dict(zip(names, feature_columns)), options, tokenizer, token_format,
+                          where, row_group, place)
     if chat is not None:  # online chat: rendered, tokenized and masked by the block (loader.chat.block)
         return chat.block(values.to_pylist(), token_format, where, row_group)
     if tokenizer is not None:

@@ -13,7 +13,8 @@ The next blocks are read in the background (:mod:`loader.io.read_ahead`), and ev
 row group is checked as it is read (:mod:`loader.io.integrity`).
 
 State keys (``get_state``): ``epoch``, ``block``, ``offset``, ``exhausted``; with transforms
-(:mod:`loader.transforms`) also ``transforms``: per transform ``[dropped, changed]`` documents of
+(:mod:`loader.transforms`), or tombstones of ``zephon shard --transform`` in the lane files (the
+offline transforms' counters first), also ``transforms``: per transform ``[dropped, changed]`` documents of
 the blocks before the cursor's, and of the cursor's own once it has taken from it (counters
 only: a dropped document yields no tokens, and the cursor counts tokens of the transformed
 block, which every process rebuilds alike).
@@ -34,15 +35,20 @@ from loader.io import storage
 from loader.io.blocks import Block, Chunk, DocumentsView, TokenFormat, build_block
 from loader.io.integrity import (FIX, LaneDataError, check_footer, check_no_unlisted_files, check_row_group,
                                  verify_local_file)
-from loader.io.manifest import CONVERSATION_COLUMN, MANIFEST_NAME, FileEntry, Manifest
+from loader.io.manifest import CONVERSATION_COLUMN, MANIFEST_NAME, TOMBSTONE_COLUMN, FileEntry, Manifest
 from loader.io.read_ahead import READ_AHEAD_BLOCKS, ReadAheadQueue
 from loader.metrics import note_row_group_read
 from loader.order.epochs import epoch_blocks, row_order
 from loader.stages.features import Feature, column_features, slice_features
 from loader.transforms.chain import TransformCounts, chain_for
-from loader.transforms.rows import LazyColumns, apply_transforms, extra_columns
+from loader.transforms.rows import LazyColumns, apply_transforms, extra_columns, tombstone_rows, with_tombstones
 
 log = logging.getLogger(__name__)
+
+
+class EmptyLaneError(LaneDataError):
+    """A lane left without a token for a whole epoch: every document rejected or dropped."""
+
 
 # Set by ZephonLoader.load_state_dict in a restored cursor saved under other transforms
 # (declared with transforms_from_step); never written by get_state.
@@ -51,6 +57,11 @@ TRANSFORMS_CHANGED = "_transforms_changed"
 
 class LaneTokenStream:
     """Tokens of one (source, lane), epoch after epoch, addressed by a three-int cursor."""
+
+    # ``(epoch, block, offset)``: the cursor of the first token the last ``take`` returned (a
+    # best-fit bin saves it per piece: ``piece_origins``). One tuple per take, kept beside the
+    # chunk rather than in it: a field of the frozen ``Chunk`` costs every chunk a setattr.
+    last_origin: Optional[tuple[int, int, int]] = None
 
     def __init__(
         self,
@@ -69,16 +80,25 @@ class LaneTokenStream:
         read_ahead_blocks: int = READ_AHEAD_BLOCKS,
         transforms: tuple = (),  # resolved loader.transforms.TransformSpec of this source, in order
         chat=None,  # a loader.chat.block.OnlineChat for online chat lanes (manifest.online_chat)
+        images=None,  # a loader.vision.block.ImageOptions for image lanes (manifest.images)
     ) -> None:
+        # Image lanes: text, segments and image sizes become tokens, loss_mask and image_ref in
+        # the block (loader.vision.block); image bytes are read only to resolve refs.
+        self.images = images
+        self._image_columns: tuple[str, ...] = ()
+        if images is not None:
+            from loader.vision.block import METADATA_COLUMNS, VISUAL_TOKENS_COLUMN
+
+            names = {c.get("name") for c in manifest.schema}
+            self._image_columns = METADATA_COLUMNS + ((VISUAL_TOKENS_COLUMN,) if VISUAL_TOKENS_COLUMN in names else ())
         # Online chat: the conversation column is rendered, tokenized and masked by its block
         # (loader.chat.block), whose rejects the tally reports once per block entered.
         self.chat = chat
-        self.chat_rejects = None
-        if chat is not None:
+        self.chat_rejects = None  # also image blocks' online rejects (loader.vision.block)
+        if chat is not None or images is not None:
             from loader.chat.block import RejectTally
 
             self.chat_rejects = RejectTally()
-            self._empty_blocks = 0  # consecutive blocks whose every conversation was rejected
         self.dataset_path = dataset_path
         self.source_name = source_name
         self.lane_id = lane_id
@@ -130,17 +150,29 @@ class LaneTokenStream:
         # Transforms (loader.transforms): the source's chain, the columns it reads, and the
         # counts of the blocks before the current one; a restored state's counts wait in
         # _restored_counts until the cursor's block is read again.
-        self.transforms = chain_for(transforms, seed=seed, source=source_name, pretokenized=self.pretokenized,
-                                    feature_names=self.feature_names)
+        if chat is not None:  # records before the render, tokens after (loader.transforms.conversations)
+            from loader.transforms.conversations import chat_transforms_for
+
+            self.transforms = chat_transforms_for(transforms, seed=seed, source=source_name)
+        else:
+            self.transforms = chain_for(transforms, seed=seed, source=source_name, pretokenized=self.pretokenized,
+                                        feature_names=self.feature_names)
         self._transform_columns = extra_columns(self.transforms, manifest)
-        self._counts_before = TransformCounts.zeros(len(self.transforms)) if self.transforms else None
+        # A dataset sharded with --transform holds tombstones (dropped_by >= 0): skipped at decode,
+        # counted like online drops, before the config's own transforms (the counters' order).
+        self.tombstone_transforms = manifest.tombstone_transforms if manifest.has_tombstones else ()
+        self.counted_transforms = len(self.tombstone_transforms) + (len(self.transforms) if self.transforms else 0)
+        self.counting = manifest.has_tombstones or self.transforms is not None
+        self._counts_before = TransformCounts.zeros(self.counted_transforms) if self.counting else None
         self._restored_counts: Optional[tuple[TransformCounts, bool]] = None
         self._counts_memo: list = [None, None]  # counts without / with the current block (see _counts_at)
-        self._empty_blocks_in_a_row = 0  # a lane whose every document is dropped is an error, not a hang
+        self._empty_blocks_in_a_row = 0  # a whole epoch of them is an error, not a hang (_note_block_left)
 
     @property
     def feature_names(self) -> tuple[str, ...]:
         """The features every chunk of this stream carries (registry order)."""
+        if self.images is not None:  # made by the image block (loader.vision.block; chat: loader.vision.chat)
+            return ("loss_mask", "image_ref")
         if self.chat is not None:
             return ("loss_mask",)  # made by the chat block, not read from a column
         return tuple(f.name for f in self.features)
@@ -148,7 +180,7 @@ class LaneTokenStream:
     # -- state -------------------------------------------------------------------------
     def get_state(self) -> dict:
         state = {"epoch": self.epoch, "block": self.block_index, "offset": self.offset, "exhausted": self.exhausted}
-        if self.transforms is not None:
+        if self.counting:
             state["transforms"] = self._counts_at(self.epoch, self.block_index, self.offset)
         return state
 
@@ -175,7 +207,7 @@ class LaneTokenStream:
 
     def transform_counts(self) -> Optional[TransformCounts]:
         """What this stream's transforms did so far (every block read as the cursor's, whole)."""
-        if self.transforms is None:
+        if not self.counting:
             return None
         total = TransformCounts.from_state(self._counts_at(self.epoch, self.block_index, self.offset))
         if self._restored_counts is None and self._block is not None and self._block_key == (
@@ -212,13 +244,13 @@ class LaneTokenStream:
         self._restored_path = None if self.exhausted else path
         if self.chat_rejects is not None:
             self.chat_rejects.restore(self.epoch, self.block_index, self.offset)
-        if self.transforms is not None:
+        if self.counting:
             if state.get(TRANSFORMS_CHANGED):
                 self._restore_after_transform_change()
                 return
             saved = state.get("transforms")
             counts = TransformCounts.from_state(saved) if saved is not None else TransformCounts.zeros(
-                len(self.transforms))
+                self.counted_transforms)
             self._restored_counts = (counts, self.offset > 0 and not self.exhausted)
             if self._block_key == (self.epoch, self.block_index) and self._block is not None:
                 key, self._block_key = self._block_key, None
@@ -232,7 +264,7 @@ class LaneTokenStream:
         """A cursor saved under other transforms (``transforms_from_step``): its offset counted
         tokens of another transformed block, so it moves forward to the next document start of
         this block (or its end); counters start again from zero."""
-        self._counts_before = TransformCounts.zeros(len(self.transforms))
+        self._counts_before = TransformCounts.zeros(self.counted_transforms)
         self._counts_memo = [None, None]
         self._restored_counts = None
         self._block_key = self._block = None
@@ -344,7 +376,7 @@ class LaneTokenStream:
             block = self._read_block(epoch, *self.blocks_of_epoch(epoch)[block_index])
         if self.chat_rejects is not None:
             self.chat_rejects.register(key, block)
-        if self.transforms is not None:
+        if self.counting:
             self._block_loaded(key, block)
         self._block_key, self._block = key, block
         if self._restored_path is not None:
@@ -425,38 +457,48 @@ class LaneTokenStream:
             parquet = self._parquet(file_ordinal)
             # One column: pyarrow's thread pool parallelises across columns, so for us it is
             # only a hand-off (and more threads per worker process); ~8% less CPU without.
-            columns = [column] + [f.column for f in self.features]
+            columns = [column] + [f.column for f in self.features] + list(self._image_columns) + (
+                [TOMBSTONE_COLUMN] if self.tombstone_transforms else [])  # last: popped below
             table = parquet.read_row_group(row_group, columns=columns, use_threads=False)
             note_row_group_read(parquet.metadata.row_group(row_group), columns)  # loader.metrics
             # combine_chunks copies even a single chunk
             values, *feature_columns = [c.chunk(0) if c.num_chunks == 1 else c.combine_chunks() for c in table.columns]
             check_row_group(len(values), parquet.metadata, row_group, path)
             self._group_rows[(file_ordinal, row_group)] = len(values)
-            if epoch > 0:
-                if order is None or len(order) != len(values):
-                    order = self._row_order(epoch, file_ordinal, row_group, len(values))
+            if epoch > 0 and (order is None or len(order) != len(values)):
+                order = self._row_order(epoch, file_ordinal, row_group, len(values))
+            rows = order if epoch > 0 else None  # the rows in replay order (None: all, as stored)
+            tombstones = None
+            if self.tombstone_transforms:  # skipped as online drops, in the same replay order
+                rows, tombstones = tombstone_rows(feature_columns.pop(), rows, self.tombstone_transforms, path,
+                                                  row_group)
+            if rows is not None:
                 # Arrow's take copies the rows in C++ without the GIL (on the read-ahead thread a
                 # Python loop over the rows would stall the trainer's thread). Indices from the
                 # buffer: pa.array(ndarray) imports pandas when it is installed, a fraction of a
                 # second on the first call, paid by a restore's first batch.
-                indices = pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)])
+                indices = pa.Array.from_buffers(pa.int64(), len(rows), [None, pa.py_buffer(rows)])
                 values = pc.take(values, indices)
                 feature_columns = [pc.take(c, indices) for c in feature_columns]
             if self.transforms is not None:  # key, metadata (...) columns: read if a function asks
                 transform_columns = LazyColumns(
-                    lambda names: self._extra_columns(parquet, row_group, names, indices if epoch > 0 else None),
+                    lambda names: self._extra_columns(parquet, row_group, names, indices if rows is not None else None),
                     self._transform_columns)
             counts = None
-            if self.transforms is not None and not self.pretokenized:  # text: before tokenization
+            if self.transforms is not None and not self.pretokenized and self.chat is None:  # text: before tokenization
                 texts = values.to_pylist()
                 kept, counts = apply_transforms(self.transforms, transform_columns, texts=texts)
                 if kept is not texts:
                     values = pa.array(kept, pa.string())
             block = build_block(values, feature_columns, features=self.features, token_format=self.token_format,
                                 tokenizer=None if self.pretokenized else self.tokenizer, where=path,
-                                row_group=row_group, chat=self.chat)
+                                row_group=row_group, chat=self.chat, images=self._image_place(epoch, file_ordinal,
+                                                                                              row_group))
+            if self.chat is not None and self.transforms is not None:  # around the render (loader.chat.block)
+                block.transform(self.transforms, transform_columns)
+                counts = block.transform_counts
             if not self.pretokenized:
-                block.transform_counts = counts
+                block.transform_counts = with_tombstones(tombstones, counts, self.transforms)
                 return block  # text: the manifest has no token totals to check against
         except ZephonError:
             raise  # already names the file (a StorageError also says what to do about storage)
@@ -467,11 +509,22 @@ class LaneTokenStream:
             ) from exc
         documents = len(block.doc_starts) - 1
         self._note_group_tokens(file_ordinal, row_group, len(block.tokens) - self.token_format.extra * documents)
+        counts = None
         if self.transforms is not None:  # pre-tokenized: on the ids and features, after the checks
             block, counts = apply_transforms(self.transforms, transform_columns, block=block,
                                              token_format=self.token_format)
-            block.transform_counts = counts
+        if self.counting:
+            block.transform_counts = with_tombstones(tombstones, counts, self.transforms)
         return block
+
+    def _image_place(self, epoch: int, file_ordinal: int, row_group: int):
+        """``(ImageOptions, column names, BlockPlace)`` of an image lane's row group, else None."""
+        if self.images is None:
+            return None
+        from loader.vision.block import BlockPlace
+
+        blocks = lambda: self.blocks_of_epoch(epoch).index((file_ordinal, row_group))  # noqa: E731
+        return self.images, self._image_columns, BlockPlace(epoch, blocks)
 
     @staticmethod
     def _extra_columns(parquet: pq.ParquetFile, row_group: int, names, indices) -> dict:
@@ -498,20 +551,8 @@ class LaneTokenStream:
                 f"the manifest says {entry.tokens}: the file or the manifest is corrupt; {FIX}"
             )
 
-    def _check_not_all_rejected(self, block_tokens: int) -> None:
-        """Online chat: a block left without tokens has every conversation rejected online; a
-        whole epoch of them would make ``take`` loop forever, so it is an error instead."""
-        self._empty_blocks = self._empty_blocks + 1 if block_tokens == 0 else 0
-        if self._empty_blocks > len(self.blocks_of_epoch(self.epoch)):
-            raise LaneDataError(
-                f"lane {self.lane_id} of source {self.source_name!r} ({self.dataset_path}): every conversation of "
-                "a whole epoch is rejected online (empty_loss_mask, full_loss_mask or too_long: see the log and "
-                "batch['chat_rejects']); fix the template, --chat-loss-on or --chat-max-tokens and re-shard"
-            )
-
     def _advance_block(self) -> None:
-        if self.transforms is not None:
-            self._note_block_left()
+        self._note_block_left()
         self.block_index += 1
         self.offset = 0
         if self.block_index >= len(self.blocks_of_epoch(self.epoch)):
@@ -521,18 +562,32 @@ class LaneTokenStream:
                 self.exhausted = True
 
     def _note_block_left(self) -> None:
-        """Refuse a lane whose transforms drop every document: its stream would search forever."""
+        """Refuse a lane left without tokens for a whole epoch of blocks in a row: every
+        conversation rejected online (chat), every document dropped (transforms, or tombstones of
+        ``zephon shard --transform``). Its stream would otherwise search for a token forever."""
         empty = self._block is not None and self._block_key == (self.epoch, self.block_index) \
             and len(self._block.tokens) == 0
         self._empty_blocks_in_a_row = self._empty_blocks_in_a_row + 1 if empty else 0
-        if self._empty_blocks_in_a_row >= len(self.blocks_of_epoch(self.epoch)):
-            from loader.transforms.spec import TransformError
+        if empty and self._empty_blocks_in_a_row >= len(self.blocks_of_epoch(self.epoch)):
+            raise EmptyLaneError(self._empty_lane_message())
 
-            raise TransformError(
-                f"the transforms of source {self.source_name!r} drop every document of lane {self.lane_id} "
-                f"({', '.join(spec.function for spec in self.transforms.specs)}): the lane can never produce a "
-                "sequence; loosen the filters, or filter offline (zephon shard --transform) so that the job "
-                "shards only the documents kept")
+    def _empty_lane_message(self) -> str:
+        where = f"lane {self.lane_id} of source {self.source_name!r} ({self.dataset_path})"
+        if self.chat is not None and not self.counting:
+            reason = ("every conversation is rejected online (empty_loss_mask, full_loss_mask or too_long: see the "
+                      "log and batch['chat_rejects'])")
+            fix = "fix the template, --chat-loss-on or --chat-max-tokens and re-shard"
+        elif self.counting:
+            names = [f"{name} (zephon shard --transform)" for name in self.tombstone_transforms]
+            names += [spec.function for spec in self.transforms.specs] if self.transforms is not None else []
+            reason = "every document is dropped by its transforms (" + ", ".join(names) + ")" + (
+                " or rejected online" if self.chat is not None else "")
+            fix = ("loosen the filters, or re-shard so that the lane holds documents they keep (fewer --num-lanes)"
+                   if self.transforms is None else "loosen the filters, or filter offline (zephon shard --transform)")
+        else:
+            reason = "every document is empty (no tokens, and no BOS/EOS configured)"
+            fix = "configure bos/eos tokens, or re-shard without the empty documents"
+        return f"{where}: {reason} for a whole epoch of blocks in a row: the lane can never produce a sequence; {fix}"
 
     def at_document_start(self) -> bool:
         """True when the next token is a document's first (or nothing is left)."""
@@ -584,13 +639,16 @@ class LaneTokenStream:
 
     def move_to(self, view: DocumentsView, position: int) -> None:
         """Put the cursor at a virtual position of ``view`` (bulk readers)."""
+        block_index = self.block_index
         self.block_index, self.offset = view.where(position)
+        if self.block_index != block_index:  # past a block that held documents
+            self._empty_blocks_in_a_row = 0
 
     def state_at(self, view: DocumentsView, position: int) -> dict:
         """The state with the cursor at a virtual position of ``view``."""
         block_index, offset = view.where(position)
         state = {"epoch": view.epoch, "block": block_index, "offset": offset, "exhausted": False}
-        if self.transforms is not None:
+        if self.counting:
             state["transforms"] = self._counts_at(view.epoch, block_index, offset)
         return state
 
@@ -598,7 +656,7 @@ class LaneTokenStream:
         """The state before the last ``rows`` rows of ``row_len`` (all in the current block)."""
         offset = self.offset - rows * row_len
         state = dict(self.get_state(), offset=offset)
-        if self.transforms is not None:  # the counts of a cursor at that offset
+        if self.counting:  # the counts of a cursor at that offset
             state["transforms"] = self._counts_at(self.epoch, self.block_index, offset)
         return state
 
@@ -629,7 +687,8 @@ class LaneTokenStream:
         """Up to ``n`` tokens from the cursor on (fewer only at exhaustion or a document end).
 
         With ``within_document`` the chunk stops at the end of the current document. Returns
-        None when the stream is exhausted.
+        None when the stream is exhausted. :attr:`last_origin` is then the cursor of the
+        chunk's first token (a best-fit bin saves it per piece: ``piece_origins``).
         """
         if self.exhausted:
             return None
@@ -645,6 +704,7 @@ class LaneTokenStream:
             if offset < end < len(block.tokens):
                 self.offset = end
                 lo, hi = doc_starts.searchsorted(offset), doc_starts.searchsorted(end)
+                self.last_origin = (self.epoch, self.block_index, offset)
                 return Chunk(tokens=block.tokens[offset:end], doc_starts=doc_starts[lo:hi] - offset,
                              features=slice_features(block.features, offset, end))
         pieces: list[np.ndarray] = []
@@ -658,8 +718,6 @@ class LaneTokenStream:
             tokens, doc_starts = block.tokens, block.doc_starts
             available = len(tokens) - offset
             if available <= 0:
-                if self.chat is not None:
-                    self._check_not_all_rejected(len(tokens))
                 self._advance_block()
                 continue
             count = min(n - taken, available)
@@ -668,6 +726,8 @@ class LaneTokenStream:
                 count = min(count, next_doc - offset)
             lo = doc_starts.searchsorted(offset)
             hi = doc_starts.searchsorted(offset + count)
+            if not pieces:
+                self.last_origin = (self.epoch, self.block_index, offset)
             pieces.append(tokens[offset : offset + count])
             feature_pieces.append(slice_features(block.features, offset, offset + count))
             starts.append(doc_starts[lo:hi] - (offset - taken))

@@ -33,6 +33,12 @@ conversation   string            only for chat data tokenized online (``--messag
                                  record's order, ``null`` values of messages dropped, non-
                                  ASCII kept). ``text`` holds its plain render. The loader
                                  renders, tokenizes and masks it with the manifest's ``chat``
+dropped_by     int16             only with ``--transform``: -1 for a document, else the
+                                 position in the manifest's ``transforms`` of the transform
+                                 that dropped it (a *tombstone*: key, order key, empty text,
+                                 no tokens, null kept fields); the loader skips it as it
+                                 skips a document dropped online, and ``documents`` +
+                                 ``tombstones`` is the sum of the files' ``rows``
 <kept field>   string            each ``--keep-fields`` value, JSON-encoded
 =============  ================  ==========================================================
 
@@ -113,6 +119,11 @@ CHAT_REJECT_REASONS = _CONVERSATION_REJECT_REASONS
 IMAGE_DOCUMENT_REJECT_REASONS = DOCUMENT_REJECT_REASONS + IMAGE_REJECT_REASONS
 REJECT_REASONS = DOCUMENT_REJECT_REASONS + CHAT_REJECT_REASONS
 CONVERSATION_COLUMN = "conversation"  # the lane-file column of conversations rendered online
+# Datasets sharded with --transform: per row, the position (in the manifest's "transforms") of
+# the transform that dropped the document, -1 for a kept one. A dropped document stays in its
+# lane as a tombstone (key, empty text, no tokens) so that lane files hold the rows they would
+# hold without the transforms; the loader skips tombstones (README "Transforms").
+TOMBSTONE_COLUMN = "dropped_by"
 
 
 class ManifestError(ZephonError, ValueError):
@@ -314,11 +325,25 @@ class Manifest:
     dataset_fingerprint: str = ""
     chat: Optional[ChatRecord] = None  # chat datasets (``--messages-field``): see the module docstring
     images: Optional[ImagesRecord] = None  # image datasets: see the module docstring
+    tombstones: int = 0  # rows of documents dropped by --transform (schema has TOMBSTONE_COLUMN)
+    # The "transforms" entry (spec and counts per --transform) a tombstone's dropped_by points into;
+    # kept (and written by to_dict) only for datasets with tombstones.
+    transforms: tuple[dict, ...] = ()
 
     # -- derived views -------------------------------------------------------------------
     @property
     def pretokenized(self) -> bool:
         return self.tokenizer is not None
+
+    @property
+    def tombstone_transforms(self) -> tuple[str, ...]:
+        """The functions of the ``--transform`` list, in the order ``dropped_by`` counts them."""
+        return tuple(t["function"] for t in self.transforms)
+
+    @property
+    def has_tombstones(self) -> bool:
+        """The lane files hold a ``dropped_by`` column (sharded with ``--transform``)."""
+        return any(c.get("name") == TOMBSTONE_COLUMN for c in self.schema)
 
     @property
     def online_chat(self) -> bool:
@@ -381,6 +406,8 @@ class Manifest:
             "schema": self.schema,
             "tokenizer": self.tokenizer,
             "documents": self.documents,
+            **({"tombstones": self.tombstones, "transforms": [dict(t) for t in self.transforms]}
+               if self.has_tombstones else {}),
             "rejected": dict(sorted(self.rejected.items())),
             "files": [f.to_dict() for f in sorted(self.files, key=lambda f: (f.lane, f.part))],
             **({"chat": self.chat.to_dict()} if self.chat is not None else {}),
@@ -476,9 +503,11 @@ class Manifest:
                                 f"(same lane {entry.lane} and part {entry.part})")
             first_of_path.setdefault(entry.path, k)
             first_of_lane_part.setdefault((entry.lane, entry.part), k)
-        if len(files) == len(data["files"]) and data["documents"] != sum(f.rows for f in files):
-            problems.append(f"field 'documents' is {data['documents']} but the files hold "
-                            f"{sum(f.rows for f in files)} rows")
+        tombstones, tombstone_transforms = _tombstones_of(data, problems)
+        if len(files) == len(data["files"]) and data["documents"] + tombstones != sum(f.rows for f in files):
+            problems.append(f"field 'documents' is {data['documents']}" +
+                            (f" and 'tombstones' {tombstones}" if tombstones else "") +
+                            f" but the files hold {sum(f.rows for f in files)} rows")
         manifest = None
         if len(files) == len(data["files"]):  # the fingerprint needs every entry parsed
             manifest = cls(
@@ -495,6 +524,8 @@ class Manifest:
                 dataset_fingerprint=data["dataset_fingerprint"],
                 chat=chat,
                 images=images,
+                tombstones=tombstones,
+                transforms=tombstone_transforms,
             )
             recorded = manifest.dataset_fingerprint
             actual = manifest.compute_fingerprint()
@@ -516,6 +547,29 @@ class Manifest:
         except json.JSONDecodeError as exc:
             raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
         return cls.from_dict(data, where)
+
+
+def _tombstones_of(data: dict, problems: list[str]) -> tuple[int, tuple[dict, ...]]:
+    """``(tombstones, transforms entry)`` of a manifest whose schema has :data:`TOMBSTONE_COLUMN`
+    (``(0, ())`` otherwise): ``tombstones`` must be the sum of the transforms' ``dropped``."""
+    schema = data.get("schema")
+    if not isinstance(schema, list) or not any(isinstance(c, dict) and c.get("name") == TOMBSTONE_COLUMN
+                                               for c in schema):
+        return 0, ()
+    tombstones, transforms = data.get("tombstones"), data.get("transforms")
+    if not isinstance(tombstones, int) or isinstance(tombstones, bool) or tombstones < 0:
+        problems.append(f"field 'tombstones' must be an int >= 0 when the schema has a {TOMBSTONE_COLUMN!r} column "
+                        f"(got {tombstones!r:.80})")
+        return 0, ()
+    if not isinstance(transforms, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), str)
+                                                   and isinstance(t.get("dropped"), int) for t in transforms):
+        problems.append(f"field 'transforms' must list the transforms (function, dropped, ...) when the schema has "
+                        f"a {TOMBSTONE_COLUMN!r} column (got {transforms!r:.80})")
+        return 0, ()
+    dropped = sum(t["dropped"] for t in transforms)
+    if dropped != tombstones:
+        problems.append(f"field 'tombstones' is {tombstones} but the transforms dropped {dropped} documents")
+    return tombstones, tuple(dict(t) for t in transforms)
 
 
 def read_manifest(dataset_path: str, storage_options=None) -> Manifest:

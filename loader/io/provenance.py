@@ -19,6 +19,10 @@ token mixing like any feature. A training loader never builds these streams.
 Reads: every row group is read at most once per stream, one column (``num_tokens``); text
 lanes (no ``num_tokens``) read ``text`` and tokenize the whole row group for its lengths.
 :attr:`ProvenanceStream.reads` records every read, for the audit's report and its tests.
+
+A best-fit checkpoint's open bins name each piece by the stream cursor of its first token
+(``piece_origins``, state version 2); :meth:`ProvenanceStream.piece_features` turns one into
+the piece's provenance features, reading the lengths of that one row group.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from typing import Optional
 
 import numpy as np
 
+from loader.errors import ZephonError
 from loader.io import storage
 from loader.io.blocks import Block
 from loader.io.integrity import FIX, LaneDataError, check_row_group
+from loader.io.manifest import TOMBSTONE_COLUMN
 from loader.io.lane_reader import LaneTokenStream
 
 AUDIT_FEATURES = ("audit_document", "audit_offset")
@@ -69,6 +75,7 @@ class ProvenanceStream(LaneTokenStream):
         super().__init__(**kwargs)
         self.features = ()  # no lane-file feature columns are read
         self.reads = ReadLog()
+        self._origin_blocks: dict[tuple[int, int], Block] = {}  # blocks of resolved bin pieces (piece_features)
         self._lengths: dict[tuple[int, int], np.ndarray] = {}
         self._group_row_starts: dict[int, np.ndarray] = {}
         file_rows = [entry.rows for entry in self.files]
@@ -80,7 +87,8 @@ class ProvenanceStream(LaneTokenStream):
 
     # -- lengths -----------------------------------------------------------------------
     def lengths(self, file_ordinal: int, row_group: int) -> np.ndarray:
-        """Token ids per document of a row group (epoch-0 row order), read once."""
+        """Token ids per document of a row group (epoch-0 row order), read once; -1 for the
+        tombstones of ``zephon shard --transform`` (rows the training stream skips)."""
         key = (file_ordinal, row_group)
         if key not in self._lengths:
             entry = self.files[file_ordinal]
@@ -100,12 +108,16 @@ class ProvenanceStream(LaneTokenStream):
                 texts = [t or "" for t in values.to_pylist()]
                 encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
                 lengths = np.array([len(e.ids) for e in encoded], dtype=np.int64)
+            if self.tombstone_transforms:  # dropped offline: no document at all (lane_reader skips them)
+                dropped = parquet.read_row_group(row_group, columns=[TOMBSTONE_COLUMN], use_threads=False).column(0)
+                lengths[np.asarray(dropped.to_pylist()) >= 0] = -1
             self._lengths[key] = lengths
         return self._lengths[key]
 
     def block_tokens(self, file_ordinal: int, row_group: int) -> int:
         """Wrapped tokens of a row group (what a block of it holds)."""
         lengths = self.lengths(file_ordinal, row_group)
+        lengths = lengths[lengths >= 0]
         return int(lengths.sum()) + self.token_format.extra * len(lengths)
 
     # -- where documents live -----------------------------------------------------------
@@ -134,6 +146,7 @@ class ProvenanceStream(LaneTokenStream):
         rows = np.arange(len(lengths), dtype=np.int64)
         if epoch > 0:  # the row order the training stream replays this epoch in
             rows = self._row_order(epoch, file_ordinal, row_group, len(lengths)).astype(np.int64)
+        rows = rows[lengths[rows] >= 0]  # tombstones out (see lengths)
         wrapped = lengths[rows] + self.token_format.extra
         doc_starts = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(wrapped, out=doc_starts[1:])
@@ -143,3 +156,32 @@ class ProvenanceStream(LaneTokenStream):
         offsets = np.arange(total, dtype=np.int64) - np.repeat(doc_starts[:-1], wrapped)
         return Block(tokens=np.zeros(total, dtype=np.int32), doc_starts=doc_starts,
                      features={"audit_document": np.repeat(documents, wrapped), "audit_offset": offsets})
+
+    # -- open best-fit bins of a checkpoint ----------------------------------------------
+    def piece_features(self, origin: tuple[int, int, int], length: int, doc_starts: np.ndarray,
+                       where: str) -> dict[str, np.ndarray]:
+        """The audit features of the ``length`` tokens from cursor ``origin`` = ``(epoch, block,
+        offset)`` on: a saved bin piece resolved to its document. ``doc_starts`` (the piece's
+        own, from the checkpoint) must be where that span's documents start, else the origin is
+        not of this dataset; ``where``: the piece's JSON path, for the error."""
+        epoch, block, offset = (int(x) for x in origin)
+        blocks = self.blocks_of_epoch(epoch)
+        if block < len(blocks):
+            built = self._origin_blocks.get((epoch, block))
+            if built is None:
+                built = self._origin_blocks[(epoch, block)] = self._read_block(epoch, *blocks[block])
+            document_offsets = built.features["audit_offset"][offset:offset + length]
+            if offset + length <= len(built.tokens) and np.array_equal(
+                    np.flatnonzero(document_offsets == 0), np.asarray(doc_starts, dtype=np.int64)):
+                return {"audit_document": built.features["audit_document"][offset:offset + length],
+                        "audit_offset": document_offsets}
+        raise OriginError(
+            f"{where}: piece origin {[epoch, block, offset]} ({length} tokens) is not a span of lane {self.lane_id} "
+            f"of source {self.source_name!r} whose documents start where the piece's do: the checkpoint is not "
+            "of this dataset (or was edited); audit with the run's own checkpoint and datasets")
+
+
+class OriginError(ZephonError, ValueError):
+    """A checkpoint's best-fit piece origin that does not match the dataset."""
+
+    exit_code = 2

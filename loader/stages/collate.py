@@ -11,7 +11,9 @@ Fields: ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens`` as selected 
 per-sequence ``source_ids`` and ``global_indices``. A feature with a label rule masks
 ``labels`` whatever ``batch_fields`` holds. With online chat sources, ``chat_rejects``: the
 conversations refused online (:mod:`loader.chat.block`) reported with this micro-batch's
-sequences, ``{reason: count}`` with every reason (zeros included).
+sequences, ``{reason: count}`` with every reason (zeros included); with image sources, the
+same for image documents dropped online as ``image_rejects`` (:mod:`loader.vision.block`), and
+``pixel_values`` with its image fields (:func:`image_fields`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class Collator:
 
     def __init__(self, *, seq_len: int, global_batch_size: int, micro_batch_size: int, per_rank_batch: int,
                  batch_fields: Sequence[str], features: Sequence[str] = (),
-                 chat_reject_reasons: Sequence[str] = (), empty: Callable[..., np.ndarray] = np.empty) -> None:
+                 chat_reject_reasons: Sequence[str] = (), empty: Callable[..., np.ndarray] = np.empty,
+                 image_policy=None, image_reject_reasons: Sequence[str] = ()) -> None:
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -46,6 +49,9 @@ class Collator:
         self.chat_reject_reasons = tuple(chat_reject_reasons)  # empty: no online chat source, no field
         # Where the large arrays are written: np.empty, or pinned memory (loader.stages.pinned).
         self.empty = empty
+        # Image sources (loader.vision): every micro-batch holds pixel_values and its image fields.
+        self.image_policy = image_policy
+        self.image_reject_reasons = tuple(image_reject_reasons)  # loader.vision.block; empty: no field
 
     def collate(self, items: list, rank_position: int) -> dict[str, Any]:
         """The micro-batch of ``items`` (NumPy); ``rank_position``: sequences handed out so far,
@@ -121,12 +127,18 @@ class Collator:
                 batch["cu_seqlens"] = cu.astype(np.int32)
         for name in self.batched:
             batch[FEATURES[name].batch_field] = feature_arrays[name]
-        if self.chat_reject_reasons:
-            rejects = dict.fromkeys(self.chat_reject_reasons, 0)
+        if self.image_policy is not None:
+            batch.update(image_fields(self.image_policy, sequences))
+        if self.chat_reject_reasons or self.image_reject_reasons:
+            # Items carry the online rejects of chat and image blocks in one dict (disjoint names).
+            rejects: dict[str, int] = {}
             for item in items:
                 for reason, count in (item.chat_rejects or {}).items():
-                    rejects[reason] += count
-            batch["chat_rejects"] = rejects
+                    rejects[reason] = rejects.get(reason, 0) + count
+            if self.chat_reject_reasons:
+                batch["chat_rejects"] = {reason: rejects.get(reason, 0) for reason in self.chat_reject_reasons}
+            if self.image_reject_reasons:
+                batch["image_rejects"] = {reason: rejects.get(reason, 0) for reason in self.image_reject_reasons}
         for item in items:  # copied out: a worker's shared-memory slot may be written again
             if item.lease is not None:
                 item.lease.item_done()
@@ -140,6 +152,31 @@ class Collator:
         out = self.empty((rows, seq_len), np.int64)
         np.concatenate(arrays, out=out.reshape(-1))
         return out
+
+
+def image_fields(policy, sequences: Sequence) -> dict[str, np.ndarray]:
+    """The image fields of a micro-batch, images in row order then token order:
+    ``pixel_values`` (``policy.batch`` of the images: ``[n, 3, S, S]`` fixed, ``[sum of h * w, D]`` dynamic),
+    ``image_grid_thw`` ``[n, 3]``, ``image_sequence_index`` ``[n]`` (the row of each image) and
+    ``image_token_offsets`` ``[n]`` (the position of its first placeholder token in that row).
+    The pixels are copied here (a worker's slot is given back after collation)."""
+    from loader.vision.policies import PixelValues
+
+    images, rows, offsets = [], [], []
+    for row, sequence in enumerate(sequences):
+        found = sequence.images
+        if found is None or not len(found):
+            continue
+        images += [PixelValues(values, tuple(grid)) for values, grid in zip(found.pixels, found.grids.tolist())]
+        rows += [row] * len(found)
+        offsets.append(found.positions)
+    pixel_values, grids = policy.batch_compact(images)  # the one copy (dynamic: every temporal copy)
+    return {
+        "pixel_values": pixel_values,
+        "image_grid_thw": grids,
+        "image_sequence_index": np.array(rows, dtype=np.int64),
+        "image_token_offsets": np.concatenate(offsets).astype(np.int64) if offsets else np.zeros(0, np.int64),
+    }
 
 
 _from_numpy = None  # torch.from_numpy, looked up once (torch is imported only by torch users)

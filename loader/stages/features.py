@@ -72,6 +72,7 @@ class Feature:
     masks_labels: bool = False  # labels are IGNORE_INDEX where the value is 0
     value_range: Optional[tuple[int, int]] = None  # [low, high]: checked in lane files and best-fit bin states
     audit_only: bool = False  # made only by ``zephon audit`` (loader.commands.audit); never in a training stream
+    in_bin_states: bool = False  # saved in best-fit bin states although made by a stage (column features are)
 
 
 # Registry order is the order features appear in worker slots, bin states and batches.
@@ -97,10 +98,18 @@ FEATURES: dict[str, Feature] = {
                 batch_field=None, batch_dtype=np.dtype(np.int64), audit_only=True),
         Feature("audit_offset", np.dtype(np.int64), pad=-1, bos=-1, eos=-1, default=-1, column=None,
                 batch_field=None, batch_dtype=np.dtype(np.int64), audit_only=True),
+        # The image each visual placeholder token stands for (loader.vision.block): the image's
+        # position (epoch, block, row, image) as loader.vision.refs packs it, -1 on every other
+        # token. Not a batch field: whoever assembles a sequence resolves the refs to pixels
+        # (loader.vision.resolve), which the batch carries as pixel_values.
+        Feature("image_ref", np.dtype(np.int64), pad=-1, bos=-1, eos=-1, default=-1, column=None,
+                batch_field=None, batch_dtype=np.dtype(np.int64), in_bin_states=True),
     )
 }
 
 BATCH_FEATURE_FIELDS: tuple[str, ...] = tuple(f.batch_field for f in FEATURES.values() if f.batch_field)
+# Features a best-fit bin state may hold besides token_sources (loader.checkpoint.schema).
+BIN_STATE_FEATURES: tuple[str, ...] = tuple(f.name for f in FEATURES.values() if f.column is not None or f.in_bin_states)
 
 
 def column_features(column_names: Iterable[str]) -> tuple[Feature, ...]:
@@ -183,7 +192,9 @@ def batch_feature(name: str, sequences: Sequence, rows: int, seq_len: int) -> np
     return np.concatenate(per_row, dtype=feature.batch_dtype).reshape(rows, seq_len)
 
 
-def slot_bytes_per_token() -> int:
-    """Bytes per token of every feature at once (the worker slot's worst case); audit-only
-    features never travel through workers."""
-    return sum(f.dtype.itemsize for f in FEATURES.values() if not f.audit_only)
+def slot_bytes_per_token(names: Optional[Iterable[str]] = None) -> int:
+    """Bytes per token of the features ``names`` (default: every feature at once, the worker
+    slot's worst case); audit-only features never travel through workers. A loader passes its
+    own features, so a text loader's slots hold no room for, e.g., image refs."""
+    chosen = FEATURES.values() if names is None else [FEATURES[n] for n in names]
+    return sum(f.dtype.itemsize for f in chosen if not f.audit_only)

@@ -23,7 +23,7 @@ from loader.io.lane_reader import LaneTokenStream
 from loader.io.read_ahead import read_ahead_depth
 from loader.order.mixing import MixingSchedule
 from loader.order.ordering import lane_outputs_before
-from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence, StateSnapshot
+from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence, StateSnapshot, concat_state
 from loader.checkpoint.state import StateError, lane_key
 from loader.io.storage import StorageOptions
 from loader.stages.token_mixing import MixedTokenStream
@@ -62,6 +62,7 @@ class LaneSpec:
     read_ahead: bool = False
     read_ahead_threads: int = 1
     features: tuple[str, ...] = ()  # per-token features every sequence carries (loader.stages.features)
+    images: Optional[object] = None  # loader.vision.block.ImageOptions when some source holds images
 
 
 class LaneExhausted(Exception):
@@ -101,10 +102,15 @@ class Lane:
                 read_ahead_blocks=read_ahead_depth(share, takes_next_block_early=self.token_mixing),
                 transforms=source.transforms,
                 **({"chat": self._online_chat(manifest, source, tokenizer)} if manifest.online_chat else {}),
+                **({"images": spec.images} if getattr(manifest, "images", None) is not None else {}),
             )
             streams.append(stream)
+        # Image sources: each stream's resolver turns its sequences' image refs into pixels
+        # (loader.vision.resolve); None for text sources.
+        self._image_resolvers = [self._resolver(stream, manifest) for stream, manifest in zip(streams, manifests)]
         # Online chat streams, whose rejects each item reports (loader.chat.block); usually none.
         self._chat_streams = tuple(s for s in streams if getattr(s, "chat_rejects", None) is not None)
+        self.has_online_chat = bool(self._chat_streams)
         # Token mixing: the phase of the last step asked for, (start step, weights, the lane's
         # output count at the phase's end or None), as ``next_sequence`` needs it per sequence.
         self._phase_step = -1
@@ -114,12 +120,25 @@ class Lane:
             self.packers = [self._packer(self.mixed_stream)]
         else:
             self.packers = [self._packer(stream) for stream in streams]
+        # Whether every packer's state is its stream's bare cursor (ConcatPacker.cursor_snapshot's
+        # common case): step_snapshot then reads the cursors directly, once per lane and step.
+        self._cursor_only = all(isinstance(p, ConcatPacker) and type(p.stream) is LaneTokenStream
+                                and not p.stream.counting for p in self.packers)
 
     def _packer(self, stream):
         if self.spec.packing == "concat":
             return ConcatPacker(stream, self.spec.seq_len, self.spec.pad_id, features=self.spec.features)
+        cap = self.spec.images.max_images_per_sequence if self.spec.images is not None else None
         return BestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.best_fit_open_bins,
-                             features=self.spec.features)
+                             features=self.spec.features, max_images=cap)
+
+    def _resolver(self, stream, manifest):
+        if getattr(stream, "images", None) is None:
+            return None
+        from loader.vision.images import ImageLimits
+        from loader.vision.resolve import ImageResolver
+
+        return ImageResolver(stream, self.spec.images, ImageLimits(**manifest.images.limits))
 
     def next_sequence(self, global_index: int) -> tuple[int, PackedSequence]:
         """``(source_id, sequence)`` for the lane's next output; raises :class:`LaneExhausted`."""
@@ -149,6 +168,8 @@ class Lane:
             if not self.stopped[source_id]:
                 sequence = self.packers[source_id].next_sequence()
                 if sequence is not None:
+                    if self._image_resolvers[source_id] is not None:
+                        self._image_resolvers[source_id].attach(sequence)
                     self.outputs += 1
                     return source_id, sequence
                 self.stopped[source_id] = True
@@ -203,6 +224,9 @@ class Lane:
     def close(self) -> None:
         for stream in self.source_streams():
             stream.close()
+        for resolver in self._image_resolvers:
+            if resolver is not None:
+                resolver.close()
 
     def _warn_stopped(self, source_id: int) -> None:
         if source_id not in self._warned:
@@ -225,10 +249,18 @@ class Lane:
         """:meth:`snapshot`, itself built only if it is saved: what the loader keeps of every lane
         at every step boundary (``step_states_kept``), so the common case (never asked for)
         costs a few object creations per lane, not the state's dicts."""
+        if self._cursor_only:  # concat over plain streams: four integers per source
+            seq_len = self.spec.seq_len
+            cursors = [(p.stream.epoch, p.stream.block_index, p.stream.offset - (p._fill_rows - p._next_row) * seq_len,
+                        p.stream.exhausted) for p in self.packers]
+            return StateSnapshot(self._cursor_state, self.outputs, cursors, tuple(self.stopped))
         parts = [packer.cursor_snapshot() if isinstance(packer, ConcatPacker)
                  else packer.snapshot() if hasattr(packer, "snapshot") else packer.get_state()
                  for packer in self.packers]
         return StateSnapshot(self._snapshot_state, self.outputs, parts, tuple(self.stopped))
+
+    def _cursor_state(self, outputs: int, cursors: list, stopped: tuple) -> dict:
+        return self._snapshot_state(outputs, [concat_state(*cursor) for cursor in cursors], stopped)
 
     def _snapshot_state(self, outputs: int, parts: list, stopped: tuple) -> dict:
         if self.token_mixing:

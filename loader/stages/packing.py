@@ -45,6 +45,7 @@ class PackedSequence:
     features: Mapping[str, np.ndarray] = NO_FEATURES  # name -> [seq_len] (loader.stages.features), pad values on padding
     majority_source: int = -1  # token-unit mixing: the source with most tokens, if counted already
     padding: int = 0  # pad tokens at the tail (loader.metrics counts them; full concat rows have none)
+    images: Optional[object] = None  # image sources: the pixels of its image refs (loader.vision.resolve)
 
     @property
     def token_sources(self) -> Optional[np.ndarray]:
@@ -244,10 +245,10 @@ class ConcatPacker:
         replay with one micro-batch per step). Transform counters, and a token mix's
         streams (a ``MixedTokenStream``: one cursor per source), are built now."""
         stream = self.stream
-        if not isinstance(stream, LaneTokenStream) or stream.transforms is not None:
+        if not isinstance(stream, LaneTokenStream) or stream.counting:  # transform counters (or tombstones)
             return self.get_state()
         offset = stream.offset - (self._fill_rows - self._next_row) * self.seq_len
-        return StateSnapshot(_concat_state, stream.epoch, stream.block_index, offset, stream.exhausted)
+        return StateSnapshot(concat_state, stream.epoch, stream.block_index, offset, stream.exhausted)
 
     def set_state(self, state: dict, path: str = "packer") -> None:
         """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""
@@ -256,7 +257,7 @@ class ConcatPacker:
         self.stream.set_state(state["stream"], path=f"{path}.stream")
 
 
-def _concat_state(epoch: int, block: int, offset: int, exhausted: bool) -> dict:
+def concat_state(epoch: int, block: int, offset: int, exhausted: bool) -> dict:
     """A :class:`ConcatPacker` state: its stream's cursor (``LaneTokenStream.get_state``)."""
     return {"stream": {"epoch": epoch, "block": block, "offset": offset, "exhausted": exhausted}}
 
@@ -275,23 +276,48 @@ class StateSnapshot:
 
 @dataclass(eq=False)  # identity: ``bins.remove`` must not compare the numpy pieces
 class _Bin:
-    pieces: list[Chunk]
+    pieces: list["_Piece"]
     used: int
     serial: int  # creation order: the tie-break that keeps eviction deterministic
 
 
+class _Piece:
+    """A piece an open bin holds: copies of a chunk's arrays (a view would keep the whole source
+    block alive while the bin is open), read like a :class:`Chunk` (``tokens``, ``doc_starts``,
+    ``features``), and ``origin``: the stream cursor ``(epoch, block, offset)`` of its first
+    token, None where unknown (restored from a version-1 state). A slotted class: building the
+    frozen ``Chunk`` dataclass cost more than the origin adds."""
+
+    __slots__ = ("tokens", "doc_starts", "features", "origin")
+
+    def __init__(self, tokens: np.ndarray, doc_starts: np.ndarray, features: Mapping[str, np.ndarray],
+                 origin: Optional[tuple[int, int, int]]) -> None:
+        self.tokens, self.doc_starts, self.features, self.origin = tokens, doc_starts, features, origin
+
+
 class BestFitPacker:
-    """State keys: ``stream``, ``bins`` (open bins: ``tokens``, ``doc_starts``, ``piece_starts``), ``serial``."""
+    """State keys: ``stream``, ``bins`` (open bins: ``tokens``, ``doc_starts``, ``piece_starts``,
+    ``piece_origins``), ``serial``.
+
+    ``piece_origins`` (state version 2): per piece ``[epoch, block, offset]``, the stream cursor
+    of its first token (the stream's ``last_origin`` after the take; under token mixing, in the
+    stream of the source ``token_sources`` names), so ``zephon audit`` can resolve an open bin
+    to its documents. A bin restored from a version-1 state does not know its pieces' origins
+    and saves none until it is emitted; a restore puts saved origins back.
+    """
 
     def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int, open_bins: int,
-                 features: tuple[str, ...] = ()) -> None:
+                 features: tuple[str, ...] = (), max_images: Optional[int] = None) -> None:
         self.stream = stream
+        # Image sources: a bin whose images would exceed this is not a fit (loader.vision.block).
+        self.max_images = max_images
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.features = features  # the loader's (see _sequence_from_pieces)
         self.max_open_bins = open_bins
         self.bins: list[_Bin] = []
         self.serial = 0
+        self._has_origins = hasattr(stream, "last_origin")  # lane streams; a stream of the tests may not say
 
     def _emit(self, bin_: _Bin) -> PackedSequence:
         self.bins.remove(bin_)
@@ -309,12 +335,16 @@ class BestFitPacker:
             if size == self.seq_len:  # a full piece of a long document is a sequence on its own
                 return _sequence_from_pieces([piece], self.seq_len, self.pad_id, piece_segment_starts=True,
                                              features=self.features)
-            # Copy: a view would keep the whole source block alive while the bin is open.
-            piece = Chunk(
-                tokens=piece.tokens.copy(), doc_starts=piece.doc_starts.copy(),
-                features={n: v.copy() for n, v in piece.features.items()} if piece.features else NO_FEATURES,
-            )
+            piece = _Piece(piece.tokens.copy(), piece.doc_starts.copy(),  # copies: see _Piece
+                           {n: v.copy() for n, v in piece.features.items()} if piece.features else NO_FEATURES,
+                           self.stream.last_origin if self._has_origins else None)
             fitting = [b for b in self.bins if self.seq_len - b.used >= size]
+            if self.max_images is not None and fitting:
+                from loader.vision.resolve import images_in
+
+                images = images_in(piece)
+                if images:
+                    fitting = [b for b in fitting if sum(map(images_in, b.pieces)) + images <= self.max_images]
             if fitting:
                 target = min(fitting, key=lambda b: (self.seq_len - b.used, b.serial))
                 target.pieces.append(piece)
@@ -347,7 +377,7 @@ class BestFitPacker:
         return self._state_of(self.stream.get_state(), self.serial, [(b.serial, b.pieces) for b in self.bins])
 
     @staticmethod
-    def _state_of(stream_state: dict, serial: int, open_bins: list[tuple[int, list[Chunk]]]) -> dict:
+    def _state_of(stream_state: dict, serial: int, open_bins: list[tuple[int, list[_Piece]]]) -> dict:
         bins = []
         for bin_serial, pieces in open_bins:
             tokens = np.concatenate([p.tokens for p in pieces])
@@ -365,6 +395,9 @@ class BestFitPacker:
             }
             for name in pieces[0].features:  # registry order (token_sources first, as before features)
                 saved[name] = np.concatenate([p.features[name] for p in pieces])
+            origins = [p.origin for p in pieces]
+            if None not in origins:  # else a bin restored from a version-1 state: origins unknown
+                saved["piece_origins"] = [list(origin) for origin in origins]
             bins.append(saved)
         return {"stream": stream_state, "bins": bins, "serial": serial}
 
@@ -384,9 +417,11 @@ class BestFitPacker:
                                  f"tokens carry {list(expected)}: the checkpoint is not this dataset's (was the "
                                  "loss_mask column added or removed?); restore it with the dataset it was saved with")
             features = {name: np.asarray(saved[name], dtype=FEATURES[name].dtype) for name in held}
+            origins = [tuple(int(x) for x in o) for o in saved["piece_origins"]] if "piece_origins" in saved \
+                else [None] * (len(piece_starts) - 1)
             pieces = []
-            for lo, hi in zip(piece_starts[:-1], piece_starts[1:]):
+            for lo, hi, origin in zip(piece_starts[:-1], piece_starts[1:], origins):
                 inside = doc_starts[(doc_starts >= lo) & (doc_starts < hi)] - lo
-                pieces.append(Chunk(tokens=tokens[lo:hi], doc_starts=inside,
-                                    features={n: v[lo:hi] for n, v in features.items()} if features else NO_FEATURES))
+                pieces.append(_Piece(tokens[lo:hi], inside,
+                                     {n: v[lo:hi] for n, v in features.items()} if features else NO_FEATURES, origin))
             self.bins.append(_Bin(pieces=pieces, used=len(tokens), serial=int(saved["serial"])))

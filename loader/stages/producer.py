@@ -86,5 +86,6 @@ def produce_one(lane: Lane, global_index: int, snapshot_state: bool) -> Item | E
         source_id, sequence = lane.next_sequence(global_index)
     except LaneExhausted:
         return End(global_index)
-    return Item(global_index, source_id, sequence, lane.get_state() if snapshot_state else None,
-                chat_rejects=lane.take_chat_rejects())
+    # Positional, and no rejects call for lanes without online chat: this runs per sequence.
+    return Item(global_index, source_id, sequence, lane.get_state() if snapshot_state else None, None,
+                lane.take_chat_rejects() if lane.has_online_chat else None)

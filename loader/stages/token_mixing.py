@@ -47,6 +47,10 @@ from loader.io.lane_reader import LaneTokenStream
 
 
 class MixedTokenStream:
+    # As LaneTokenStream.last_origin, in the stream of the source of the last take's first
+    # document (the chunk's token_sources): meaningful after take(within_document=True).
+    last_origin = None
+
     def __init__(self, streams: Sequence[LaneTokenStream]) -> None:
         self.streams = list(streams)
         self.tokens = [0] * len(self.streams)
@@ -153,6 +157,8 @@ class MixedTokenStream:
                 self.current = -1
             if stream.exhausted:
                 self._alive = None
+            if not tokens:
+                self.last_origin = getattr(stream, "last_origin", None)  # a stream of the tests may not say
             tokens.append(chunk.tokens)
             doc_starts.append(chunk.doc_starts)
             sources.append(source)

@@ -11,7 +11,9 @@ Modules: :mod:`~loader.transforms.spec` (what a config names, parsing, import),
 :mod:`~loader.transforms.document` (the document a function sees),
 :mod:`~loader.transforms.chain` (applying a source's transforms, the determinism check,
 the counters), :mod:`~loader.transforms.rows` (a row group's columns through a chain, for the
-lane reader), :mod:`~loader.transforms.builtins` (length, metadata, regex, truncation).
+lane reader; the tombstones of offline drops), :mod:`~loader.transforms.conversations` (online
+chat sources: records before the render, tokens after), :mod:`~loader.transforms.builtins`
+(length, metadata, regex, truncation).
 """
 
 from loader.transforms.chain import TransformChain, TransformCounts

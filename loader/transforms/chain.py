@@ -76,8 +76,11 @@ class TransformChain:
     """The transforms of one source, imported and ready (see the module docstring)."""
 
     def __init__(self, specs: Sequence[TransformSpec], *, seed: int, source: str, pretokenized: bool,
-                 feature_names: Sequence[str] = ()) -> None:
+                 feature_names: Sequence[str] = (), first_position: int = 0, records: bool = False) -> None:
         self.specs = tuple(specs)  # resolved: stage and version filled in
+        # Position of specs[0] in the whole chain (its seeds, its name in messages): the Beam job
+        # runs a chain's tokens-stage tail as a chain of its own, after tokenization.
+        self.first_position = first_position
         self.functions: list[Callable] = [spec.load() for spec in self.specs]
         self.seed = seed
         self.source = source
@@ -86,12 +89,18 @@ class TransformChain:
         self._checked = [0] * len(self.specs)
         self._checked_all = False
         self._single: Optional[tuple] = None  # (function, args) once a one-function chain is checked
-        self._steps = [(position, function, spec.args) for position, (function, spec) in
+        self._steps = [(position, first_position + position, function, spec.args) for position, (function, spec) in
                        enumerate(zip(self.functions, self.specs))]
         for position, spec in enumerate(self.specs):
+            if spec.stage == "records" and not records:
+                raise TransformError(
+                    f"transform {spec.qualified_name} (transforms[{first_position + position}] of source {source!r}) "
+                    f"works on records (a chat conversation before rendering), but source {source!r} is not a chat "
+                    "source rendered online; use a text or tokens transform")
             if spec.stage == "tokens" and not pretokenized:
                 raise TransformError(
-                    f"transform {spec.qualified_name} (transforms[{position}] of source {source!r}) works on tokens, "
+                    f"transform {spec.qualified_name} (transforms[{first_position + position}] of source {source!r}) "
+                    "works on tokens, "
                     f"but source {source!r} is text tokenized by the loader: shard it with --tokenizer (its lane "
                     "files then hold input_ids), or use a text transform")
 
@@ -103,14 +112,15 @@ class TransformChain:
         return any(spec.stage == "text" for spec in self.specs)
 
     def _where(self, position: int) -> str:
-        return f"transform {self.specs[position].qualified_name} (transforms[{position}] of source {self.source!r})"
+        return (f"transform {self.specs[position].qualified_name} (transforms[{self.first_position + position}] of "
+                f"source {self.source!r})")
 
     def apply(self, document: Document, counts: TransformCounts) -> Optional[Document]:
         """The document after every transform (``None``: dropped); counts go to ``counts``."""
         if self._checked_all:
             return self._apply_checked(document, counts)
         for position, function in enumerate(self.functions):
-            document.at_position(position)
+            document.at_position(self.first_position + position)
             before = document
             result = self._call(position, function, document)
             if result is None:
@@ -122,7 +132,7 @@ class TransformChain:
                     counts.counts[position][1] += 1
             document = result
         self._checked_all = all(n >= CHECK_DOCUMENTS for n in self._checked)
-        if self._checked_all and len(self._steps) == 1:
+        if self._checked_all and len(self._steps) == 1 and not self.first_position:
             self._single = (self.functions[0], self.specs[0].args)
         return document
 
@@ -190,9 +200,9 @@ class TransformChain:
         path, kept to a call per transform for a function that returns its document as is."""
         position = 0
         try:
-            for position, function, args in self._steps:
-                if position:
-                    document.at_position(position)
+            for position, seed_position, function, args in self._steps:
+                if seed_position:
+                    document.at_position(seed_position)
                 result = function(document, **args)
                 if result is document:
                     continue
@@ -238,7 +248,7 @@ class TransformChain:
         if not isinstance(a, Document) or not isinstance(b, Document):
             return type(a) is type(b) and a == b
         return (a.text == b.text and _same_array(a.input_ids, b.input_ids)
-                and _same_features(a.features, b.features) and a.metadata == b.metadata)
+                and _same_features(a.features, b.features) and a.metadata == b.metadata and a.record == b.record)
 
     def _check_result(self, position: int, before: Document, result: Any) -> None:
         if not isinstance(result, Document):
@@ -247,6 +257,11 @@ class TransformChain:
         if (result._fetch is not before._fetch or result._index != before._index) and result.key != before.key:
             raise TransformError(f"{self._where(position)} changed the key of document {before.key!r} to "
                                  f"{result.key!r}; keys identify documents (seeds, deduplication) and cannot change")
+        if result.loaded("record") and result.record is not None and not (
+                isinstance(result.record, dict) and isinstance(result.record.get("messages"), list)):
+            raise TransformError(f"{self._where(position)} returned a record that is not a conversation for document "
+                                 f"{before.key!r} (got {str(result.record)[:80]!r}); return a dict with a 'messages' "
+                                 "list (and 'tools' if any), or None to drop it")
         if result.loaded("text") and result.text is not None and not isinstance(result.text, str):
             raise TransformError(f"{self._where(position)} returned a text of type {type(result.text).__name__} "
                                  f"for document {before.key!r}; the text must be a str")
@@ -272,9 +287,11 @@ class TransformChain:
 
     @staticmethod
     def _changed(before: Document, after: Document) -> bool:
-        for name in ("text", "input_ids", "features", "metadata"):
+        for name in ("text", "input_ids", "features", "metadata", "record"):
             if not after.loaded(name):
                 continue
+            if name == "record" and after.record != before.record:
+                return True
             if name == "text" and after.text != before.text:
                 return True
             if name == "input_ids" and not _same_array(after.input_ids, before.input_ids):

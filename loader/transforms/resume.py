@@ -75,20 +75,29 @@ def marked_lane_state(lane_state: dict, changed_sources: Sequence[str], marker: 
 
 
 def counts_report(source_names: Sequence[str], source_transforms: Sequence[Sequence[TransformSpec]],
-                  lane_states: Sequence[dict]) -> dict[str, dict[str, dict[str, int]]]:
-    """``{source: {"k:function": {"dropped": n, "changed": n}}}`` summed over lane states."""
+                  lane_states: Sequence[dict],
+                  offline_transforms: Optional[Sequence[Sequence[str]]] = None) -> dict[str, dict[str, dict[str, int]]]:
+    """``{source: {"k:function": {"dropped": n, "changed": n}}}`` summed over lane states.
+
+    ``offline_transforms``: per source, the functions of the ``zephon shard --transform`` list
+    its tombstones point into (``Manifest.tombstone_transforms``); their skipped tombstones are
+    reported as ``"shard:k:function"`` (dropped only), before the config's transforms.
+    """
     report: dict[str, dict[str, dict[str, int]]] = {}
     for k, (name, specs) in enumerate(zip(source_names, source_transforms)):
-        if not specs:
+        offline = tuple(offline_transforms[k]) if offline_transforms is not None else ()
+        if not specs and not offline:
             continue
-        total = TransformCounts.zeros(len(specs))
+        labels = [f"shard:{p}:{function}" for p, function in enumerate(offline)] + \
+            [f"{p}:{spec.label}" for p, spec in enumerate(specs)]
+        total = TransformCounts.zeros(len(labels))
         for lane in lane_states:
             for stream in _streams_of(lane, name, k):
                 saved = stream.get("transforms")
-                if saved is not None and len(saved) == len(specs):
+                if saved is not None and len(saved) == len(labels):
                     total.add(TransformCounts.from_state(saved))
-        report[name] = {f"{position}:{spec.label}": {"dropped": dropped, "changed": changed}
-                        for position, (spec, (dropped, changed)) in enumerate(zip(specs, total.counts))}
+        report[name] = {label: {"dropped": dropped, "changed": changed}
+                        for label, (dropped, changed) in zip(labels, total.counts)}
     return report
 
 

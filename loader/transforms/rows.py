@@ -11,6 +11,12 @@ function first touches one (:class:`LazyColumns`):
   features wrapped with BOS/EOS); a block whose documents all come back unchanged is returned
   as it is (no copy), otherwise a new block is built from the kept documents.
 
+A dataset sharded with ``zephon shard --transform`` keeps each document it dropped as a
+*tombstone* row (``dropped_by`` >= 0, :data:`loader.io.manifest.TOMBSTONE_COLUMN`):
+:func:`tombstone_rows` leaves those rows out of the block's replay order, which is computed over
+every row exactly as for the untransformed dataset, and counts them per transform
+(:func:`with_tombstones` puts those counts before the config's own).
+
 A dropped document just yields no tokens: the stream's cursor counts tokens of the
 transformed block, which every process rebuilds identically, so cursors, packers and
 checkpoints need nothing new. A row group whose documents are all dropped is an empty block,
@@ -25,13 +31,15 @@ import numpy as np
 import pyarrow as pa
 
 from loader.io.blocks import wrap_documents  # the same wrapping as an untransformed block
-from loader.io.manifest import Manifest
+from loader.io.integrity import LaneDataError
+from loader.io.manifest import CONVERSATION_COLUMN, TOMBSTONE_COLUMN, Manifest
 from loader.stages.features import FEATURES, wrap_feature
 from loader.transforms.chain import UNCHANGED, TransformChain, TransformCounts
 from loader.transforms.document import RowFetcher
 
 # Lane-file columns that are not --keep-fields metadata (beam_jobs.lane_files.RESERVED_COLUMNS).
-_NOT_METADATA = ("key", "order_key", "text", "input_ids", "num_tokens", "loss_mask")
+_NOT_METADATA = ("key", "order_key", "text", "input_ids", "num_tokens", "loss_mask", TOMBSTONE_COLUMN,
+                 CONVERSATION_COLUMN)
 
 
 def metadata_columns(manifest: Manifest) -> tuple[str, ...]:
@@ -64,7 +72,9 @@ class LazyColumns:
         return self._lists[name]
 
 
-def _fetcher(columns: LazyColumns, **fields) -> RowFetcher:
+def fetcher(columns: LazyColumns, **fields) -> RowFetcher:
+    """The :class:`RowFetcher` of a row group's documents: key and ``--keep-fields`` metadata from
+    ``columns``, the other fields (``texts``, ``ids``, ``features``, ``records``) as given."""
     metadata_names = [name for name in columns.names if name not in ("key", "text")]
 
     def metadata(k: int):
@@ -89,7 +99,7 @@ def apply_transforms(chain: TransformChain, columns: LazyColumns, *, texts: Opti
 
 
 def _transform_texts(chain: TransformChain, texts: list, columns: LazyColumns, counts: TransformCounts) -> list:
-    results = chain.apply_rows(_fetcher(columns, texts=texts.__getitem__), len(texts), counts)
+    results = chain.apply_rows(fetcher(columns, texts=texts.__getitem__), len(texts), counts)
     if results is None:
         return texts
     return [text if result is UNCHANGED else result.text
@@ -108,7 +118,7 @@ def _transform_block(chain: TransformChain, block: Any, columns: LazyColumns, fm
     def features_of(k: int) -> dict:
         return {name: values[starts[k] + bos : starts[k + 1] - eos] for name, values in features.items()}
 
-    fetch = _fetcher(columns, ids=ids_of, features=features_of if features else None)
+    fetch = fetcher(columns, ids=ids_of, features=features_of if features else None)
     results = chain.apply_rows(fetch, len(starts) - 1, counts)
     if results is None:  # every document as it was: the block itself
         return block
@@ -142,3 +152,34 @@ def _rebuilt_block(block: Any, results: list, ids_of, features_of, fmt: Any) -> 
                                length_array, rebuilt.doc_starts, fmt.bos_id is not None, fmt.eos_id is not None)
             for name, parts in feature_parts.items()}
     return rebuilt
+
+
+def tombstone_rows(dropped_by: pa.Array, order: Optional[np.ndarray], transforms: Sequence[str], where: str,
+                   row_group: int) -> tuple[Optional[np.ndarray], np.ndarray]:
+    """``(rows to replay, tombstones per transform)`` of a row group's ``dropped_by`` column.
+
+    ``order``: the epoch's row order (None: the rows as stored); the rows returned are it
+    without the tombstones (None when the row group holds none and ``order`` is None).
+    """
+    if dropped_by.null_count or not pa.types.is_integer(dropped_by.type):
+        raise LaneDataError(f"{where}: row group {row_group}: {TOMBSTONE_COLUMN} must be integers without nulls "
+                            f"(got {dropped_by.type}, {dropped_by.null_count} nulls); re-run the Beam job")
+    values = np.frombuffer(dropped_by.buffers()[1], dtype=np.dtype(str(dropped_by.type)), count=len(dropped_by),
+                           offset=dropped_by.offset * dropped_by.type.bit_width // 8)
+    if not len(values) or int(values.max()) < 0:
+        return order, np.zeros(len(transforms), np.int64)
+    if int(values.max()) >= len(transforms) or int(values.min()) < -1:
+        raise LaneDataError(f"{where}: row group {row_group}: {TOMBSTONE_COLUMN} holds {int(values.max())}, but the "
+                            f"manifest lists {len(transforms)} transforms; re-run the Beam job")
+    live = values < 0
+    rows = np.flatnonzero(live) if order is None else order[live[order]]
+    return np.ascontiguousarray(rows, dtype=np.int64), np.bincount(values[~live], minlength=len(transforms))
+
+
+def with_tombstones(tombstones: Optional[np.ndarray], counts: Optional[TransformCounts],
+                    chain: Optional[TransformChain]) -> Optional[TransformCounts]:
+    """A block's counters: the tombstones per offline transform, then the chain's ``counts``."""
+    if tombstones is None:
+        return counts
+    online = counts.counts if counts is not None else [[0, 0] for _ in range(len(chain) if chain else 0)]
+    return TransformCounts([[int(n), 0] for n in tombstones] + online)

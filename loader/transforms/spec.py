@@ -8,7 +8,11 @@ changes: it enters the config fingerprint and the checkpoint), and an optional `
 * ``"text"``: the function needs the document text; on text sources it runs before
   tokenization, and it may change the text only there (offline, and online on text sources);
 * ``"tokens"``: the function needs ``input_ids`` (and the per-token features); it runs on
-  pre-tokenized sources, after the ids are read.
+  pre-tokenized sources, after the ids are read, and on online chat sources after each
+  conversation is rendered, tokenized and masked (ids and ``loss_mask``);
+* ``"records"``: the function needs ``doc.record``, an online chat source's conversation
+  (``{"messages": [...], "tools": [...]}``) before it is rendered; it may drop it or return
+  ``doc.replace(record=...)`` (:mod:`loader.transforms.conversations`).
 
 A function may declare its stage and version with the :func:`transform` decorator; the
 spec's own values win. A function declared ``stage="any"`` (the built-in ``identity``) takes
@@ -28,7 +32,7 @@ from typing import Any, Callable, ClassVar, Optional
 from loader.errors import ZephonError
 from loader.validation import JsonTable, OrAbsent, Rule, Text, fail, validate_instance
 
-STAGES = ("text", "tokens")
+STAGES = ("text", "tokens", "records")
 ANY_STAGE = "any"  # declared by functions that work on either (stage taken from the source)
 BUILTIN_MODULE = "loader.transforms.builtins"
 

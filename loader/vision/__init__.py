@@ -12,7 +12,15 @@ Modules:
   images;
 - :mod:`~loader.vision.documents`: a lane row back as an :class:`ImageDocument` (parts in order,
   images with their recorded metadata);
-- :mod:`~loader.vision.record`: the manifest's ``images`` entry (limits, policy, counts).
+- :mod:`~loader.vision.record`: the manifest's ``images`` entry (limits, policy, counts);
+- :mod:`~loader.vision.options`: the loader config's ``images`` table, resolved to
+  :class:`~loader.vision.block.ImageOptions`;
+- :mod:`~loader.vision.block`: a row group of image documents as a token block (placeholders,
+  ``loss_mask``, ``image_ref``), the online half's decode point;
+- :mod:`~loader.vision.resolve`: a packed sequence's image refs back to pixels;
+- :mod:`~loader.vision.transfer`: pixels through a worker's shared-memory slot.
+- :mod:`~loader.vision.chat`: conversations with image parts (chat templates, pads expanded to
+  the policy's visual tokens), the chat-and-images block.
 """
 
 from loader.vision.reasons import IMAGE_REJECT_REASONS, ImageRejected

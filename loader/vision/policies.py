@@ -160,6 +160,22 @@ class _PolicyBase:
 
         return self.pixel_values(decode_rgb(data, limits or DEFAULT_LIMITS))
 
+    def compact(self, image) -> PixelValues:
+        """The pixels without what the batch layout repeats, as workers ship them (loader.vision.transfer):
+        ``fixed`` is :meth:`pixel_values`; ``dynamic`` keeps one temporal copy. :meth:`batch_compact`
+        lays several out exactly as :meth:`batch` of their :meth:`pixel_values`."""
+        return self.pixel_values(image)
+
+    def process_compact(self, data: bytes, limits=None) -> PixelValues:
+        """:meth:`compact` of encoded bytes (decoded as :meth:`process` does)."""
+        from loader.vision.images import DEFAULT_LIMITS, decode_rgb
+
+        return self.compact(decode_rgb(data, limits or DEFAULT_LIMITS))
+
+    def batch_compact(self, images: list[PixelValues]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`batch` of the images whose :meth:`compact` forms these are (one copy)."""
+        return self.batch(images)
+
     def batch(self, images: list[PixelValues]) -> tuple[np.ndarray, np.ndarray]:
         """``(pixel_values, image_grid_thw)`` of several images as their model family takes them
         in one forward pass: ``fixed`` stacks to ``[n, 3, S, S]``; ``dynamic`` concatenates the
@@ -320,16 +336,39 @@ class DynamicResolutionPolicy(_PolicyBase):
 
     def pixel_values(self, image) -> PixelValues:
         """Flattened patches ``[grid_h * grid_w, 3 * temporal_patch_size * p * p]`` float32 and the grid."""
+        compact = self.compact(image)
+        rows = len(compact.values)
+        return PixelValues(self._repeated([compact], rows).reshape(rows, *self._item_shape), compact.grid_thw)
+
+    def compact(self, image) -> PixelValues:
+        """The patches with one temporal copy, ``[grid_h * grid_w, 3 * p * p]`` (columns: channel,
+        patch row, patch column); :meth:`pixel_values` repeats each channel's patch
+        ``temporal_patch_size`` times, as Qwen2-VL does for a still image."""
         size_hw = self.resized_size(image.width, image.height)
         pixels = _normalized(image, size_hw, self.resample, self.image_mean, self.image_std)  # [C, H, W]
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        p, m = self.patch_size, self.merge_size
         grid_h, grid_w = size_hw[0] // p, size_hw[1] // p
         blocks = pixels.reshape(3, grid_h // m, m, p, grid_w // m, m, p)
         # (C, H/p/m, m, p, W/p/m, m, p) -> (H/p/m, W/p/m, m, m, C, p, p)
         blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)
-        repeated = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
-        patches = np.ascontiguousarray(repeated).reshape(grid_h * grid_w, 3 * t * p * p)
-        return PixelValues(patches, (1, grid_h, grid_w))
+        return PixelValues(np.ascontiguousarray(blocks).reshape(grid_h * grid_w, 3 * p * p), (1, grid_h, grid_w))
+
+    def batch_compact(self, images: list[PixelValues]) -> tuple[np.ndarray, np.ndarray]:
+        grid = np.array([image.grid_thw for image in images], dtype=np.int64).reshape(len(images), 3)
+        rows = sum(len(image.values) for image in images)
+        return self._repeated(images, rows).reshape(rows, *self._item_shape), grid
+
+    def _repeated(self, images: list[PixelValues], rows: int) -> np.ndarray:
+        """``[rows, 3, t, p * p]``: compact images' patches (``rows`` in all) with every temporal
+        copy, written once into one new array."""
+        p, t = self.patch_size, self.temporal_patch_size
+        out = np.empty((rows, 3, t, p * p), dtype=np.float32)
+        at = 0
+        for image in images:
+            n = len(image.values)
+            out[at : at + n] = image.values.reshape(n, 3, 1, p * p)
+            at += n
+        return out
 
 
 ImagePolicy = Union[FixedResolutionPolicy, DynamicResolutionPolicy]

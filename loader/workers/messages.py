@@ -19,6 +19,7 @@ from loader.metrics import IO, receive_shipped
 from loader.stages.packing import ConcatRow, PackedSequence
 from loader.stages.producer import End, Item
 from loader.workers.shm import read_arrays, write_arrays
+from loader.vision.transfer import pack_images, unpack_images
 
 ITEMS_PER_MESSAGE = 8  # sequences per message: amortises the descriptor's pickling and the pipe
 
@@ -100,6 +101,8 @@ def write_message(items: list, slot: memoryview) -> dict:
                     for s, has in zip(sequences, rows)
                 ]).astype(feature.dtype, copy=False)
                 descriptor["feature_rows"][name] = rows
+        if any(s.images is not None for s in sequences):  # image sources: pixels beside the features
+            descriptor["images"] = pack_images(sequences, arrays)
         descriptor["layout"] = write_arrays(slot, arrays)
     return descriptor
 
@@ -136,6 +139,8 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
                 )
                 at_other += 1
                 at_starts += count
+            if "images" in descriptor:
+                sequence.images = unpack_images(descriptor["images"][row], arrays, row)
             if decode_state is not None and lane_state is not None:
                 lane_state = decode_state(lane_state)
             items.append(Item(global_index, source_id, sequence, lane_state, holder,

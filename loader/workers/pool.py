@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
-from typing import Optional
+from typing import Optional, Sequence
 
 from loader.errors import ZephonError
 from loader.workers.child import BOOTSTRAP
@@ -85,10 +85,12 @@ def slots_per_worker(prefetch: int, items_held: int) -> int:
 
 
 class WorkerPool:
-    def __init__(self, *, num_workers: int, seq_len: int, num_slots: int) -> None:
+    def __init__(self, *, num_workers: int, seq_len: int, num_slots: int, extra_slot_bytes: int = 0,
+                 features: Optional[Sequence[str]] = None) -> None:
         remove_stale_segments()
         self.num_slots = num_slots
-        self.slot_size = slot_bytes(seq_len, ITEMS_PER_MESSAGE)
+        # extra_slot_bytes: a message's worst-case pixel data (image sources, loader.vision.transfer)
+        self.slot_size = slot_bytes(seq_len, ITEMS_PER_MESSAGE, features) + extra_slot_bytes
         self.processes: list[WorkerProcess] = []
         self.commands: list[Connection] = []
         self.messages: list[Connection] = []

@@ -30,7 +30,7 @@ import mmap
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -44,10 +44,11 @@ def _shm_dir() -> str:
     return SHM_DIR if os.path.isdir(SHM_DIR) else os.environ.get("TMPDIR", "/tmp")
 
 
-def slot_bytes(seq_len: int, items_per_message: int) -> int:
-    """Room for a message's arrays in the worst case (a segment at every token)."""
-    # input_ids, labels int32; every registered per-token feature; segment starts int32
-    per_row = seq_len * (4 + 4 + slot_bytes_per_token() + 4)
+def slot_bytes(seq_len: int, items_per_message: int, features: Optional[Sequence[str]] = None) -> int:
+    """Room for a message's arrays in the worst case (a segment at every token); ``features``:
+    the per-token features the loader's sequences may carry (default: all registered)."""
+    # input_ids, labels int32; the per-token features; segment starts int32
+    per_row = seq_len * (4 + 4 + slot_bytes_per_token(features) + 4)
     return _align(items_per_message * per_row + 64 * (3 + len(FEATURES)))  # each array 64-byte aligned
 
 

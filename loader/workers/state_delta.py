@@ -49,7 +49,8 @@ class StateEncoder:
 
     def _bins(self, lane_id: int, path: tuple, snapshot: StateSnapshot) -> dict:
         # A best-fit snapshot's arguments: stream state, serial, [(bin serial, pieces)]
-        # (loader.stages.packing.BestFitPacker.snapshot); its builder makes the arrays.
+        # (loader.stages.packing.BestFitPacker.snapshot); its builder makes the arrays and the
+        # piece_origins (a bin sent before has its origins on the trainer's side too).
         build, (stream_state, serial, open_bins) = snapshot._build, snapshot._args
         sent = self._sent.get((lane_id, path), {})
         new = [(s, pieces) for s, pieces in open_bins if sent.get(s) != len(pieces)]

@@ -66,6 +66,10 @@ SHAPED_CASES = {
                    [{"function": ""}], [{"function": "identity", "extra": 1}], [{"function": "identity", "args": 3}],
                    [{"function": "identity", "args": {"x": NAN}}], [{"function": "identity", "stage": "words"}],
                    [{"function": "nope"}], [{"function": "a b:c"}]],
+    "images": ["qwen2_vl", 5, NAN, True, [], [{}], {"extra": 1}, {"overflow": "drop"},  # issue 18
+               {"overflow": 3}, {"max_images_per_sequence": 0}, {"max_images_per_sequence": 1.5},
+               {"max_images_per_sequence": True}, {"image_token": 3}, {"image_token": ""},
+               {"image_start_token": 7}, {"image_end_token": ["<e>"]}, {"policy": 5}, {"policy": "tiles"}, {"policy": {"kind": "fixed", "size": -3}}],
 }
 
 

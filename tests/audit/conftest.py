@@ -104,3 +104,24 @@ def rebuild_from_documents(audit, datasets: dict[str, str], token_format, pad_id
         assert len(out) == seq_len
         rebuilt.append(out)
     return np.array(rebuilt, dtype=np.int64)
+
+
+def audit_with_reads(config: LoaderConfig, step: int, **kwargs) -> tuple[object, list]:
+    """``audit_step(config, step, **kwargs)`` and its read log as it stood before the step's
+    documents were looked up: ``(source, lane, file, row group, column)`` of placing the lanes
+    and producing the step (the key reads come after)."""
+    import loader.commands.audit as audit_module
+
+    captured = []
+    original = audit_module._fill_documents
+
+    def keep(sequences, lanes, loader, tokenizer, log):
+        captured.extend(log.reads)
+        return original(sequences, lanes, loader, tokenizer, log)
+
+    audit_module._fill_documents = keep
+    try:
+        audit = audit_module.audit_step(config, step, **kwargs)
+    finally:
+        audit_module._fill_documents = original
+    return audit, captured

@@ -7,7 +7,7 @@ import pytest
 
 from loader.commands.audit import audit_step
 
-from tests.audit.conftest import SEQ_LEN, rebuild_from_documents, step_batch
+from tests.audit.conftest import SEQ_LEN, audit_with_reads, rebuild_from_documents, step_batch
 
 
 def _check(config, sources, step, **kwargs):
@@ -79,7 +79,8 @@ def test_audit_after_a_resume_on_another_world_size(make_config, sources, packin
     datasets = {"web": sources.web, "code": sources.code}
     for audit in (audit_step(config, 14, load_state=state), audit_step(config, 14)):
         np.testing.assert_array_equal(rebuild_from_documents(audit, datasets, token_format, pad_id, SEQ_LEN), expected)
-    assert audit_step(config, 14, load_state=state).method == ("checkpoint" if packing == "concat" else "replay")
+    # best fit too: the open bins' pieces are resolved to their documents (piece_origins)
+    assert audit_step(config, 14, load_state=state).method == "checkpoint"
 
 
 def test_reads_only_the_row_groups_the_step_needs(make_config, sources, monkeypatch):
@@ -113,21 +114,7 @@ def test_reads_only_the_row_groups_the_step_needs(make_config, sources, monkeypa
 
 def _log_of(config, step):
     """The audit's own read log of a seek (num_tokens reads before the key reads)."""
-    import loader.commands.audit as audit_module
-
-    captured = []
-    original = audit_module._fill_documents
-
-    def keep(sequences, lanes, loader, tokenizer, log):
-        captured.extend(log.reads)
-        return original(sequences, lanes, loader, tokenizer, log)
-
-    audit_module._fill_documents = keep
-    try:
-        audit_step(config, step)
-    finally:
-        audit_module._fill_documents = original
-    return captured
+    return audit_with_reads(config, step)[1]
 
 
 def test_text_lanes_need_a_checkpoint(make_config, sources, tmp_path, capsys):

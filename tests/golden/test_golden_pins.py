@@ -833,10 +833,13 @@ CHECKPOINT_CONFIGS = ("concat", "best_fit", "mix_sequence", "mix_token")
 # loader.checkpoint.state.dumps): masked_sha256 covers every byte but the library-bound fingerprints,
 # bytes_sha256 every byte (pyarrow and tokenizers versions checked); the rest, for readability,
 # names a few fields literally (a concat lane's state is a cursor; best-fit lanes hold tokens).
+# Re-pinned with state version 2 (loader.checkpoint.migrations): the version-1 pins of commit
+# 4c2250e are the bytes of these states with "version" 1 and every bin's piece_origins removed
+# (test_version_2_changed_only_the_version_and_piece_origins), so nothing else moved.
 PINNED_CHECKPOINTS = {
     "concat": {
-        "bytes_sha256": "d7c31448ffa182a21a27630d2eef5fa68263c2381fc9601f3f5ab07112b0abe1",
-        "masked_sha256": "caccb2cbe79d27bdeab830013b58fcc945f6a83bfabaca84dc77cc0816be6989",
+        "bytes_sha256": "6fe45b3047cc68b42c4e42c457911b1e6a6e73630aa2045e87fa04cd39f2127a",
+        "masked_sha256": "fffa77e6fadfe79920e97128d2045a4b1ad5ccfa5e9711b814cb1e896631e8f7",
         "next_global_index": 320,
         "config": {
             "seed": 11,
@@ -861,8 +864,8 @@ PINNED_CHECKPOINTS = {
         },
     },
     "best_fit": {
-        "bytes_sha256": "ac1e6db498a2536653110448e695f579c916bd4f993b944001b26d65f02ea74a",
-        "masked_sha256": "c2960cbe11926ff04d3551b45b7be3f72603e04180a4cc31885d2951ec7bd584",
+        "bytes_sha256": "ce0c5c0f435f9fc598d99856003088b9772227ff98ee735e8ce4c633b6b0e39b",
+        "masked_sha256": "9fa2028e334ffd940da2dca41041d5fdb35a3592bda120760bc25852f3f8909e",
         "next_global_index": 320,
         "config": {
             "seed": 11,
@@ -879,8 +882,8 @@ PINNED_CHECKPOINTS = {
         "lane_00000": None,
     },
     "mix_sequence": {
-        "bytes_sha256": "49297c28c70e7ea974ef7f73ee2c7334ae3faf6d9074f8df9a02029adecaf4da",
-        "masked_sha256": "3e47ea461e6e7b4bf636b9aa732461f0df757775f854df0d3855f1e426d99893",
+        "bytes_sha256": "658cb35bf2a094de046deb5688a67295db62eec3826e6df1e6271d99c9d3e81b",
+        "masked_sha256": "409569151350baa6f4e80841a241c3685945604298dba152bd69287c7fc01348",
         "next_global_index": 320,
         "config": {
             "seed": 11,
@@ -909,8 +912,8 @@ PINNED_CHECKPOINTS = {
         },
     },
     "mix_token": {
-        "bytes_sha256": "ec212f7228b2286b67d945cea75e12a6891c8529c05d5cb11e1a48cd8fd27814",
-        "masked_sha256": "4a8da232463a217532ca1e180dc9cf14616912aa4dd07f9a6c0a29a333a89fdf",
+        "bytes_sha256": "48acb6e50f61b8fa459aa9dfaa9e89174820663229d44257598f3a67a425bacf",
+        "masked_sha256": "181e008174f2f5147eb25e3f86b0897b2ccdb4ee1644d30a5da7459f02ffa0ca",
         "next_global_index": 320,
         "config": {
             "seed": 11,
@@ -938,3 +941,30 @@ def test_checkpoint_json_keeps_its_bytes(runs, name) -> None:
     assert {k: v for k, v in got.items() if k != "bytes_sha256"} == pinned
     require_pinned_libraries("pyarrow", "tokenizers")
     assert got["bytes_sha256"] == full_sha256
+
+
+# The version-1 pins (commit 4c2250e), before piece_origins: a version-2 state with "version" 1
+# and its bins' piece_origins removed must still be these bytes.
+PINNED_VERSION_1_MASKED = {
+    "concat": "caccb2cbe79d27bdeab830013b58fcc945f6a83bfabaca84dc77cc0816be6989",
+    "best_fit": "c2960cbe11926ff04d3551b45b7be3f72603e04180a4cc31885d2951ec7bd584",
+    "mix_sequence": "3e47ea461e6e7b4bf636b9aa732461f0df757775f854df0d3855f1e426d99893",
+    "mix_token": "4a8da232463a217532ca1e180dc9cf14616912aa4dd07f9a6c0a29a333a89fdf",
+}
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_CONFIGS)
+def test_version_2_changed_only_the_version_and_piece_origins(runs, name) -> None:
+    _, state = runs[(name, False)]
+    as_v1 = json.loads(dumps(state))
+    assert as_v1["version"] == 2
+    as_v1["version"] = 1
+    origins = 0
+    for lane in as_v1["lanes"].values():
+        packers = [lane["mixed"]] if "mixed" in lane else [s["packer"] for s in lane["sources"].values()]
+        for packer in packers:
+            for bin_ in packer.get("bins", []):
+                assert len(bin_.pop("piece_origins")) == len(bin_["piece_starts"])  # every bin says
+                origins += 1
+    assert (origins > 0) == (state["config"]["packing"] == "best_fit")
+    assert hashlib.sha256(masked_state_bytes(as_v1)).hexdigest() == PINNED_VERSION_1_MASKED[name]

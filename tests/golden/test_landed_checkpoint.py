@@ -1,8 +1,10 @@
 """A checkpoint written by the landed code (before the per-token-features refactor) resumes
 today's loader on the identical stream, on another world size and worker count.
 
-The fixture and how it was made: :mod:`tests.golden.landed_checkpoint`. The checkpoint format
-is unchanged since (``version`` 1), so no migration runs; this test is what says so.
+The fixture and how it was made: :mod:`tests.golden.landed_checkpoint`. Its checkpoints are
+``version`` 1; today's format is 2 (best-fit bins say where each piece came from), and
+:mod:`loader.checkpoint.migrations` upgrades them on load: this test is what says the upgraded
+state continues the identical stream.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def test_todays_datasets_and_stream_are_the_landed_ones(landed, paths, name) -> 
 @pytest.mark.parametrize("world_size,num_workers", [(4, 0), (1, 2)])
 def test_a_landed_checkpoint_continues_identically(landed, paths, name, world_size, num_workers) -> None:
     saved = landed["configs"][name]
-    assert saved["state"]["version"] == STATE_VERSION  # the format did not change: no migration needed
+    assert saved["state"]["version"] == 1 < STATE_VERSION  # loaded through loader.checkpoint.migrations
     run = LoaderRun(config_of(name, paths).replace(num_workers=num_workers), world_size=world_size)
     try:
         run.load(saved["state"])
@@ -63,3 +65,14 @@ def test_a_landed_checkpoint_continues_identically(landed, paths, name, world_si
     finally:
         run.close()
     assert [line.split()[:2] for line in lines] == [[str(step), sha] for step, sha, _ in saved["fingerprints"][SAVE_STEP:]]
+
+
+def test_the_audit_of_a_landed_best_fit_checkpoint_replays_and_says_why(landed, paths) -> None:
+    """A version-1 best-fit checkpoint's bins do not say where their pieces came from: the audit
+    replays from step 0 (the same report as without the checkpoint) and its notes say why."""
+    from loader.commands.audit import audit_step
+
+    config = config_of("best_fit_mix", paths)
+    audit = audit_step(config, SAVE_STEP + 2, load_state=landed["configs"]["best_fit_mix"]["state"])
+    assert audit.method == "replay" and "version-1 checkpoint" in audit.notes[0]
+    assert audit.sequences == audit_step(config, SAVE_STEP + 2).sequences

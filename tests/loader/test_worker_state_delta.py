@@ -62,3 +62,16 @@ def test_unchanged_bins_are_not_sent_again(make_config):
         full.append(len(pickle.dumps(state)))
     loader.close()
     assert sum(sizes[5:]) < 0.7 * sum(full[5:]), (sum(sizes[5:]), sum(full[5:]))
+
+
+def test_decoded_bins_carry_their_piece_origins(make_config):
+    """The origins travel with the bins: a shipped delta decodes to bins that say where every
+    piece came from (state version 2), as ``get_state()`` does."""
+    loader = ZephonLoader(make_config("best_fit", pretokenized=True))
+    pieces = 0
+    for _, state, _ in _run_states(loader, [0, 2], {}, 0, 80):
+        for bin_ in state["sources"]["synthetic"]["packer"]["bins"]:
+            assert len(bin_["piece_origins"]) == len(bin_["piece_starts"])
+            pieces += len(bin_["piece_starts"])
+    loader.close()
+    assert pieces

@@ -74,3 +74,33 @@ def drop_all(doc):
 def drop_key_prefix(doc, prefix: str):
     """Drops the documents whose key starts with ``prefix``."""
     return None if doc.key.startswith(prefix) else doc
+
+
+@transform(stage="records")
+def drop_long_conversations(doc, max_messages: int = 3):
+    """A records filter (online chat): drops conversations of more than ``max_messages`` messages."""
+    return None if len(doc.record["messages"]) > max_messages else doc
+
+
+@transform(stage="records")
+def shout_replies(doc):
+    """A records map (online chat): the assistant's text replies in capitals, before rendering."""
+    record = doc.record
+    for message in record["messages"]:
+        if message.get("role") == "assistant" and isinstance(message.get("content"), str):
+            message["content"] = message["content"].upper()
+    return doc.replace(record=record)
+
+
+@transform(stage="tokens")
+def drop_unsupervised_halves(doc):
+    """A token filter that reads a feature: drops documents with more unmasked than masked tokens."""
+    mask = doc.features["loss_mask"]
+    return None if 2 * int(mask.sum()) < len(mask) else doc
+
+
+def drop_lane(doc, lane: int, lanes: int, seed: int = 0):
+    """Drops every document the sharding job puts in ``lane`` of ``lanes`` (with ``--seed seed``)."""
+    from loader.order.hashing import lane_of_key
+
+    return None if lane_of_key(seed, doc.key, lanes) == lane else doc

@@ -179,9 +179,12 @@ def test_a_filter_that_empties_whole_row_groups_keeps_cursors_right(transform_co
 
 
 def test_a_lane_whose_every_document_is_dropped_is_an_error(transform_corpus):
+    from loader.io.lane_reader import EmptyLaneError
+
     config = loader_config(transform_corpus.text_path, [{"function": F + "drop_all"}])
     with ZephonLoader(config) as loader:
-        with pytest.raises(TransformError, match="drop every document of lane 0"):
+        with pytest.raises(EmptyLaneError, match=r"lane 0 of source 'synthetic' .*every document is dropped by its "
+                                                 r"transforms \(tests.transforms.functions:drop_all\)"):
             next(loader)
 
 

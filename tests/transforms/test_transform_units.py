@@ -122,3 +122,34 @@ def test_fingerprint_logs_report_counts_as_comment_lines(tmp_path):
     log = tmp_path / "a.txt"
     log.write_text("0 " + "ab" * 32 + "\n" + "\n".join(lines) + "\n")
     assert [r.step for r in parse_log(str(log))] == [0]  # zephon diff reads the log as before
+
+
+def test_tombstone_rows_leave_the_dropped_rows_out_of_the_replay_order_and_count_them():
+    import pyarrow as pa
+
+    from loader.io.integrity import LaneDataError
+    from loader.transforms.rows import tombstone_rows
+
+    dropped_by = pa.array([-1, 1, -1, 0, 1, -1], pa.int16())
+    rows, counts = tombstone_rows(dropped_by, None, ("a", "b"), "f", 0)
+    assert rows.tolist() == [0, 2, 5] and counts.tolist() == [1, 2]
+    order = np.array([5, 3, 0, 1, 4, 2], dtype=np.int64)  # a later epoch's permutation of all six rows
+    rows, counts = tombstone_rows(dropped_by, order, ("a", "b"), "f", 0)
+    assert rows.tolist() == [5, 0, 2] and counts.tolist() == [1, 2]
+    rows, counts = tombstone_rows(pa.array([-1, -1], pa.int16()), None, ("a",), "f", 0)
+    assert rows is None and counts.tolist() == [0]  # no tombstone: the row group as stored
+    with pytest.raises(LaneDataError, match="dropped_by holds 2, but the manifest lists 2 transforms"):
+        tombstone_rows(pa.array([2], pa.int16()), None, ("a", "b"), "f", 0)
+
+
+def test_a_records_transform_sees_a_fresh_copy_of_the_conversation():
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    doc = Document("k", record=record)
+    doc.record["messages"].clear()  # editing what a read returned changes nothing
+    assert doc.record == record
+    chain = TransformChain([TransformSpec("tests.transforms.functions:shout_replies").resolved(False)], seed=0,
+                           source="chat", pretokenized=False, records=True)
+    counts = TransformCounts.zeros(1)
+    result = chain.apply(Document("k", record=record), counts)
+    assert result.record["messages"][1]["content"] == "YO" and counts.counts == [[0, 1]]
+    assert record["messages"][1]["content"] == "yo"

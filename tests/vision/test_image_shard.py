@@ -250,15 +250,32 @@ def test_webdataset_alone_is_an_image_job_and_option_errors_name_the_fix(dataset
                    *IN_MEMORY])
 
 
-def test_the_loader_refuses_an_image_dataset_instead_of_reading_its_captions(dataset):
-    """Until image batches land, an image dataset is an error naming it, never a text-only stream."""
-    from beam_jobs.sample_data import default_tokenizer_path
+def test_the_loader_delivers_every_image_of_the_dataset_once_per_epoch(dataset, tmp_path):
+    """Every lane drained to the end of one epoch (exhaustion "stop"): each stored image is in
+    exactly one packed sequence, its pixels the policy's output for its bytes (documents in =
+    out: nothing is read as captions alone, nothing twice)."""
+    from image_loader_data import image_tokenizer
     from loader.config import LoaderConfig
-    from loader.io.manifest import ManifestError
     from loader.pipeline import ZephonLoader
+    from loader.stages.lane import LaneExhausted
+    from loader.stages.producer import build_lanes
 
-    root = dataset[0]
-    config = LoaderConfig(datasets=({"path": str(root / "ds"), "name": "pictures"},), seq_len=32, global_batch_size=4,
-                          micro_batch_size=2, seed=0, tokenizer=default_tokenizer_path())
-    with pytest.raises(ManifestError, match=r"dataset 'pictures' .* holds images .* silently drop every image"):
-        ZephonLoader(config)
+    root, manifest = dataset[0], dataset[-1]
+    config = LoaderConfig(datasets=({"path": str(root / "ds"), "name": "pictures", "exhaustion": "stop"},),
+                          seq_len=256, global_batch_size=4, micro_batch_size=2, seed=0, packing="best_fit",
+                          tokenizer=image_tokenizer(tmp_path / "tokenizer.json"))
+    with ZephonLoader(config, output="numpy") as loader:
+        lanes = build_lanes(loader.spec, list(range(manifest.num_lanes)), {})
+    delivered = []
+    for lane_id, lane in lanes.items():
+        for k in range(10_000):
+            try:
+                _, sequence = lane.next_sequence(lane_id + k * manifest.num_lanes)
+            except LaneExhausted:
+                break
+            delivered += [hashlib.sha256(p.tobytes()).hexdigest() for p in sequence.images.pixels]
+        lane.close()
+    stored = [hashlib.sha256(POLICY.process_compact(data).values.tobytes()).hexdigest()
+              for row in lane_rows(root / "ds", manifest) for data in row["image_bytes"]]
+    assert len(stored) == manifest.images.images
+    assert sorted(delivered) == sorted(stored)

@@ -1,0 +1,175 @@
+"""``zephon audit``'s best-fit replay on integers: a lane's state before a step, from lengths alone.
+
+Where no checkpoint can place a best-fit lane, the audit replays it from step 0. Packing only
+ever looks at document lengths, so the replay does not need tokens, per-token features or
+sequences: :class:`BestFitReplay` runs :class:`~loader.stages.packing.BestFitPacker`'s rule
+on plain integers over a :class:`~loader.io.provenance.ProvenanceStream`'s lengths (the
+document pieces ``LaneTokenStream.take(seq_len, within_document=True)`` would return: the
+cursor, a length, whether it begins a document), and :func:`replayed_lane_state` runs
+:class:`~loader.stages.lane.Lane`'s source choice (schedule, fallback once a source stops)
+over one packer per source. The result is the lane state the training lane has before the
+step, bins as pieces with their origins (``piece_origins``, as a version-2 checkpoint holds
+them), which the audit restores like a checkpoint's (``audit._resolved_lane_state``).
+
+Same rule, same ties (the fullest bin, oldest on ties; a full piece of a long document is a
+sequence on its own), same cursor moves (a block is left as soon as its last token is
+taken; an epoch past ``max_epochs`` exhausts the stream): ``tests/audit/test_audit_replay.py``
+compares the states with those of the per-sequence replay. Token mixing is not replayed here
+(its deficit rule runs on the mixer's own counters): the audit uses the lane itself for it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+
+class _Cursor:
+    """A stream's position over document lengths, moving as ``LaneTokenStream.take`` does."""
+
+    def __init__(self, stream, state: dict) -> None:
+        self.stream = stream
+        self.extra = stream.token_format.extra
+        self.epoch, self.block, self.offset = state["epoch"], state["block"], state["offset"]
+        self.exhausted = state["exhausted"]
+        self._key: Optional[tuple[int, int]] = None
+        self._ends: list[int] = []  # end of each document of the current block, in replay order
+        self._doc = 0  # the document holding ``offset``
+
+    def _load(self) -> None:
+        stream = self.stream
+        blocks = stream.blocks_of_epoch(self.epoch)
+        file_ordinal, row_group = blocks[self.block]
+        lengths = stream.lengths(file_ordinal, row_group)
+        if self.epoch > 0:
+            lengths = lengths[stream._row_order(self.epoch, file_ordinal, row_group, len(lengths))]
+        lengths = lengths[lengths >= 0]  # tombstones of zephon shard --transform: no document (ProvenanceStream.lengths)
+        self._ends = np.cumsum(lengths + self.extra).tolist()
+        self._blocks = len(blocks)
+        self._key = (self.epoch, self.block)
+        self._doc = 0
+
+    def _advance_block(self) -> None:
+        self.block += 1
+        self.offset = 0
+        if self.block >= self._blocks:
+            self.epoch += 1
+            self.block = 0
+            max_epochs = self.stream.max_epochs
+            if max_epochs is not None and self.epoch >= max_epochs:
+                self.exhausted = True
+
+    def take(self, n: int) -> Optional[tuple[tuple[int, int, int], int, bool]]:
+        """``(origin, length, begins a document)`` of the next piece of at most ``n`` tokens
+        inside one document, or None when exhausted."""
+        while not self.exhausted:
+            if self._key != (self.epoch, self.block):
+                self._load()
+            ends = self._ends
+            total = ends[-1] if ends else 0
+            if self.offset >= total:
+                self._advance_block()
+                continue
+            doc = self._doc
+            while ends[doc] <= self.offset:  # documents already taken (and empty ones)
+                doc += 1
+            self._doc = doc
+            start = ends[doc - 1] if doc else 0
+            origin = (self.epoch, self.block, self.offset)
+            length = min(n, ends[doc] - self.offset)
+            begins = self.offset == start
+            self.offset += length
+            if self.offset >= total:
+                self._advance_block()
+            return origin, length, begins
+        return None
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "block": self.block, "offset": self.offset, "exhausted": self.exhausted}
+
+
+class BestFitReplay:
+    """:class:`~loader.stages.packing.BestFitPacker` on lengths: bins are ``[used, serial, pieces]``
+    with pieces ``(origin, length, begins a document)``."""
+
+    def __init__(self, stream, seq_len: int, open_bins: int, state: Optional[dict] = None) -> None:
+        state = state or {"stream": {"epoch": 0, "block": 0, "offset": 0, "exhausted": False}, "bins": [], "serial": 0}
+        if state["bins"]:
+            raise ValueError("BestFitReplay starts from a state without open bins")
+        self.cursor = _Cursor(stream, state["stream"])
+        self.seq_len = seq_len
+        self.max_open_bins = open_bins
+        self.bins: list[list] = []
+        self.serial = int(state["serial"])
+
+    def next_sequence(self) -> bool:
+        """Emit the next sequence (True), or False when the stream and the bins are empty."""
+        seq_len, bins = self.seq_len, self.bins
+        while True:
+            piece = self.cursor.take(seq_len)
+            if piece is None:
+                if not bins:
+                    return False
+                bins.remove(min(bins, key=lambda b: (seq_len - b[0], b[1])))
+                return True
+            size = piece[1]
+            if size == seq_len:
+                return True
+            target = None
+            for b in bins:  # the fitting bin with the least room, oldest on ties
+                if seq_len - b[0] >= size and (target is None or b[0] > target[0]):
+                    target = b  # bins are in creation order: the first of equal room is the oldest
+            if target is not None:
+                target[2].append(piece)
+                target[0] += size
+                if target[0] == seq_len:
+                    bins.remove(target)
+                    return True
+                continue
+            evicted = None
+            if len(bins) >= self.max_open_bins:
+                evicted = min(bins, key=lambda b: (seq_len - b[0], b[1]))
+            bins.append([size, self.serial, [piece]])
+            self.serial += 1
+            if evicted is not None:
+                bins.remove(evicted)
+                return True
+
+    def state(self) -> dict:
+        """The packer's state, bins as a version-2 checkpoint holds them (tokens: zeros)."""
+        saved = []
+        for used, serial, pieces in self.bins:
+            starts = np.cumsum([0] + [p[1] for p in pieces[:-1]]).tolist()
+            saved.append({"serial": serial, "tokens": np.zeros(used, dtype=np.int32), "piece_starts": starts,
+                          "doc_starts": [s for s, p in zip(starts, pieces) if p[2]],
+                          "piece_origins": [list(p[0]) for p in pieces]})
+        return {"stream": self.cursor.state(), "bins": saved, "serial": self.serial}
+
+
+def replayed_lane_state(lane, first_output: int, end_output: int) -> Optional[dict]:
+    """The state of ``lane`` (an audit lane, fresh: no output yet) after its outputs
+    ``first_output .. end_output - 1``, or None if it has no best-fit packer per source
+    (token mixing). Raises ``LaneExhausted`` as the lane would."""
+    from loader.stages.lane import LaneExhausted
+
+    spec = lane.spec
+    if lane.token_mixing or spec.packing != "best_fit" or first_output != 0:
+        return None
+    packers = [BestFitReplay(stream, spec.seq_len, spec.best_fit_open_bins) for stream in lane.source_streams()]
+    stopped = [False] * len(packers)
+    schedule, B, L = spec.schedule, spec.global_batch_size, lane.num_lanes
+    for k in range(first_output, end_output):
+        global_index = k * L + lane.lane_id
+        source_id = schedule.source_of(global_index)
+        while True:
+            if not stopped[source_id]:
+                if packers[source_id].next_sequence():
+                    break
+                stopped[source_id] = True
+            source_id = schedule.fallback_source(global_index, [not s for s in stopped], global_index // B)
+            if source_id < 0:
+                raise LaneExhausted(f"lane {lane.lane_id}: every source has run out of data")
+    return {"outputs": end_output, "sources": {
+        source.name: {"packer": packer.state(), "stopped": stop}
+        for source, packer, stop in zip(spec.sources, packers, stopped)}}

@@ -1,0 +1,161 @@
+"""Image refs to pixels: what the process that assembles a sequence does before shipping it.
+
+A packed sequence of an image source carries the ``image_ref`` feature
+(:mod:`loader.vision.block`): one run of equal refs per image, on its placeholder tokens.
+:class:`ImageResolver` (one per image stream, in the worker or the trainer's process, wherever
+the lane runs) turns each run into the image's pixels::
+
+    run of ref r at tokens [p, p + n) --decode_ref--> (epoch, block, row, image)
+      --the row group's image_bytes column, re-read (epoch row order) and cached--> bytes
+      --policy.process_compact (decode_rgb, pinned resample filter)--> PixelValues, checked: n tokens
+
+and sets ``sequence.images`` (:class:`SequenceImages`). The bytes are read from the lane file
+again rather than kept in the block: a best-fit bin or a restored checkpoint may hold refs to
+a row group read long ago. The last :data:`CACHED_ROW_GROUPS` row groups' bytes are cached,
+so the usual case (the sequence's documents come from the block being consumed) reads each
+row group's image column once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from loader.io import storage
+from loader.io.integrity import LaneDataError
+from loader.vision.block import decode_ref
+from loader.vision.reasons import ImageRejected
+
+CACHED_ROW_GROUPS = 2
+
+
+@dataclass
+class SequenceImages:
+    """The images of one packed sequence, in token order."""
+
+    positions: np.ndarray  # int64: first placeholder token of each image in the sequence
+    lengths: np.ndarray  # int64: placeholder tokens of each image
+    pixels: list  # float32, the policy's compact form: [3, S, S] or [h * w, 3 * p * p] (policy.compact)
+    grids: np.ndarray  # int64 [n, 3]: (t, h, w) patch grid of each image
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+def image_runs(refs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(starts, lengths, refs)`` of the runs of equal non-negative values in ``refs``."""
+    padded = np.concatenate(([-1], refs, [-1]))
+    bounds = np.flatnonzero(padded[1:] != padded[:-1])
+    starts, ends = bounds[:-1], bounds[1:]
+    values = refs[starts] if len(starts) else np.zeros(0, np.int64)
+    keep = values >= 0
+    return starts[keep].astype(np.int64), (ends - starts)[keep].astype(np.int64), values[keep]
+
+
+def empty_images() -> SequenceImages:
+    return SequenceImages(np.zeros(0, np.int64), np.zeros(0, np.int64), [], np.zeros((0, 3), np.int64))
+
+
+class ImageResolver:
+    """Resolves the refs of one (source, lane) stream's sequences (module docstring)."""
+
+    def __init__(self, stream, options, limits) -> None:
+        self.stream = stream
+        self.options = options
+        self.limits = limits  # loader.vision.images.ImageLimits the job checked the images against
+        self._row_groups: OrderedDict = OrderedDict()  # (epoch, block) -> list<binary> column, rows in replay order
+        self._open: tuple = ()  # (file ordinal, ParquetFile, handle)
+
+    def attach(self, sequence) -> None:
+        """Set ``sequence.images`` from its ``image_ref`` feature."""
+        refs = sequence.features.get("image_ref")
+        if refs is None:
+            sequence.images = empty_images()
+            return
+        starts, lengths, values = image_runs(refs)
+        policy = self.options.policy
+        pixels, grids = [], []
+        for start, length, ref in zip(starts.tolist(), lengths.tolist(), values.tolist()):
+            data, where = self._image_bytes(*decode_ref(ref))
+            try:
+                processed = policy.process_compact(data, self.limits)
+            except ImageRejected as exc:
+                raise LaneDataError(f"{where}: the stored image cannot be decoded now ({exc}); the file is "
+                                    "corrupt (re-run the Beam job)") from exc
+            t, h, w = processed.grid_thw
+            tokens = _tokens_of(policy, t, h, w)
+            if tokens != length:
+                raise LaneDataError(f"{where}: the image has {tokens} visual tokens under the configured policy but "
+                                    f"its placeholder run in the sequence holds {length} (an image split across "
+                                    "sequences, or another policy); this is a bug: report it")
+            pixels.append(processed.values)
+            grids.append(processed.grid_thw)
+        sequence.images = SequenceImages(starts, lengths, pixels,
+                                         np.array(grids, dtype=np.int64).reshape(len(grids), 3))
+
+    def _image_bytes(self, epoch: int, block: int, row: int, image: int) -> tuple[bytes, str]:
+        stream = self.stream
+        file_ordinal, row_group = stream.blocks_of_epoch(epoch)[block]
+        where = f"{storage.join(stream.dataset_path, stream.files[file_ordinal].path)}: row group {row_group}, " \
+                f"row {row}, image {image}"
+        column = self._row_groups.get((epoch, block))
+        if column is None:
+            column = self._read(epoch, file_ordinal, row_group, where)
+            self._row_groups[(epoch, block)] = column
+            while len(self._row_groups) > CACHED_ROW_GROUPS:
+                self._row_groups.popitem(last=False)
+        else:
+            self._row_groups.move_to_end((epoch, block))
+        try:
+            images = column[row].values
+            data = images[image].as_py()
+        except (IndexError, AttributeError) as exc:
+            raise LaneDataError(f"{where}: no such image in the lane file ({exc}); the file changed since its "
+                                "block was read (re-run the Beam job)") from exc
+        return data, where
+
+    def _read(self, epoch: int, file_ordinal: int, row_group: int, where: str) -> pa.Array:
+        stream = self.stream
+        if not self._open or self._open[0] != file_ordinal:
+            self.close()
+            handle = storage.open_lane_file(stream.dataset_path, stream.files[file_ordinal], stream.storage_options)
+            self._open = (file_ordinal, pq.ParquetFile(handle, pre_buffer=False), handle)
+        try:
+            table = self._open[1].read_row_group(row_group, columns=["image_bytes"], use_threads=False)
+        except Exception as exc:  # whatever pyarrow raises on bad bytes
+            raise LaneDataError(f"{where}: the image_bytes column cannot be read ({type(exc).__name__}: {exc}); "
+                                "the file is corrupt (re-run the Beam job)") from exc
+        column = table.column(0)
+        column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+        if epoch > 0:  # the rows in the order the block was built in (loader.order.epochs)
+            order = stream._row_order(epoch, file_ordinal, row_group, len(column))
+            column = pc.take(column, pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)]))
+        return column
+
+    def close(self) -> None:
+        if self._open:
+            self._open[1].close()
+            self._open[2].close()
+            self._open = ()
+
+
+def _tokens_of(policy, t: int, h: int, w: int) -> int:
+    """Visual tokens of a processed image's grid under ``policy``."""
+    merge = getattr(policy, "merge_size", 1)
+    return t * h * w // (merge * merge)
+
+
+def images_in(chunk) -> int:
+    """Images whose placeholders a chunk holds (runs of ``image_ref``; 0 without the feature)."""
+    refs = chunk.features.get("image_ref") if chunk.features else None
+    if refs is None or not len(refs):
+        return 0
+    on = refs >= 0
+    if not on.any():
+        return 0
+    return int(np.count_nonzero(on[1:] & (refs[1:] != refs[:-1])) + on[0])
