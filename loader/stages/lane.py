@@ -124,6 +124,8 @@ class Lane:
         # common case): step_snapshot then reads the cursors directly, once per lane and step.
         self._cursor_only = all(isinstance(p, ConcatPacker) and type(p.stream) is LaneTokenStream
                                 and not p.stream.counting for p in self.packers)
+        # Whether snapshot() can hold a best-fit StateSnapshot (worker state deltas encode only those).
+        self.holds_bins = any(isinstance(p, BestFitPacker) for p in self.packers)
 
     def _packer(self, stream):
         if self.spec.packing == "concat":

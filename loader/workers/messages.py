@@ -122,6 +122,7 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
         feature_arrays = {name: arrays[f"feature.{name}"] for name in feature_rows}
         holder = SlotLease(len(descriptor["global_index"]), lease) if lease is not None else None
         at_row = at_starts = at_other = 0  # offsets into doc_starts / segment_starts; other rows so far
+        images = descriptor.get("images")
         for row, (global_index, source_id, lane_state, is_row, count) in enumerate(zip(
             descriptor["global_index"], descriptor["source_id"], descriptor["lane_state"],
             descriptor["is_row"], descriptor["start_counts"],
@@ -139,8 +140,8 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
                 )
                 at_other += 1
                 at_starts += count
-            if "images" in descriptor:
-                sequence.images = unpack_images(descriptor["images"][row], arrays, row)
+            if images is not None:
+                sequence.images = unpack_images(images[row], arrays, row)
             if decode_state is not None and lane_state is not None:
                 lane_state = decode_state(lane_state)
             items.append(Item(global_index, source_id, sequence, lane_state, holder,

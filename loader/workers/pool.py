@@ -98,6 +98,7 @@ class WorkerPool:
         self.ready = [False] * num_workers
         self.run_id = 0
         self.decoders: list[StateDecoder] = []  # the current run's, one per worker
+        self.decodes_states = False
         self.input_dir = tempfile.mkdtemp(prefix="zephon-workers-")
         env = dict(os.environ)
         # The tokenizer's thread pool in each worker gets its share of the cores, not all of them.
@@ -164,6 +165,8 @@ class WorkerPool:
         """Every worker drops what it was doing and produces from ``start_position``."""
         self.run_id += 1
         self.decoders = [StateDecoder() for _ in lanes_per_worker]  # each worker's encoder starts anew too
+        # Only best-fit lanes ship encoded states (loader.workers.state_delta); concat ones plain dicts.
+        self.decodes_states = spec.packing == "best_fit"
         for worker_id, lane_ids in enumerate(lanes_per_worker):
             path = os.path.join(self.input_dir, f"run-{self.run_id}-worker-{worker_id}.pickle")
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
@@ -228,7 +231,7 @@ class WorkerPool:
         if kind == "error":
             raise WorkerError(f"loader worker {worker_id} failed:\n{message[2]}")
         slot, descriptor = message[2], message[3]
-        decode = self.decoders[worker_id].decode
+        decode = self.decoders[worker_id].decode if self.decodes_states else None
         if slot is None:
             return read_message(descriptor, memoryview(b""), None, decode)
         segment = self.segments[worker_id]
