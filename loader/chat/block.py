@@ -115,7 +115,8 @@ def check_chat_sources(manifests, source_names, tokenizer, *, seq_len: int, pack
     return ONLINE_REJECT_REASONS if online else ()
 
 
-def _log_first(reason: str, source_name: str, detail: str) -> None:
+def log_first_reject(reason: str, source_name: str, detail: str) -> None:
+    """Log an online reject once per reason per process (the counts go into every micro-batch)."""
     with _logged_lock:
         if reason in _logged_reasons:
             return
@@ -251,7 +252,7 @@ class ChatBlock(Block):
                     raise LaneDataError(f"{where}: row group {row_group}: a conversation fails a check the Beam job "
                                         f"makes ({outcome}); the file was not written by it (re-run it)")
                 self.reject_counts[outcome.reason] = self.reject_counts.get(outcome.reason, 0) + 1
-                _log_first(outcome.reason, chat.source_name, outcome.detail)
+                log_first_reject(outcome.reason, chat.source_name, outcome.detail)
                 continue
             ids.append(outcome.input_ids)
             masks.append(outcome.loss_mask)

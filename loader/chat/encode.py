@@ -71,7 +71,9 @@ class EncodedConversation:
         return int(self.loss_mask.sum())
 
 
-def _spans_or_reject(template: ChatTemplate, conversation: Conversation, loss_on: str) -> AssistantSpans:
+def spans_or_reject(template: ChatTemplate, conversation: Conversation, loss_on: str) -> AssistantSpans:
+    """The conversation's render and assistant spans; a template that fails on it is a reject
+    (the text and image chat paths share this)."""
     try:
         return assistant_spans(template, conversation, loss_on=loss_on)
     except ZephonError:
@@ -120,7 +122,7 @@ def render_conversation(
     ``from_json``: the record is ``json.loads`` output (:func:`parse_conversation`)."""
     conversation = parse_conversation(record, messages_field=messages_field, tools_field=tools_field,
                                       from_json=from_json)
-    return RenderedConversation(conversation, _spans_or_reject(template, conversation, loss_on))
+    return RenderedConversation(conversation, spans_or_reject(template, conversation, loss_on))
 
 
 def finish_encoding(

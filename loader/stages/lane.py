@@ -252,9 +252,7 @@ class Lane:
         at every step boundary (``step_states_kept``), so the common case (never asked for)
         costs a few object creations per lane, not the state's dicts."""
         if self._cursor_only:  # concat over plain streams: four integers per source
-            seq_len = self.spec.seq_len
-            cursors = [(p.stream.epoch, p.stream.block_index, p.stream.offset - (p._fill_rows - p._next_row) * seq_len,
-                        p.stream.exhausted) for p in self.packers]
+            cursors = [packer.cursor() for packer in self.packers]
             return StateSnapshot(self._cursor_state, self.outputs, cursors, tuple(self.stopped))
         parts = [packer.cursor_snapshot() if isinstance(packer, ConcatPacker)
                  else packer.snapshot() if hasattr(packer, "snapshot") else packer.get_state()

@@ -247,8 +247,14 @@ class ConcatPacker:
         stream = self.stream
         if not isinstance(stream, LaneTokenStream) or stream.counting:  # transform counters (or tombstones)
             return self.get_state()
+        return StateSnapshot(concat_state, *self.cursor())
+
+    def cursor(self) -> tuple[int, int, int, bool]:
+        """``(epoch, block, offset, exhausted)`` of a plain stream's state as of now (rows cut but
+        not handed out moved back over, as :meth:`get_state` does): :func:`concat_state`'s arguments."""
+        stream = self.stream
         offset = stream.offset - (self._fill_rows - self._next_row) * self.seq_len
-        return StateSnapshot(concat_state, stream.epoch, stream.block_index, offset, stream.exhausted)
+        return stream.epoch, stream.block_index, offset, stream.exhausted
 
     def set_state(self, state: dict, path: str = "packer") -> None:
         """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""

@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from loader.chat.conversations import REJECT_REASONS, Conversation, parse_conversation
-from loader.chat.encode import RenderedConversation, _spans_or_reject, finish_encoding
+from loader.chat.encode import RenderedConversation, spans_or_reject, finish_encoding
 from loader.chat.masks import tokenize_rendered_batch
 from loader.errors import RecordRejected
 from loader.io.blocks import wrap_documents
@@ -107,7 +107,7 @@ def render_image_conversation(conversation: Conversation, template, *, loss_on: 
     """The :func:`stripped` conversation rendered with its assistant spans (what the job checks
     and the loader encodes: the same render); raises :class:`loader.chat.ConversationRejected`."""
     conversation = stripped(conversation)
-    return RenderedConversation(conversation, _spans_or_reject(template, conversation, loss_on))
+    return RenderedConversation(conversation, spans_or_reject(template, conversation, loss_on))
 
 
 @dataclass(frozen=True, eq=False)
@@ -262,7 +262,7 @@ class ImageChatBlock(ImageBlock):
         return records, tokens
 
     def _encode(self) -> None:
-        from loader.chat.block import _log_first
+        from loader.chat.block import log_first_reject
 
         options, fmt, chat = self._options, self._format, self._chat
         records, visual_tokens = self._records_and_tokens()
@@ -278,7 +278,7 @@ class ImageChatBlock(ImageBlock):
                 if outcome.reason not in ONLINE_REASONS:  # the job checked the rest: not its data
                     raise self._fail(row, f"a conversation fails a check the Beam job makes ({outcome})")
                 self.reject_counts[outcome.reason] = self.reject_counts.get(outcome.reason, 0) + 1
-                _log_first(outcome.reason, chat.source_name, outcome.detail)
+                log_first_reject(outcome.reason, chat.source_name, outcome.detail)
                 continue
             ref = np.full(len(outcome.input_ids), -1, np.int64)
             on = outcome.image_index >= 0
