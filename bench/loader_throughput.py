@@ -378,7 +378,7 @@ def _probed_count(recorder, spent: dict):
 def child_loader(dataset: str, packing: str, num_workers: int, steps: int, batch_fields=None,
                  verify_local_files: bool = None, integrity_checks: bool = True,
                  account_checks: bool = False, metrics: bool = True, account_metrics: bool = False,
-                 transforms=None) -> dict:
+                 transforms=None, warmup_steps: int = 0) -> dict:
     from loader.pipeline import ZephonLoader
 
     # Both only patch this process: the cases with them run with num_workers 0.
@@ -403,6 +403,10 @@ def child_loader(dataset: str, packing: str, num_workers: int, steps: int, batch
     _consume(batch)
     startup = clock.read()["seconds"]
     tokens = batch["input_ids"].numel()
+    if warmup_steps:  # untimed: the window starts in the steady state (see the chat cases)
+        for _ in range(warmup_steps * config.global_batch_size // config.micro_batch_size):
+            _consume(next(loader))
+        clock, tokens = _Clock(), 0
     for _ in range(micro_batches - 1):
         batch = next(loader)
         _consume(batch)
@@ -553,7 +557,7 @@ def plan(docs: int, writer: str) -> dict[str, dict]:
         cases["chat_floor"] = {"kind": "chat_floor", "dataset": chat}
         for packing in ("concat", "best_fit"):
             cases[f"chat_{packing}_k0"] = {"kind": "loader", "dataset": chat, "packing": packing, "num_workers": 0,
-                                           "steps": chat_steps}
+                                           "steps": chat_steps, "warmup_steps": chat_steps // CHAT_EPOCHS}
     for label, count in (("n", docs // 4), ("10n", docs * 10 // 4)):
         for k in (0, 2):
             cases[f"rss_{label}_k{k}"] = {

@@ -10,6 +10,7 @@ plugs in there.
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -61,9 +62,54 @@ class Block:
     def ensure(self, position: int) -> None:
         """Make ``tokens`` extend past ``position``, or hold the whole block."""
 
+    def prepare(self) -> None:
+        """Do now, on the prepare thread (:func:`loader.io.read_ahead.prepare_later`), work that
+        ``ensure`` would do when the stream reaches the block, until :meth:`claim` is called."""
+
+    def claim(self) -> None:
+        """The stream takes the block from the read-ahead: from now on only the stream's thread
+        touches it. Waits for a :meth:`prepare` step in progress; no step starts after it."""
+
+
+class PreparedInSteps:
+    """The prepare / claim protocol of a block that works in steps (a mixin for :class:`Block`).
+
+    Each step runs under ``_steps``; :meth:`claim` takes it once and sets ``_claimed``, so a step
+    running on the prepare thread finishes first and none runs after it. Before the claim the
+    block is the prepare thread's alone (it sits in the read-ahead queue); after it, the
+    stream's, without locks, so the stream's hot path pays nothing for this. The lock is also
+    why every step's attributes are written before the step ends: the stream reads them after
+    taking and dropping the lock once.
+    """
+
+    def _init_prepared(self) -> None:
+        self._steps = threading.Lock()
+        self._claimed = False
+
+    def _prepare_step(self) -> bool:
+        """Do one step of the work; False when there is none left."""
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        while True:
+            with self._steps:
+                if self._claimed or not self._prepare_step():
+                    return
+
+    def claim(self) -> None:
+        # Set before taking the lock: the prepare thread, re-taking it right after each step,
+        # would otherwise win it again and again (locks are not fair) and finish the block first.
+        self._claimed = True
+        with self._steps:
+            pass
+
 
 class TextBlock(Block):
-    """A text row group, tokenized lazily, whole documents per call (see ``TOKENIZE_CHARS``)."""
+    """A text row group, tokenized lazily, whole documents per call (see ``TOKENIZE_CHARS``).
+
+    Not prepared ahead (:meth:`Block.prepare`): the stream's own calls already run on the
+    tokenizer's thread pool, and tokenizing read-ahead blocks on the prepare thread cost 16%
+    more CPU per token in-process for no gain in tokens/s (bench/RESULTS.md, issue 17)."""
 
     def __init__(self, texts: list, tokenizer, token_format: TokenFormat) -> None:
         super().__init__(tokens=np.zeros(0, dtype=np.int32), doc_starts=np.zeros(1, dtype=np.int64),

@@ -36,7 +36,7 @@ from loader.io.blocks import Block, Chunk, DocumentsView, TokenFormat, build_blo
 from loader.io.integrity import (FIX, LaneDataError, check_footer, check_no_unlisted_files, check_row_group,
                                  verify_local_file)
 from loader.io.manifest import CONVERSATION_COLUMN, MANIFEST_NAME, TOMBSTONE_COLUMN, FileEntry, Manifest
-from loader.io.read_ahead import READ_AHEAD_BLOCKS, ReadAheadQueue
+from loader.io.read_ahead import READ_AHEAD_BLOCKS, ReadAheadQueue, prepare_later
 from loader.metrics import note_row_group_read
 from loader.order.epochs import epoch_blocks, row_order
 from loader.stages.features import Feature, column_features, slice_features
@@ -45,6 +45,18 @@ from loader.transforms.rows import LazyColumns, apply_transforms, extra_columns,
 
 log = logging.getLogger(__name__)
 
+
+
+def _prepare_block(key: tuple[int, int], block: Block) -> None:
+    """A block just read ahead (``key``: its epoch and index): its remaining decoding (an online
+    chat block's render, tokenization and masks) queued on the prepare thread; blocks with
+    nothing to prepare (pre-tokenized, text: see ``TextBlock``) cost nothing here."""
+    if not block.complete and type(block).prepare is not Block.prepare:
+        prepare_later(_run_prepare, block, key)
+
+
+def _run_prepare(block: Block) -> None:
+    block.prepare()
 
 class EmptyLaneError(LaneDataError):
     """A lane left without a token for a whole epoch: every document rejected or dropped."""
@@ -144,7 +156,7 @@ class LaneTokenStream:
         self.read_ahead_threads = read_ahead_threads
         self.read_ahead_blocks = read_ahead_blocks  # see read_ahead_depth
         # Blocks being read in the background, in stream order, keyed (epoch, block).
-        self._ahead = ReadAheadQueue(self._read_queued_block, read_ahead_threads)
+        self._ahead = ReadAheadQueue(self._read_queued_block, read_ahead_threads, prepare=_prepare_block)
         # The next block, read early by documents_ahead: ((epoch, block), Block).
         self._peeked: Optional[tuple[tuple[int, int], Block]] = None
         # Transforms (loader.transforms): the source's chain, the columns it reads, and the
@@ -436,8 +448,12 @@ class LaneTokenStream:
         self._ahead.wait()
 
     def _settle_read_ahead(self, wanted: Optional[tuple[int, int]] = None) -> Optional[Block]:
-        """The block ``wanted`` if it is the next one read ahead, else None (all reads dropped)."""
-        return self._ahead.take(wanted)
+        """The block ``wanted`` if it is the next one read ahead, else None (all reads dropped).
+        The one way a block leaves the read-ahead: claimed here (:meth:`Block.claim`)."""
+        block = self._ahead.take(wanted)
+        if block is not None:
+            block.claim()
+        return block
 
     def _row_order(self, epoch: int, file_ordinal: int, row_group: int, rows: int) -> np.ndarray:
         """The order epoch ``epoch`` replays the rows of a row group in (int64)."""

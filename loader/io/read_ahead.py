@@ -11,9 +11,12 @@ after a fork, whose child would inherit the pool objects but not their threads.
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import math
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from fractions import Fraction
 from typing import Any, Callable, Hashable, Optional
@@ -39,6 +42,7 @@ def read_ahead_depth(share: Fraction, *, takes_next_block_early: bool = False) -
 
 _pool_lock = threading.Lock()
 _pools: tuple[int, dict[int, ThreadPoolExecutor]] = (os.getpid(), {})
+_preparer: tuple[int, Optional["_Preparer"]] = (os.getpid(), None)
 
 
 def read_ahead_pool(threads: int) -> ThreadPoolExecutor:
@@ -52,6 +56,55 @@ def read_ahead_pool(threads: int) -> ThreadPoolExecutor:
         return pool
 
 
+def prepare_later(prepare: Callable[[Any], None], item: Any, order: tuple) -> None:
+    """Run ``prepare(item)`` on the process's one prepare thread, lowest ``order`` first (a
+    block's ``(epoch, block index)``: the one its lane needs soonest), unless ``item`` is gone
+    by then (held weakly: a block dropped by a restore is not worked on).
+
+    Not on the read-ahead threads: a prepare there (a chat row group's render, ~0.1-0.5 s) ran
+    before the next read queued on that thread, so a block wanted now (another lane's first)
+    waited for the render of one wanted epochs later: the first batch took 2.5x longer. Not
+    first-come first-served either: each lane queues its next two blocks at once, and the
+    thread spent half its time on blocks wanted an epoch later while the stream encoded the
+    ones it needed itself. A failed prepare is dropped: whoever uses the item does the work
+    again and gets the error.
+    """
+    global _preparer
+    with _pool_lock:
+        if _preparer[0] != os.getpid() or _preparer[1] is None:
+            _preparer = (os.getpid(), _Preparer())
+        preparer = _preparer[1]
+    preparer.submit(order, prepare, weakref.ref(item))
+
+
+class _Preparer:
+    """One daemon thread working through a heap of prepares (see :func:`prepare_later`)."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._serial = itertools.count()  # ties: first asked, first done
+        self._ready = threading.Condition()
+        threading.Thread(target=self._run, name="zephon-prepare", daemon=True).start()
+
+    def submit(self, order: tuple, prepare: Callable[[Any], None], ref: "weakref.ref") -> None:
+        with self._ready:
+            heapq.heappush(self._heap, (order, next(self._serial), prepare, ref))
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._heap:
+                    self._ready.wait()
+                _, _, prepare, ref = heapq.heappop(self._heap)
+            item = ref()
+            if item is None:
+                continue
+            try:
+                prepare(item)
+            except Exception:  # noqa: BLE001 - raised again, with its context, where the item is used
+                pass
+            del item
 
 
 class ReadAheadQueue:
@@ -60,10 +113,15 @@ class ReadAheadQueue:
     ``read(key, *args)`` does the read; its result (or its error) is handed to whoever asks
     for the key with :meth:`take`. While any read is pending only the read-ahead thread
     touches the stream's open file.
+
+    ``prepare(key, result)``, if given, is called on the same thread right after a read's
+    result is handed over: it may queue work on the result that does not touch the file (a
+    chat block's render) elsewhere (:func:`prepare_later`).
     """
 
-    def __init__(self, read: Callable[..., Any], threads: int) -> None:
+    def __init__(self, read: Callable[..., Any], threads: int, prepare: Optional[Callable[[Hashable, Any], None]] = None) -> None:
         self._read = read
+        self._prepare = prepare
         self._threads = threads
         # Reads handed out or pending, in stream order: (key, future).
         self._ahead: collections.deque[tuple[Hashable, Future]] = collections.deque()
@@ -106,9 +164,16 @@ class ReadAheadQueue:
             if not future.set_running_or_notify_cancel():
                 continue  # dropped by take() before it started
             try:
-                future.set_result(self._read(key, *args))
+                result = self._read(key, *args)
             except BaseException as exc:  # handed to whoever waits for the block
                 future.set_exception(exc)
+                continue
+            future.set_result(result)
+            if self._prepare is not None:
+                try:
+                    self._prepare(key, result)
+                except Exception:  # noqa: BLE001 - optional work; the reads queued after it must still run
+                    pass
 
     def wait(self) -> None:
         """Block until every queued read has finished (the results stay queued)."""
