@@ -65,12 +65,14 @@ Cases and goals:
                  loss masks and guards (:mod:`loader.chat.block`), packing. Goal: chat_concat_k0 >= 0.8 x chat_floor (tokens: conversation ids
                  plus one EOS each; the best-fit row also counts its padding, reported without
                  a goal). Its offline twin (``--tokenizer``) only supplies the token count.
-                 ``CHAT_EPOCHS`` epochs: at ``--docs 8000`` a lane's epoch is one row group,
-                 which a lane encodes whole as soon as it needs any of it (its reject counts
-                 are reported on entry), so a run's end overshoots by up to one lane-epoch per
-                 lane: 2 epochs encoded 39 row groups for 32 delivered (+23%), 8 epochs 138
-                 for 128 (+8%), as ``PRE_EPOCHS`` intends ("a run of several epochs makes it
-                 small").
+                 ``CHAT_EPOCHS`` epochs, timed after one more epoch of untimed warm-up
+                 (``warmup_steps``): row groups read ahead are encoded ahead on the prepare
+                 thread (``loader.io.read_ahead.prepare_later``), two per lane, so a window
+                 started cold would also pay for the two lane-epochs prepared for after its
+                 end (at ``--docs 8000`` a lane's epoch is one row group: +25% of the work);
+                 after the warm-up the window's start holds as much prepared work as its end,
+                 as in a long run. Before that change (no prepare thread) 2 epochs encoded 39
+                 row groups for 32 delivered (+23%), 8 epochs 138 for 128 (+8%).
 * ``restore``    seconds from ``load_state_dict`` to the first batch, with states saved at
                  step 10 and step 10,000 of a small-sequence run (seq_len 32, one sequence
                  per lane per step, so 10,000 steps are cheap to reach). Goal, pre-tokenized
