@@ -46,7 +46,6 @@ from loader.transforms.rows import LazyColumns, apply_transforms, extra_columns,
 log = logging.getLogger(__name__)
 
 
-
 def _prepare_block(key: tuple[int, int], block: Block) -> None:
     """A block just read ahead (``key``: its epoch and index): its remaining decoding (an online
     chat block's render, tokenization and masks) queued on the prepare thread; blocks with
@@ -57,6 +56,7 @@ def _prepare_block(key: tuple[int, int], block: Block) -> None:
 
 def _run_prepare(block: Block) -> None:
     block.prepare()
+
 
 class EmptyLaneError(LaneDataError):
     """A lane left without a token for a whole epoch: every document rejected or dropped."""
