@@ -61,6 +61,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from loader.commands.seek_index import POINT_EVERY, SeekIndex, run_key
 from loader.config import LoaderConfig
 from loader.errors import ZephonError
 from loader.io.provenance import AUDIT_FEATURES, EPOCH_SHIFT, ROW_MASK, ProvenanceStream, ReadLog
@@ -338,11 +339,13 @@ def _duration(seconds: float) -> str:
 # -- the audit -----------------------------------------------------------------------------
 def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = None,
                load_state: Optional[dict] = None, text: bool = False,
-               notice: Optional[Callable[[str], None]] = None) -> StepAudit:
+               notice: Optional[Callable[[str], None]] = None, seek_index: Optional[str] = None) -> StepAudit:
     """The provenance of every token of global step ``step`` (see the module docstring).
 
     ``notice`` is called with each of the report's notes as soon as it is known (the command
-    line prints them to stderr before a long replay starts)."""
+    line prints them to stderr before a long replay starts). ``seek_index``: a directory where
+    a best-fit replay keeps its lane states and starts from them (:mod:`loader.commands.seek_index`;
+    not with ``load_state``, whose schedule may not be the config's)."""
     from loader.pipeline import ZephonLoader  # torch: after the arguments are checked
     from loader.stages.lane import LaneExhausted
 
@@ -372,8 +375,20 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
             notes.append(f"the checkpoint (step {start_step}) holds {unknown} of its {bins} open best-fit bins without "
                          "piece origins (a version-1 checkpoint, or bins restored from one), so they cannot be resolved "
                          "to documents: replaying from step 0 instead, under the checkpoint's mixture schedule")
+        index = None
+        if method == "replay" and seek_index is not None and load_state is None:
+            key = run_key(config.fingerprint(), [m.dataset_fingerprint or m.compute_fingerprint()
+                                                 for m in loader.manifests], loader.tokenizer_fingerprint, loader.num_lanes)
+            index = SeekIndex.open(seek_index, key, len(loader.source_names))
         if method == "replay":
-            notes.append(replay_notice(loader, step, lane_ids))
+            starts = {lane_id: index.nearest(lane_id, _lane_outputs_before(step * B, lane_id, L))[0]
+                      for lane_id in lane_ids} if index is not None else {}
+            if starts and all(starts.values()):
+                notes.append(f"best-fit replay from the seek index {index.path}: lane output(s) "
+                             f"{', '.join(f'{lane}: {k:,}' for lane, k in sorted(starts.items()))} onwards")
+            else:
+                notes.append(replay_notice(loader, step, lane_ids)
+                             + ("" if index is None else f"; keeping seek points in {index.path}"))
         for note in notes if notice is not None else ():
             notice(note)
         lanes = _build(spec, lane_ids, loader)
@@ -394,8 +409,13 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
                 first = _lane_outputs_before(first_index, lane_id, L)
                 end = _lane_outputs_before(step * B, lane_id, L)
                 if method == "replay":  # best fit on integers (audit_replay); None: token mixing, concat
+                    start, keep = None, {}
+                    if index is not None:
+                        first, start = index.nearest(lane_id, end)
+                        keep = dict(point_every=POINT_EVERY,
+                                    on_point=lambda k, point, lane_id=lane_id: index.add(lane_id, k, point))
                     try:
-                        replayed = audit_replay.replayed_lane_state(lane, first, end)
+                        replayed = audit_replay.replayed_lane_state(lane, first, end, start=start, **keep)
                     except LaneExhausted:
                         raise AuditError(f"step {step} is past the end of the data (lane {lane_id} ends before its "
                                          f"output {end})") from None
@@ -408,6 +428,8 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
                     except LaneExhausted:
                         raise AuditError(f"step {step} is past the end of the data (lane {lane_id} ends at output "
                                          f"{k})") from None
+        if index is not None:
+            index.save()
         sequences = []
         wanted = set(indices)
         for global_index in range(step * B, (step + 1) * B):
@@ -541,6 +563,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                              "checkpoint-N/zephon_state.json): the newest at or before the step is used. Its "
                              "cursors and open best-fit bins are restored, its mixture schedule adopted, and only "
                              "the steps from it to --step are produced")
+    parser.add_argument("--seek-index", metavar="DIR",
+                        help="best fit without --load-state: keep the replay's lane states in DIR (one JSON file "
+                             "per run, a point every 1,024 outputs of a lane) and start later audits of the same "
+                             "run from the last point at or before their step instead of from step 0")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--text", action="store_true", help="also decode each piece's tokens to text")
     return parser
@@ -578,7 +604,7 @@ def command(argv: Sequence[str]) -> int:
         if path is not None:
             load_state = read_state_file(path)
     report = audit_step(config, args.step, sequence=args.sequence, load_state=load_state, text=args.text,
-                        notice=_print_notice)
+                        notice=_print_notice, seek_index=args.seek_index)
     report.notes[:0] = found
     print(report.to_json() if args.json else report.text())
     return 0

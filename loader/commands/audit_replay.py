@@ -20,7 +20,7 @@ compares the states with those of the per-sequence replay. Token mixing is not r
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -95,13 +95,20 @@ class BestFitReplay:
 
     def __init__(self, stream, seq_len: int, open_bins: int, state: Optional[dict] = None) -> None:
         state = state or {"stream": {"epoch": 0, "block": 0, "offset": 0, "exhausted": False}, "bins": [], "serial": 0}
-        if state["bins"]:
-            raise ValueError("BestFitReplay starts from a state without open bins")
         self.cursor = _Cursor(stream, state["stream"])
         self.seq_len = seq_len
         self.max_open_bins = open_bins
-        self.bins: list[list] = []
+        # A compact state's bins (a seek point: compact()); a packer state's bins are never given here.
+        self.bins: list[list] = [[used, serial, [((e, b, o), length, begins) for e, b, o, length, begins in pieces]]
+                                 for used, serial, pieces in state["bins"]]
         self.serial = int(state["serial"])
+
+    def compact(self) -> dict:
+        """The replay's own state, JSON-ready: cursor, bins as ``[used, serial, [[epoch, block,
+        offset, length, begins], ...]]`` and serial (what :mod:`loader.commands.seek_index` keeps)."""
+        return {"stream": self.cursor.state(), "serial": self.serial,
+                "bins": [[used, serial, [[*origin, length, begins] for origin, length, begins in pieces]]
+                         for used, serial, pieces in self.bins]}
 
     def next_sequence(self) -> bool:
         """Emit the next sequence (True), or False when the stream and the bins are empty."""
@@ -147,17 +154,28 @@ class BestFitReplay:
         return {"stream": self.cursor.state(), "bins": saved, "serial": self.serial}
 
 
-def replayed_lane_state(lane, first_output: int, end_output: int) -> Optional[dict]:
+def replayed_lane_state(lane, first_output: int, end_output: int, *, start: Optional[dict] = None,
+                        point_every: int = 0, on_point: Optional[Callable[[int, dict], None]] = None) -> Optional[dict]:
     """The state of ``lane`` (an audit lane, fresh: no output yet) after its outputs
     ``first_output .. end_output - 1``, or None if it has no best-fit packer per source
-    (token mixing). Raises ``LaneExhausted`` as the lane would."""
+    (token mixing). Raises ``LaneExhausted`` as the lane would.
+
+    ``start``: the :func:`compact_lane_state` the lane had after ``first_output`` outputs (a seek
+    point); without it ``first_output`` must be 0. ``on_point(k, compact)`` is called whenever the
+    lane has made ``k`` outputs, ``k`` a multiple of ``point_every``, with its compact state then."""
     from loader.stages.lane import LaneExhausted
 
     spec = lane.spec
-    if lane.token_mixing or spec.packing != "best_fit" or first_output != 0:
+    if lane.token_mixing or spec.packing != "best_fit" or (first_output != 0 and start is None):
         return None
-    packers = [BestFitReplay(stream, spec.seq_len, spec.best_fit_open_bins) for stream in lane.source_streams()]
-    stopped = [False] * len(packers)
+    streams = lane.source_streams()
+    if start is None:
+        packers = [BestFitReplay(stream, spec.seq_len, spec.best_fit_open_bins) for stream in streams]
+        stopped = [False] * len(packers)
+    else:
+        packers = [BestFitReplay(stream, spec.seq_len, spec.best_fit_open_bins, source["packer"])
+                   for stream, source in zip(streams, start["sources"])]
+        stopped = [bool(source["stopped"]) for source in start["sources"]]
     schedule, B, L = spec.schedule, spec.global_batch_size, lane.num_lanes
     for k in range(first_output, end_output):
         global_index = k * L + lane.lane_id
@@ -170,6 +188,14 @@ def replayed_lane_state(lane, first_output: int, end_output: int) -> Optional[di
             source_id = schedule.fallback_source(global_index, [not s for s in stopped], global_index // B)
             if source_id < 0:
                 raise LaneExhausted(f"lane {lane.lane_id}: every source has run out of data")
+        if on_point is not None and point_every and (k + 1) % point_every == 0:
+            on_point(k + 1, compact_lane_state(packers, stopped))
     return {"outputs": end_output, "sources": {
         source.name: {"packer": packer.state(), "stopped": stop}
         for source, packer, stop in zip(spec.sources, packers, stopped)}}
+
+
+def compact_lane_state(packers: list, stopped: list) -> dict:
+    """A replayed lane as a seek point: each source's :meth:`BestFitReplay.compact` and whether
+    it stopped, in the config's source order."""
+    return {"sources": [{"packer": packer.compact(), "stopped": stop} for packer, stop in zip(packers, stopped)]}

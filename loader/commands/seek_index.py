@@ -1,0 +1,160 @@
+"""``zephon audit --seek-index DIR``: the best-fit replay's lane states, kept as seek points.
+
+Without a checkpoint a best-fit audit replays every lane of the step from step 0 on document
+lengths (:mod:`loader.commands.audit_replay`): no formula gives the open bins before a step.
+The replay passes through every earlier state anyway, so with ``--seek-index DIR`` it keeps one
+every :data:`POINT_EVERY` outputs of each lane, and a later audit of the same run starts each
+lane from the last point at or before its step instead of from 0 (an audit of the steps around
+a loss spike pays for one replay, not one each).
+
+One JSON file per run: ``DIR/<key>.json``, ``key`` the SHA-256 of what decides the lanes' stream,
+the same fingerprints a resume is checked against (the config's stream fields, every dataset's
+fingerprint, the tokenizer's) plus the lane count, so a point is never used for another run.
+The file is data only (integers, booleans), validated when read, and carries the SHA-256 of
+its points: a point changed by hand or a truncated file is refused with
+:class:`SeekIndexError` naming the file, never replayed from. Points are
+:func:`loader.commands.audit_replay.compact_lane_state` values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from loader.errors import ZephonError
+
+SEEK_INDEX_VERSION = 1
+POINT_EVERY = 1024  # lane outputs between two points: ~1-3 KB of JSON a point at 16 open bins
+
+
+class SeekIndexError(ZephonError, ValueError):
+    """A seek index file that cannot be used (the message names the file and the fix)."""
+
+    exit_code = 2
+
+
+def run_key(config_fingerprint: str, dataset_fingerprints: list[str], tokenizer_fingerprint: Optional[str],
+            num_lanes: int) -> str:
+    blob = json.dumps({"version": SEEK_INDEX_VERSION, "config": config_fingerprint, "datasets": dataset_fingerprints,
+                       "tokenizer": tokenizer_fingerprint, "lanes": num_lanes}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _digest(lanes: dict) -> str:
+    return hashlib.sha256(json.dumps(lanes, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass
+class SeekIndex:
+    """The seek points of one run: ``points[lane_id][outputs] = compact lane state``."""
+
+    path: str
+    key: str
+    num_sources: int
+    points: dict[int, dict[int, dict]] = field(default_factory=dict)
+    added: int = 0
+
+    @classmethod
+    def open(cls, directory: str, key: str, num_sources: int) -> "SeekIndex":
+        path = os.path.join(directory, f"{key}.json")
+        index = cls(path, key, num_sources)
+        if not os.path.exists(path):
+            return index
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except (OSError, ValueError) as exc:
+            raise index._error(f"cannot be read as JSON ({type(exc).__name__}: {exc})") from exc
+        index._check_document(data)
+        index.points = {int(lane): {int(k): point for k, point in points.items()} for lane, points in data["lanes"].items()}
+        return index
+
+    def nearest(self, lane_id: int, end: int) -> tuple[int, Optional[dict]]:
+        """``(outputs, point)`` of the last point of the lane at or before ``end`` outputs, or ``(0, None)``."""
+        points = self.points.get(lane_id, {})
+        best = max((k for k in points if k <= end), default=0)
+        return (best, points[best]) if best else (0, None)
+
+    def add(self, lane_id: int, outputs: int, point: dict) -> None:
+        lane = self.points.setdefault(lane_id, {})
+        if outputs not in lane:
+            lane[outputs] = point
+            self.added += 1
+
+    def save(self) -> None:
+        """Write the file if points were added (atomically: a temporary file renamed over it)."""
+        if not self.added:
+            return
+        lanes = {str(lane): {str(k): point for k, point in sorted(points.items())}
+                 for lane, points in sorted(self.points.items())}
+        data = {"format": "zephon-seek-index", "version": SEEK_INDEX_VERSION, "key": self.key,
+                "point_every": POINT_EVERY, "sha256": _digest(lanes), "lanes": lanes}
+        directory = os.path.dirname(self.path) or "."
+        os.makedirs(directory, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".seek-", suffix=".json")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as out:
+                json.dump(data, out, separators=(",", ":"))
+            os.replace(temporary, self.path)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+            raise
+        self.added = 0
+
+    def _error(self, why: str) -> SeekIndexError:
+        return SeekIndexError(f"seek index {self.path} {why}; delete the file (the next audit replays and writes it "
+                              "again) or pass another --seek-index directory")
+
+    def _check_document(self, data: Any) -> None:
+        if not isinstance(data, dict) or data.get("format") != "zephon-seek-index":
+            raise self._error("is not a zephon seek index (no \"format\": \"zephon-seek-index\")")
+        if data.get("version") != SEEK_INDEX_VERSION:
+            raise self._error(f"has version {data.get('version')!r}; this zephon reads version {SEEK_INDEX_VERSION}")
+        if data.get("key") != self.key:
+            raise self._error("belongs to another run (its key is not the file name's)")
+        lanes = data.get("lanes")
+        if not isinstance(lanes, dict):
+            raise self._error("has no \"lanes\" object")
+        if data.get("sha256") != _digest(lanes):
+            raise self._error("was changed or cut short after it was written (its points do not match their sha256)")
+        for lane, points in lanes.items():
+            if not (isinstance(lane, str) and lane.isdigit() and isinstance(points, dict)):
+                raise self._error(f"has a malformed entry at lanes.{lane}")
+            for outputs, point in points.items():
+                where = f"lanes.{lane}.{outputs}"
+                if not (outputs.isdigit() and int(outputs) > 0):
+                    raise self._error(f"has a malformed point key at {where} (a positive output count)")
+                self._check_point(point, where)
+
+    def _check_point(self, point: Any, where: str) -> None:
+        sources = point.get("sources") if isinstance(point, dict) else None
+        if not isinstance(sources, list) or len(sources) != self.num_sources:
+            raise self._error(f"has a malformed point at {where}: expected {self.num_sources} sources")
+        for s, source in enumerate(sources):
+            at = f"{where}.sources.{s}"
+            packer = source.get("packer") if isinstance(source, dict) else None
+            if not isinstance(packer, dict) or not isinstance(source.get("stopped"), bool):
+                raise self._error(f"has a malformed source at {at}")
+            stream = packer.get("stream")
+            if not (isinstance(stream, dict) and all(_count(stream.get(k)) for k in ("epoch", "block", "offset"))
+                    and isinstance(stream.get("exhausted"), bool)):
+                raise self._error(f"has a malformed cursor at {at}.packer.stream")
+            if not _count(packer.get("serial")) or not isinstance(packer.get("bins"), list):
+                raise self._error(f"has a malformed packer at {at}.packer")
+            for b, bin_ in enumerate(packer["bins"]):
+                ok = (isinstance(bin_, list) and len(bin_) == 3 and _count(bin_[0]) and _count(bin_[1])
+                      and isinstance(bin_[2], list) and bin_[2]
+                      and all(isinstance(p, list) and len(p) == 5 and all(_count(v) for v in p[:4])
+                              and isinstance(p[4], bool) for p in bin_[2])
+                      and sum(p[3] for p in bin_[2]) == bin_[0])
+                if not ok:
+                    raise self._error(f"has a malformed bin at {at}.packer.bins.{b}")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
