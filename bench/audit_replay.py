@@ -13,6 +13,10 @@ and the step's own report cancel out). Methods:
 * ``best_fit_lane``: the per-sequence replay through the audit's lane (what it used before);
 * ``concat``: a concat lane forced to replay (it seeks; for scale).
 
+Then ``--seek-index`` (best fit, one sequence): CPU seconds of the audit of step ``--steps + 5``
+without an index, of step ``--steps`` with a fresh one (the replay from 0, keeping its points),
+and of step ``--steps + 5`` from that index.
+
 Medians of ``--repeats`` runs; CPU time (``time.process_time``), as the machine is shared.
 """
 
@@ -68,7 +72,7 @@ def measure(method: str, steps: int) -> tuple[int, float]:
     patches = [(ProvenanceStream, "take", counting(take)), (ProvenanceStream, "take_rows", counting(take_rows)),
                (audit_replay._Cursor, "take", counting_cursor)]
     if method == "best_fit_lane":
-        patches.append((audit_replay, "replayed_lane_state", lambda *args: None))
+        patches.append((audit_replay, "replayed_lane_state", lambda *args, **kwargs: None))
     if method == "concat":
         patches.append((audit, "choose_method", lambda *args: "replay"))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
@@ -92,6 +96,27 @@ def measure(method: str, steps: int) -> tuple[int, float]:
     return d1 - d0, t1 - t0
 
 
+def measure_seek_index(steps: int) -> tuple[float, float, float]:
+    """CPU seconds: (no index at steps + 5, fresh index at steps, from the index at steps + 5)."""
+    import tempfile
+
+    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.commands import audit
+    from loader.config import LoaderConfig
+
+    config = LoaderConfig(datasets=({"path": dataset()},), seq_len=512, global_batch_size=16, micro_batch_size=16,
+                          seed=2, tokenizer=default_tokenizer_path(), num_workers=0, best_fit_open_bins=8,
+                          packing="best_fit")
+    audit.audit_step(config, 1, sequence=0)  # imports and first-use caches, outside the measure
+    seconds = []
+    with tempfile.TemporaryDirectory() as index:
+        for step, kept in ((steps + 5, None), (steps, index), (steps + 5, index)):
+            start = time.process_time()
+            audit.audit_step(config, step, sequence=0, seek_index=kept)
+            seconds.append(time.process_time() - start)
+    return tuple(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -104,6 +129,10 @@ def main() -> None:
         rate = statistics.median(d / t for d, t in runs)
         print(f"{method:14s} {documents} documents (steps 10 -> {args.steps}, one lane): "
               f"{rate:,.0f} documents/s CPU (runs: {', '.join(f'{d / t:,.0f}' for d, t in runs)})")
+    runs = [measure_seek_index(args.steps) for _ in range(args.repeats)]
+    plain, fresh, seeked = (statistics.median(r[i] for r in runs) for i in range(3))
+    print(f"--seek-index   step {args.steps + 5} without an index {plain:.3f} s CPU; step {args.steps} with a fresh "
+          f"index {fresh:.3f} s; step {args.steps + 5} from it {seeked:.3f} s ({plain / seeked:.0f}x less)")
 
 
 if __name__ == "__main__":
