@@ -48,7 +48,7 @@ from loader.chat.conversations import ConversationRejected
 from loader.chat.encode import check_options, encode_conversations
 from loader.chat.template import ChatTemplate
 from loader.config import ConfigError
-from loader.io.blocks import Block, TokenFormat, PreparedInSteps, wrap_documents
+from loader.io.blocks import Block, TokenFormat, wrap_documents
 from loader.io.integrity import LaneDataError
 from loader.stages.features import FEATURES, wrap_feature
 
@@ -183,7 +183,7 @@ class OnlineChat:
         return ChatBlock(conversations, self, token_format, where, row_group)
 
 
-class ChatBlock(PreparedInSteps, Block):
+class ChatBlock(Block):
     """A row group of conversations, encoded as a whole on first use (see the module docstring).
 
     ``reject_counts``: conversations refused online, per reason (after :meth:`ensure`).
@@ -199,7 +199,11 @@ class ChatBlock(PreparedInSteps, Block):
         self._where = (where, row_group)
         self.reject_counts: dict[str, int] = {}
         self._transforms = None  # (ChatTransforms, LazyColumns) once transform() is called
-        self._init_prepared()
+        # prepare (the prepare thread) encodes under _encoding unless claimed; claim sets the flag
+        # first, then waits for an encoding in progress. After the claim the block is the
+        # stream's alone, so ensure takes no lock.
+        self._encoding = threading.Lock()
+        self._claimed = False
         if not conversations:
             self.features = {"loss_mask": np.zeros(0, FEATURES["loss_mask"].dtype)}
 
@@ -207,14 +211,19 @@ class ChatBlock(PreparedInSteps, Block):
         if not self.complete:
             self._encode()
 
-    def _prepare_step(self) -> bool:
-        """One step, the whole encoding, on the prepare thread when read ahead: a block encoded
-        when the stream reached it stalled the stream for the whole render (0.75x the floor
-        in-process, bench/RESULTS.md issue 17)."""
-        if self.complete:
-            return False
-        self._encode()
-        return False
+    def prepare(self) -> None:
+        """Encode on the prepare thread when read ahead: a block encoded when the stream reached
+        it stalled the stream for the whole render (0.75x the floor in-process, bench/RESULTS.md
+        issue 17)."""
+        with self._encoding:
+            if not self._claimed and not self.complete:
+                self._encode()
+
+    def claim(self) -> None:
+        # The flag before the lock: otherwise nothing stops a prepare that has not started yet.
+        self._claimed = True
+        with self._encoding:
+            pass
 
     def transform(self, transforms, columns) -> None:
         """Run ``transforms`` (a :class:`loader.transforms.conversations.ChatTransforms`) around the

@@ -10,7 +10,6 @@ plugs in there.
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -68,40 +67,7 @@ class Block:
 
     def claim(self) -> None:
         """The stream takes the block from the read-ahead: from now on only the stream's thread
-        touches it. Waits for a :meth:`prepare` step in progress; no step starts after it."""
-
-
-class PreparedInSteps:
-    """The prepare / claim protocol of a block that works in steps (a mixin for :class:`Block`).
-
-    Each step runs under ``_steps``; :meth:`claim` takes it once and sets ``_claimed``, so a step
-    running on the prepare thread finishes first and none runs after it. Before the claim the
-    block is the prepare thread's alone (it sits in the read-ahead queue); after it, the
-    stream's, without locks, so the stream's hot path pays nothing for this. The lock is also
-    why every step's attributes are written before the step ends: the stream reads them after
-    taking and dropping the lock once.
-    """
-
-    def _init_prepared(self) -> None:
-        self._steps = threading.Lock()
-        self._claimed = False
-
-    def _prepare_step(self) -> bool:
-        """Do one step of the work; False when there is none left."""
-        raise NotImplementedError
-
-    def prepare(self) -> None:
-        while True:
-            with self._steps:
-                if self._claimed or not self._prepare_step():
-                    return
-
-    def claim(self) -> None:
-        # Set before taking the lock: the prepare thread, re-taking it right after each step,
-        # would otherwise win it again and again (locks are not fair) and finish the block first.
-        self._claimed = True
-        with self._steps:
-            pass
+        touches it. Waits for a :meth:`prepare` in progress; none starts after it."""
 
 
 class TextBlock(Block):
