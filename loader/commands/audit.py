@@ -377,9 +377,7 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
                          "to documents: replaying from step 0 instead, under the checkpoint's mixture schedule")
         index = None
         if method == "replay" and seek_index is not None and load_state is None:
-            key = run_key(config.fingerprint(), [m.dataset_fingerprint or m.compute_fingerprint()
-                                                 for m in loader.manifests], loader.tokenizer_fingerprint, loader.num_lanes)
-            index = SeekIndex.open(seek_index, key, len(loader.source_names))
+            index = SeekIndex.open(seek_index, run_key(loader._expected_header()), len(loader.source_names))
         if method == "replay":
             starts = {lane_id: index.nearest(lane_id, _lane_outputs_before(step * B, lane_id, L))[0]
                       for lane_id in lane_ids} if index is not None else {}

@@ -7,9 +7,8 @@ every :data:`POINT_EVERY` outputs of each lane, and a later audit of the same ru
 lane from the last point at or before its step instead of from 0 (an audit of the steps around
 a loss spike pays for one replay, not one each).
 
-One JSON file per run: ``DIR/<key>.json``, ``key`` the SHA-256 of what decides the lanes' stream,
-the same fingerprints a resume is checked against (the config's stream fields, every dataset's
-fingerprint, the tokenizer's) plus the lane count, so a point is never used for another run.
+One JSON file per run: ``DIR/<key>.json``, ``key`` the SHA-256 of the header a resume is checked
+against (:func:`run_key`), so a point is never used for another run.
 The file is data only (integers, booleans), validated when read, and carries the SHA-256 of
 its points: a point changed by hand or a truncated file is refused with
 :class:`SeekIndexError` naming the file, never replayed from. Points are
@@ -37,10 +36,12 @@ class SeekIndexError(ZephonError, ValueError):
     exit_code = 2
 
 
-def run_key(config_fingerprint: str, dataset_fingerprints: list[str], tokenizer_fingerprint: Optional[str],
-            num_lanes: int) -> str:
-    blob = json.dumps({"version": SEEK_INDEX_VERSION, "config": config_fingerprint, "datasets": dataset_fingerprints,
-                       "tokenizer": tokenizer_fingerprint, "lanes": num_lanes}, sort_keys=True)
+def run_key(resume_header: dict) -> str:
+    """The run's key: the SHA-256 of the header a resume is checked against
+    (``ZephonLoader._expected_header``: config stream fields and fingerprint, each dataset's
+    fingerprint, the tokenizer's, lanes, schedule, transforms), so a point is never used for a
+    run a checkpoint could not resume."""
+    blob = json.dumps({"version": SEEK_INDEX_VERSION, "run": resume_header}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
