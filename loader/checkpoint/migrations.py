@@ -11,6 +11,11 @@ the identical stream. Versions:
    A version-1 state becomes version 2 as it is: its bins keep no origins, which version 2
    reads as "unknown" (``zephon audit`` then replays instead of resolving the bins); the bins'
    tokens are unchanged, so the stream is too.
+3. A text lane's cursor may say which document it is in: ``document``, ``[index, first token]``
+   (``loader.io.lane_reader.LaneTokenStream``), so that a restore tokenizes the row group from
+   that document on instead of from its start (``loader.io.blocks.TextBlock.skip_to``). A
+   version-2 state becomes version 3 as it is: a cursor without ``document`` is restored as
+   before, tokenizing its block up to the offset; nothing else changed.
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ def _v1_to_v2(state: dict) -> dict:
     return dict(state, version=2)  # lanes shared: a v1 bin is a v2 bin without piece_origins
 
 
+def _v2_to_v3(state: dict) -> dict:
+    return dict(state, version=3)  # lanes shared: a v2 cursor is a v3 cursor without document
+
+
 # version -> the step that makes a state of that version the next one
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2}
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def upgrade(state: Any) -> Any:

@@ -35,7 +35,10 @@ State shapes (``L`` lanes, ``S`` sources; see the stage modules for their meanin
              loader.stages.features, one value per token, in its range; which ones a bin must hold is
              checked on restore; piece_origins, version 2: [epoch, block, offset] per piece, the cursor
              of its first token, before the stream's cursor, absent where unknown)
-    stream   cursor {epoch, block, offset, exhausted [, transforms[[dropped, changed] x transforms]]}
+    stream   cursor {epoch, block, offset, exhausted [, transforms[[dropped, changed] x transforms]]
+             [, document{index, token_start, char_start}]} (document, version 3: text lanes, the
+             document the cursor is in and where its tokens and text start, so that a restore
+             tokenizes from it; checked against the data on restore)
              or, token mixing, {sources[cursor x S],
              tokens[S], current, phase_start}
 """
@@ -55,6 +58,7 @@ from loader.checkpoint.state import STATE_FORMAT, STATE_VERSION, StateError
 MAX_REPORTED = 20  # bad fields listed in one error; the count of the rest is given
 
 EXHAUSTION_POLICIES = ("repeat", "stop")
+DOCUMENT_KEYS = ("index", "token_start", "char_start")  # a text cursor's document (version 3)
 PACKINGS = ("concat", "best_fit")
 _LANE_KEY = re.compile(r"\d{5,}")
 _WEIGHT = re.compile(r"\d+(/\d+)?")
@@ -251,6 +255,7 @@ class Cursor:
     offset: int
     exhausted: bool
     transforms: tuple[tuple[int, int], ...] = ()  # per transform (dropped, changed): counters only
+    document: Optional[tuple[int, int, int]] = None  # text lanes, version 3: (index, token_start, char_start)
 
 
 @dataclass(frozen=True)
@@ -524,7 +529,8 @@ def _parse_packer(raw: Any, path: str, header: Header, mixed_sources: int, probl
 
 
 def _parse_cursor(raw: Any, path: str, problems: Problems) -> Optional[Cursor]:
-    entry = _fields(raw, path, ("epoch", "block", "offset", "exhausted"), problems, optional=("transforms",))
+    entry = _fields(raw, path, ("epoch", "block", "offset", "exhausted"), problems,
+                    optional=("transforms", "document"))
     if entry is None:
         return None
     values = (
@@ -535,7 +541,35 @@ def _parse_cursor(raw: Any, path: str, problems: Problems) -> Optional[Cursor]:
     )
     counts = _parse_transform_counts(entry["transforms"], f"{path}.transforms", problems) \
         if "transforms" in entry else ()
-    return None if None in values or counts is None else Cursor(*values, transforms=counts)
+    document = _parse_document(entry["document"], f"{path}.document", values[2], values[3], problems) \
+        if "document" in entry else ()
+    if None in values or counts is None or document is None:
+        return None
+    return Cursor(*values, transforms=counts, document=document or None)
+
+
+def _parse_document(value: Any, path: str, offset: Optional[int], exhausted: Optional[bool],
+                    problems: Problems) -> Optional[tuple]:
+    """A text cursor's document: ``{index, token_start, char_start}``, starting at or before ``offset``."""
+    entry = _fields(value, path, DOCUMENT_KEYS, problems)
+    if entry is None:
+        return None
+    before = problems.count
+    index, token_start, char_start = (_int(entry[k], f"{path}.{k}", problems) for k in DOCUMENT_KEYS)
+    if problems.count > before:
+        return None
+    if exhausted:
+        stream = path.rsplit(".", 1)[0]
+        problems.add(path, f"must be absent: an exhausted stream has no document ({stream}.exhausted is true)")
+    elif offset is not None and token_start > offset:
+        problems.add(f"{path}.token_start", f"must be at or before the cursor's offset {offset} (got {token_start})")
+    elif index == 0 and (token_start, char_start) != (0, 0):
+        problems.add(path, f"document 0 starts at token 0 and character 0 (got {value})")
+    elif index > 0 and token_start == 0 and char_start == 0:
+        problems.add(path, f"only document 0 starts at token 0 and character 0 (got {value})")
+    else:
+        return index, token_start, char_start
+    return None
 
 
 def _parse_transform_counts(value: Any, path: str, problems: Problems) -> Optional[tuple]:

@@ -3,7 +3,7 @@
 A state is plain JSON (never pickle)::
 
     {
-      "format": "zephon.loader_state", "version": 2,
+      "format": "zephon.loader_state", "version": 3,
       "next_global_index": 4096,          # global states: a step boundary (t * B)
       "rank": 0, "world_size": 4,         # rank-local states only
       "rank_position": 1024,              # rank-local: sequences this rank has consumed
@@ -37,7 +37,7 @@ import numpy as np
 from loader.errors import ZephonError
 
 STATE_FORMAT = "zephon.loader_state"
-STATE_VERSION = 2  # 2: best-fit bins hold piece_origins (loader.checkpoint.migrations)
+STATE_VERSION = 3  # 2: best-fit bins hold piece_origins; 3: text cursors their document (loader.checkpoint.migrations)
 
 
 class StateError(ZephonError, ValueError):

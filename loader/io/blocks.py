@@ -81,7 +81,9 @@ class TextBlock(Block):
         super().__init__(tokens=np.zeros(0, dtype=np.int32), doc_starts=np.zeros(1, dtype=np.int64),
                          complete=not texts)
         self._texts = texts
-        self._char_ends = np.cumsum([len(t) for t in texts]) if texts else None
+        self.documents = len(texts)
+        # Kept after the block is complete: a cursor's document names where its text starts.
+        self._char_ends = np.cumsum([len(t) for t in texts]) if texts else np.zeros(0, dtype=np.int64)
         self._next = 0  # first document not tokenized yet
         self._chars = TOKENIZE_CHARS  # text of the next call
         self._tokenizer = tokenizer
@@ -90,6 +92,45 @@ class TextBlock(Block):
     def ensure(self, position: int) -> None:
         while not self.complete and len(self.tokens) <= position:
             self._tokenize_more()
+
+    def char_start(self, document: int) -> int:
+        """Where ``document``'s text starts in the row group's text (its documents back to back)."""
+        return int(self._char_ends[document - 1]) if document > 0 else 0
+
+    def document_at(self, offset: int) -> dict:
+        """A cursor's ``document`` (its stream state; see :func:`cursor_document`): the index,
+        first token and first character of the document a cursor at ``offset`` is in. The
+        character binds the index to the data (a restore checks it before it trusts the rest)."""
+        index, token_start = cursor_document(self.doc_starts, offset)
+        return {"index": index, "token_start": token_start, "char_start": self.char_start(index)}
+
+    @property
+    def untouched(self) -> bool:
+        """Nothing tokenized yet (:meth:`skip_to` may still be called)."""
+        return self._next == 0 and not self.complete
+
+    def skip_to(self, document: int, token_start: int) -> None:
+        """Tokenize from ``document`` on, whose first token is ``token_start`` in the block: a
+        restored cursor's :func:`cursor_document`, so that a restore tokenizes from the cursor's
+        document, not from the start of the row group (up to ~230 K tokens per lane, which
+        every lane of a resumed rank paid before its first sequence: bench/RESULTS.md, issue 16).
+
+        The documents before it are never read again by the restored stream (every cursor is
+        at or after ``token_start``). Their token positions hold zeros, and their
+        ``doc_starts`` entries zeros too: all of them below ``token_start``, so a search for
+        any position at or after it finds the same index as in the whole block (and document
+        indices, which name rows, stay those of the whole block). Tokenizing a document does
+        not depend on the others, so the tokens from ``token_start`` on are the whole block's.
+        """
+        if not self.untouched:
+            raise RuntimeError("internal error: skip_to on a text block already tokenized")
+        self.tokens = np.zeros(token_start, dtype=np.int32)
+        self.doc_starts = np.zeros(document + 1, dtype=np.int64)
+        self.doc_starts[document] = token_start
+        self._next = document
+        if document == len(self._texts):
+            self.complete = True
+            self._texts = None
 
     def _tokenize_more(self) -> None:
         start = self._next
@@ -108,7 +149,16 @@ class TextBlock(Block):
         self._next = end
         if end == len(self._texts):
             self.complete = True
-            self._texts = self._char_ends = None
+            self._texts = None
+
+
+def cursor_document(doc_starts: np.ndarray, offset: int) -> tuple[int, int]:
+    """``(index, first token)`` of the document a cursor at ``offset`` is in (the next one's
+    start when it stands at a document boundary; the first of several empty documents at one
+    position). A text stream's state carries it (``document``: :meth:`TextBlock.document_at`), for
+    :meth:`TextBlock.skip_to`."""
+    start = int(doc_starts[doc_starts.searchsorted(offset, side="right") - 1])
+    return int(doc_starts.searchsorted(start, side="left")), start
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,15 @@ epoch in the order of :mod:`loader.order.epochs`. Each block becomes one token a
     cursor = (epoch, block, offset)      offset = tokens of the block already consumed
 
 so a checkpoint never holds tokens for this stage, and restoring reads exactly one block.
-Text blocks are tokenized as the cursor advances (:class:`~loader.io.blocks.TextBlock`), so
-restoring a text lane tokenizes the block's documents up to ``offset``, at most one row group.
+Text blocks are tokenized as the cursor advances (:class:`~loader.io.blocks.TextBlock`); a text
+cursor's state also names the document it is in (``document``), so restoring a text lane
+tokenizes its block from that document on (:meth:`~loader.io.blocks.TextBlock.skip_to`), not
+from the block's first document.
 The next blocks are read in the background (:mod:`loader.io.read_ahead`), and every file and
 row group is checked as it is read (:mod:`loader.io.integrity`).
 
-State keys (``get_state``): ``epoch``, ``block``, ``offset``, ``exhausted``; with transforms
+State keys (``get_state``): ``epoch``, ``block``, ``offset``, ``exhausted``; text lanes inside a
+block ``document`` (``{index, token_start, char_start}``: :meth:`~loader.io.blocks.TextBlock.document_at`); with transforms
 (:mod:`loader.transforms`), or tombstones of ``zephon shard --transform`` in the lane files (the
 offline transforms' counters first), also ``transforms``: per transform ``[dropped, changed]`` documents of
 the blocks before the cursor's, and of the cursor's own once it has taken from it (counters
@@ -32,7 +35,7 @@ import pyarrow.parquet as pq
 
 from loader.errors import ZephonError
 from loader.io import storage
-from loader.io.blocks import Block, Chunk, DocumentsView, TokenFormat, build_block
+from loader.io.blocks import Block, Chunk, DocumentsView, TextBlock, TokenFormat, build_block
 from loader.io.integrity import (FIX, LaneDataError, check_footer, check_no_unlisted_files, check_row_group,
                                  verify_local_file)
 from loader.io.manifest import CONVERSATION_COLUMN, MANIFEST_NAME, TOMBSTONE_COLUMN, FileEntry, Manifest
@@ -65,6 +68,9 @@ class EmptyLaneError(LaneDataError):
 # Set by ZephonLoader.load_state_dict in a restored cursor saved under other transforms
 # (declared with transforms_from_step); never written by get_state.
 TRANSFORMS_CHANGED = "_transforms_changed"
+
+
+_EDITED = "the state was edited or comes from other data: restore an unmodified checkpoint of this dataset"
 
 
 class LaneTokenStream:
@@ -120,6 +126,9 @@ class LaneTokenStream:
         self.max_epochs = max_epochs
         self.storage_options = storage_options
         self.pretokenized = manifest.pretokenized
+        # Text lanes tokenize online: their states say which document the cursor is in, so that
+        # a restore tokenizes from there (``document``, see TextBlock.skip_to).
+        self.resumes_at_document = not self.pretokenized and chat is None and images is None
         # Per-token features read with the ids: the registered columns the lane files hold
         # (the manifest's schema lists them; only pre-tokenized ids have values to align with).
         self.features: tuple[Feature, ...] = column_features(
@@ -152,6 +161,9 @@ class LaneTokenStream:
         self.offset = 0
         self.exhausted = False
         self._restored_path: Optional[str] = None  # a restored cursor not yet checked against its block
+        # A restored text cursor's document (TextBlock.document_at), until its block is read: the
+        # block is then tokenized from that document on (TextBlock.skip_to), and the hint checked.
+        self._restored_document: Optional[dict] = None
         self.read_ahead = read_ahead
         self.read_ahead_threads = read_ahead_threads
         self.read_ahead_blocks = read_ahead_blocks  # see read_ahead_depth
@@ -194,7 +206,20 @@ class LaneTokenStream:
         state = {"epoch": self.epoch, "block": self.block_index, "offset": self.offset, "exhausted": self.exhausted}
         if self.counting:
             state["transforms"] = self._counts_at(self.epoch, self.block_index, self.offset)
+        if self.resumes_at_document and self.offset > 0 and not self.exhausted:
+            self._add_document(state, self.epoch, self.block_index, self.offset)
         return state
+
+    def _add_document(self, state: dict, epoch: int, block_index: int, offset: int) -> None:
+        """A text cursor's ``document`` (:meth:`~loader.io.blocks.TextBlock.document_at`), from
+        the block that holds it."""
+        if self._restored_document is not None and self._restored_path is not None:
+            state["document"] = dict(self._restored_document)  # not moved since the restore
+            return
+        for key, block in ((self._block_key, self._block), self._peeked or (None, None)):
+            if key == (epoch, block_index) and isinstance(block, TextBlock) and offset <= len(block.tokens):
+                state["document"] = block.document_at(offset)
+                return
 
     def _counts_at(self, epoch: int, block_index: int, offset: int) -> list:
         """The transform counts of a state at this cursor: the blocks before its block, and its
@@ -254,6 +279,10 @@ class LaneTokenStream:
         self.offset = int(state["offset"])
         self.exhausted = bool(state.get("exhausted", False))
         self._restored_path = None if self.exhausted else path
+        document = state.get("document")
+        # Only text streams use it (a stream whose blocks are not TextBlocks, the audit's, reads without).
+        use = document is not None and not self.exhausted and self.resumes_at_document
+        self._restored_document = {k: int(v) for k, v in document.items()} if use else None
         if self.chat_rejects is not None:
             self.chat_rejects.restore(self.epoch, self.block_index, self.offset)
         if self.counting:
@@ -279,6 +308,7 @@ class LaneTokenStream:
         self._counts_before = TransformCounts.zeros(self.counted_transforms)
         self._counts_memo = [None, None]
         self._restored_counts = None
+        self._restored_document = None  # it named a document of the block as other transforms made it
         self._block_key = self._block = None
         if self.exhausted:
             self._restored_path = None
@@ -305,12 +335,44 @@ class LaneTokenStream:
                              f"blocks (row groups) per epoch, so block must be in [0, {blocks - 1}] (got {block_index})")
         if block is None:
             return
+        document = self._restored_document
+        where = f"block {block_index} of epoch {epoch} (lane {self.lane_id} of source {self.source_name!r})"
+        if document is not None:
+            self._check_document(block, document, path, where)
+            if document["index"] > 0 and block.untouched:
+                block.skip_to(document["index"], document["token_start"])
         block.ensure(self.offset)
         if self.offset > len(block.tokens):
-            raise StateError(f"{path}.offset: block {block_index} of epoch {epoch} (lane {self.lane_id} of source "
-                             f"{self.source_name!r}) holds {len(block.tokens)} tokens, so offset must be in "
+            raise StateError(f"{path}.offset: {where} holds {len(block.tokens)} tokens, so offset must be in "
                              f"[0, {len(block.tokens)}] (got {self.offset})")
+        if document is not None and block.document_at(self.offset) != document:
+            raise StateError(f"{path}.document: {path}.offset {self.offset} of {where} is in the document "
+                             f"{block.document_at(self.offset)} (got {document}); {_EDITED}")
         self._restored_path = None
+        self._restored_document = None
+
+    def _check_document(self, block: Block, document: dict, path: str, where: str) -> None:
+        """What a restored text cursor's document can be checked against before its block is
+        tokenized from it: the index names a document of the block whose text starts at
+        ``char_start`` (which binds it to the data), starting at or before the cursor."""
+        from loader.checkpoint.state import StateError
+
+        index, token_start = document["index"], document["token_start"]
+        extra = self.token_format.extra  # BOS/EOS: every document has at least these tokens
+        field = "index"
+        if not isinstance(block, TextBlock):
+            field, problem = "", "only the cursors of text lanes (tokenized online) say their document"
+        elif index > block.documents:
+            problem = f"{where} holds {block.documents} documents, so index must be in [0, {block.documents}]"
+        elif block.char_start(index) != document["char_start"]:
+            field, problem = "char_start", f"document {index} of {where} starts at character {block.char_start(index)}"
+        elif token_start < index * extra:
+            field = "token_start"
+            problem = f"{index} documents of at least {extra} tokens each cannot end at token {token_start}"
+        else:
+            return
+        path = f"{path}.document" + (f".{field}" if field else "")
+        raise StateError(f"{path}: {problem} (got {document}); {_EDITED}")
 
     # -- epoch layout ------------------------------------------------------------------
     def _num_row_groups(self, file_ordinal: int) -> int:
@@ -666,6 +728,8 @@ class LaneTokenStream:
         state = {"epoch": view.epoch, "block": block_index, "offset": offset, "exhausted": False}
         if self.counting:
             state["transforms"] = self._counts_at(view.epoch, block_index, offset)
+        if self.resumes_at_document and offset > 0:
+            self._add_document(state, view.epoch, block_index, offset)
         return state
 
     def rewound_state(self, rows: int, row_len: int) -> dict:
@@ -674,6 +738,9 @@ class LaneTokenStream:
         state = dict(self.get_state(), offset=offset)
         if self.counting:  # the counts of a cursor at that offset
             state["transforms"] = self._counts_at(self.epoch, self.block_index, offset)
+        state.pop("document", None)  # the cursor's, not this one's
+        if self.resumes_at_document and offset > 0 and not self.exhausted:
+            self._add_document(state, self.epoch, self.block_index, offset)
         return state
 
     def take_rows(self, row_len: int, max_rows: int) -> Optional[Chunk]:

@@ -74,6 +74,9 @@ class ProvenanceStream(LaneTokenStream):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.features = ()  # no lane-file feature columns are read
+        # Its blocks are built from lengths, not TextBlocks: a text cursor's document is not
+        # needed to restore one (and the states the audit reports come from the lane files).
+        self.resumes_at_document = False
         self.reads = ReadLog()
         self._origin_blocks: dict[tuple[int, int], Block] = {}  # blocks of resolved bin pieces (piece_features)
         self._lengths: dict[tuple[int, int], np.ndarray] = {}

@@ -242,10 +242,10 @@ class ConcatPacker:
     def cursor_snapshot(self) -> "StateSnapshot | dict":
         """``get_state()`` as of now, as four integers until it is saved: the loader takes one
         per lane at every step boundary (building the dicts there was ~15% of in-process
-        replay with one micro-batch per step). Transform counters, and a token mix's
-        streams (a ``MixedTokenStream``: one cursor per source), are built now."""
+        replay with one micro-batch per step). Transform counters, a text cursor's document,
+        and a token mix's streams (a ``MixedTokenStream``: one cursor per source), are built now."""
         stream = self.stream
-        if not isinstance(stream, LaneTokenStream) or stream.counting:  # transform counters (or tombstones)
+        if not isinstance(stream, LaneTokenStream) or stream.counting or stream.resumes_at_document:
             return self.get_state()
         return StateSnapshot(concat_state, *self.cursor())
 

@@ -3,6 +3,8 @@
 Real checkpoints of small loaders (a pre-tokenized source and a text source, L = 4):
 
 * ``concat`` and ``best_fit``: one source, saved after some lanes entered epoch 1;
+* ``text_concat``: the same documents as text, tokenized online: cursors name their
+  ``document`` (state version 3);
 * ``mix_sequence_stop``: two sources mixed by sequence, the ``stop`` source already stopped in
   some lanes (``stopped`` and ``exhausted`` true);
 * ``mix_token_best_fit``: two sources mixed by token into best-fit bins (``token_sources``);
@@ -68,6 +70,9 @@ IGNORED = [
     # Where a best-fit piece came from: optional (version-1 bins have none), never read by the
     # stream; zephon audit checks an origin against the lane files when it resolves one.
     r"lanes\.\d+\.(sources\.\w+\.packer|mixed)\.bins\[\d+\]\.piece_origins(\[\d+\])*",
+    # A text cursor's document as a whole (deleted): optional (version-2 cursors have none); the
+    # block is then tokenized from its start, to the same batches. Its fields are checked.
+    r"lanes\.\d+\.sources\.\w+\.packer\.stream\.document",
 ]
 
 
@@ -76,18 +81,21 @@ class Datasets:
     web: str  # pre-tokenized, repeats
     code: str  # text (tokenized online), small: stops early under exhaustion "stop"
     code_tokens: str  # the same documents pre-tokenized (restores without a tokenizer: faster)
+    web_text: str  # web's documents as text: cursors that name their document (state version 3)
 
 
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory, tokenizer) -> Datasets:  # tokenizer: the shipped one (tests/adversarial/conftest.py)
     root = tmp_path_factory.mktemp("state_validation")
     web, code, code_tokens = str(root / "web"), str(root / "code"), str(root / "code_tokens")
-    write_dataset(web, synthetic_texts(40, seed=31, max_words=6), num_lanes=NUM_LANES, seed=2, source_name="web",
-                  tokenizer=tokenizer, files_per_lane=2, row_group_rows=4)
+    web_text = str(root / "web_text")
+    for path, web_tokenizer in ((web, tokenizer), (web_text, None)):
+        write_dataset(path, synthetic_texts(40, seed=31, max_words=6), num_lanes=NUM_LANES, seed=2,
+                      source_name="web", tokenizer=web_tokenizer, files_per_lane=2, row_group_rows=4)
     for path, code_tokenizer in ((code, None), (code_tokens, tokenizer)):
         write_dataset(path, synthetic_texts(16, seed=32, max_words=2), num_lanes=NUM_LANES, seed=2,
                       source_name="code", files_per_lane=1, row_group_rows=4, tokenizer=code_tokenizer)
-    return Datasets(web, code, code_tokens)
+    return Datasets(web, code, code_tokens, web_text)
 
 
 def config_of(datasets: Datasets, scenario: str) -> LoaderConfig:
@@ -100,6 +108,8 @@ def config_of(datasets: Datasets, scenario: str) -> LoaderConfig:
         fields.update(datasets=[web], packing="concat")
     elif scenario == "best_fit":
         fields.update(datasets=[web], packing="best_fit")
+    elif scenario == "text_concat":
+        fields.update(datasets=[{"path": datasets.web_text, "name": "web"}], packing="concat")
     elif scenario == "mix_sequence_stop":
         fields.update(datasets=[dict(web, weight=0.6), {"path": datasets.code, "name": "code", "weight": 0.4,
                                                         "exhaustion": "stop"}],
@@ -110,7 +120,8 @@ def config_of(datasets: Datasets, scenario: str) -> LoaderConfig:
     return LoaderConfig(**fields)
 
 
-SAVE_STEP = {"concat": 14, "best_fit": 14, "mix_sequence_stop": 12, "mix_token_best_fit": 6, "rank_local": 5}
+SAVE_STEP = {"concat": 14, "best_fit": 14, "text_concat": 14, "mix_sequence_stop": 12, "mix_token_best_fit": 6,
+             "rank_local": 5}
 
 
 def take_batches(loader: ZephonLoader, steps: int) -> str:
@@ -338,6 +349,8 @@ def assert_scenario_is_what_it_says(scenario: str, state: dict) -> None:
         assert any(l["sources"]["web"]["packer"]["stream"]["epoch"] >= 1 for l in lanes)
     if scenario == "best_fit":
         assert any(l["sources"]["web"]["packer"]["bins"] for l in lanes)
+    if scenario == "text_concat":  # text cursors past their block's first document name it
+        assert any(l["sources"]["web"]["packer"]["stream"].get("document", {}).get("index", 0) > 0 for l in lanes)
     if scenario == "mix_sequence_stop":
         assert any(l["sources"]["code"]["stopped"] for l in lanes)
         assert any(l["sources"]["code"]["packer"]["stream"]["exhausted"] for l in lanes)

@@ -835,11 +835,13 @@ CHECKPOINT_CONFIGS = ("concat", "best_fit", "mix_sequence", "mix_token")
 # names a few fields literally (a concat lane's state is a cursor; best-fit lanes hold tokens).
 # Re-pinned with state version 2 (loader.checkpoint.migrations): the version-1 pins of commit
 # 4c2250e are the bytes of these states with "version" 1 and every bin's piece_origins removed
-# (test_version_2_changed_only_the_version_and_piece_origins), so nothing else moved.
+# (test_version_2_changed_only_the_version_and_piece_origins), so nothing else moved. Re-pinned
+# with state version 3: the version-2 pins of commit dbee1d1 are these states with "version" 2
+# and every cursor's document removed (test_version_3_changed_only_the_version_and_documents).
 PINNED_CHECKPOINTS = {
     "concat": {
-        "bytes_sha256": "6fe45b3047cc68b42c4e42c457911b1e6a6e73630aa2045e87fa04cd39f2127a",
-        "masked_sha256": "fffa77e6fadfe79920e97128d2045a4b1ad5ccfa5e9711b814cb1e896631e8f7",
+        "bytes_sha256": "502b9ac8a6e5e4f4e378c7c271ed4c7798c0eae536932ca34860bf7cd4bd03de",
+        "masked_sha256": "6d8b371e59ccf4df1f479419e31bed07958a01427981bb138e3c018d6cc5df33",
         "next_global_index": 320,
         "config": {
             "seed": 11,
@@ -857,15 +859,16 @@ PINNED_CHECKPOINTS = {
             "outputs": 80,
             "sources": {
                 "synthetic": {
-                    "packer": {"stream": {"epoch": 16, "block": 1, "offset": 50, "exhausted": False}},
+                    "packer": {"stream": {"epoch": 16, "block": 1, "offset": 50, "exhausted": False,
+                                          "document": {"index": 2, "token_start": 43, "char_start": 85}}},
                     "stopped": False,
                 },
             },
         },
     },
     "best_fit": {
-        "bytes_sha256": "ce0c5c0f435f9fc598d99856003088b9772227ff98ee735e8ce4c633b6b0e39b",
-        "masked_sha256": "9fa2028e334ffd940da2dca41041d5fdb35a3592bda120760bc25852f3f8909e",
+        "bytes_sha256": "828970f54bb37f8a045dbc819aca87a9adeb77b2909984df81e3516c63a540a8",
+        "masked_sha256": "e3286a2fe272d3fa8521995032ee56fc120e50ea25473e0915d27c73cb4d18e4",
         "next_global_index": 320,
         "config": {
             "seed": 11,
@@ -882,8 +885,8 @@ PINNED_CHECKPOINTS = {
         "lane_00000": None,
     },
     "mix_sequence": {
-        "bytes_sha256": "658cb35bf2a094de046deb5688a67295db62eec3826e6df1e6271d99c9d3e81b",
-        "masked_sha256": "409569151350baa6f4e80841a241c3685945604298dba152bd69287c7fc01348",
+        "bytes_sha256": "07fabd38f98f8db026fe9d8761f480c77c93e0e0285baed56185586ccb06d06f",
+        "masked_sha256": "6a606a799dfc614692a7331b5b2af0213e416144e55a8acd370cdd3ace1c23e9",
         "next_global_index": 320,
         "config": {
             "seed": 11,
@@ -901,19 +904,21 @@ PINNED_CHECKPOINTS = {
             "outputs": 80,
             "sources": {
                 "main": {
-                    "packer": {"stream": {"epoch": 7, "block": 2, "offset": 105, "exhausted": False}},
+                    "packer": {"stream": {"epoch": 7, "block": 2, "offset": 105, "exhausted": False,
+                                          "document": {"index": 2, "token_start": 94, "char_start": 201}}},
                     "stopped": False,
                 },
                 "other": {
-                    "packer": {"stream": {"epoch": 3, "block": 0, "offset": 522, "exhausted": False}},
+                    "packer": {"stream": {"epoch": 3, "block": 0, "offset": 522, "exhausted": False,
+                                          "document": {"index": 1, "token_start": 350, "char_start": 810}}},
                     "stopped": False,
                 },
             },
         },
     },
     "mix_token": {
-        "bytes_sha256": "48acb6e50f61b8fa459aa9dfaa9e89174820663229d44257598f3a67a425bacf",
-        "masked_sha256": "181e008174f2f5147eb25e3f86b0897b2ccdb4ee1644d30a5da7459f02ffa0ca",
+        "bytes_sha256": "6ec87bd6b9f886403206b3f9bac9c6a88698d6dfafb66552b6acd50d6a31acfc",
+        "masked_sha256": "05ccd11acd0b27c1db67539010c3395aae6cffdeecb14a8e8dbfe3391ad38d42",
         "next_global_index": 320,
         "config": {
             "seed": 11,
@@ -953,11 +958,43 @@ PINNED_VERSION_1_MASKED = {
 }
 
 
+def without_documents(state: dict) -> tuple[dict, int]:
+    """A copy of ``state`` with every cursor's ``document`` (version 3) removed, and how many."""
+    copy = json.loads(dumps(state))
+    removed = 0
+    for lane in copy["lanes"].values():
+        packers = [lane["mixed"]] if "mixed" in lane else [s["packer"] for s in lane["sources"].values()]
+        for packer in packers:
+            stream = packer["stream"]
+            for cursor in stream["sources"] if "sources" in stream else [stream]:
+                removed += cursor.pop("document", None) is not None
+    return copy, removed
+
+
+# The version-2 pins (commit dbee1d1), before text cursors said their document: a version-3
+# state with "version" 2 and its cursors' documents removed must still be these bytes.
+PINNED_VERSION_2_MASKED = {
+    "concat": "fffa77e6fadfe79920e97128d2045a4b1ad5ccfa5e9711b814cb1e896631e8f7",
+    "best_fit": "9fa2028e334ffd940da2dca41041d5fdb35a3592bda120760bc25852f3f8909e",
+    "mix_sequence": "409569151350baa6f4e80841a241c3685945604298dba152bd69287c7fc01348",
+    "mix_token": "181e008174f2f5147eb25e3f86b0897b2ccdb4ee1644d30a5da7459f02ffa0ca",
+}
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_CONFIGS)
+def test_version_3_changed_only_the_version_and_documents(runs, name) -> None:
+    _, state = runs[(name, False)]
+    assert state["version"] == 3
+    as_v2, documents = without_documents(state)
+    assert documents > 0  # the golden sources are text: their cursors say where they are
+    as_v2["version"] = 2
+    assert hashlib.sha256(masked_state_bytes(as_v2)).hexdigest() == PINNED_VERSION_2_MASKED[name]
+
+
 @pytest.mark.parametrize("name", CHECKPOINT_CONFIGS)
 def test_version_2_changed_only_the_version_and_piece_origins(runs, name) -> None:
     _, state = runs[(name, False)]
-    as_v1 = json.loads(dumps(state))
-    assert as_v1["version"] == 2
+    as_v1, _ = without_documents(state)
     as_v1["version"] = 1
     origins = 0
     for lane in as_v1["lanes"].values():
