@@ -553,7 +553,7 @@ PACKING_NOTE = (
 SETUP_NOTES = {
     "zephon": "lane-sharded Parquet from `python -m beam_jobs.shard --num-lanes 16 --seed 0 --id-field id` (offline "
               "tokenization for `web-ids`/`caps-ids`, none for `web-text`); `ZephonLoader(LoaderConfig(packing=\"concat\", "
-              "micro_batch_size=global batch / world size, prefetch=4, batch_fields=[\"input_ids\"]))`; mixing by "
+              "micro_batch_size=global batch / world size, batch_fields=[\"input_ids\"]))` (the default `prefetch`); mixing by "
               "dataset weights.",
     "zephon_full": "as Zephon, with the default `batch_fields` (input_ids, labels, position_ids, cu_seqlens).",
     "streaming": "MDS shards (`MDSWriter`, 8 MB, `ndarray:int32` / `str` columns); `StreamingDataset(shuffle=True, "

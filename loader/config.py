@@ -113,7 +113,7 @@ class LoaderConfig:
     bos_token: Optional[str] = None
     pad_token: Optional[str] = None
     num_workers: int = 0
-    prefetch: int = 4
+    prefetch: Optional[int] = None  # None: loader.workers.pool.default_prefetch(seq_len)
     mixing_unit: str = "sequence"
     schedule: tuple[ScheduleEntry, ...] = ()
     cache_dir: Optional[str] = None
@@ -152,7 +152,7 @@ class LoaderConfig:
         "bos_token": OrAbsent(Text()),
         "pad_token": OrAbsent(Text()),
         "num_workers": Integer(minimum=0),
-        "prefetch": Integer(minimum=1),
+        "prefetch": OrAbsent(Integer(minimum=1)),
         "mixing_unit": Text(choices=MIXING_UNITS),
         "schedule": ListOf(Record(ScheduleEntry)),
         "cache_dir": OrAbsent(FilePath()),

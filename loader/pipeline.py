@@ -58,7 +58,7 @@ from loader.transforms import resume as transform_resume
 from loader.transforms.chain import TransformChain
 from loader.checkpoint.step_states import StepStateHistory
 from loader.workers.messages import ITEMS_PER_MESSAGE
-from loader.workers.pool import WorkerError, WorkerPool, slots_per_worker  # noqa: F401 - WorkerError re-exported
+from loader.workers.pool import WorkerError, WorkerPool, default_prefetch, slots_per_worker  # noqa: F401 - WorkerError re-exported
 from loader.stages.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
@@ -606,6 +606,10 @@ class ZephonLoader:
         looked ahead). The stream is the same either way; the first batch does not wait.
         Nor does the hand-over: the workers start from the states handed over while the
         trainer's lanes go on producing, until every worker has caught up (``_Run.lead``).
+        Except where the sources tokenize online: there the trainer's lanes would take the
+        cores the workers tokenize on, so that they caught up only after seconds (text, 2
+        workers, busy trainer: 4.5 s at a third of the rate, against one wait of ~0.3 s at
+        the hand-over; bench/RESULTS.md, issue 16), and the workers take over at once.
         """
         if self._run is None:
             if self.config.num_workers > 0 and (self._pool is None or not self._pool.healthy()):
@@ -615,13 +619,18 @@ class ZephonLoader:
         elif self._run.warm_start and self._step_items is None:
             self._pool.raise_if_dead()  # a worker that died starting up is an error, not a slow start
             if self._pool.all_ready():
-                self._run = _Run(self, self._pool, lead=self._run)
+                warm = self._run
+                tokenizes = self.spec.tokenizer_json is not None  # text or chat sources
+                self._run = _Run(self, self._pool, lead=None if tokenizes else warm)
+                if tokenizes:
+                    warm.close_lanes()
 
     def _start_pool(self) -> None:
         items_held = self.topology.per_rank_batch if self.finite else self.config.micro_batch_size
         pool = WorkerPool(
             num_workers=min(self.config.num_workers, len(self.rank_lanes)), seq_len=self.config.seq_len,
-            num_slots=slots_per_worker(self.config.prefetch, items_held), features=self.features,
+            num_slots=slots_per_worker(self.config.prefetch or default_prefetch(self.config.seq_len), items_held),
+            features=self.features,
             extra_slot_bytes=0 if self.image_options is None else image_slot_bytes(
                 self.image_options.policy, self.config.seq_len, ITEMS_PER_MESSAGE, self.image_options.wrap_tokens),
         )

@@ -94,7 +94,7 @@ class Session:
         self.cfg = LoaderConfig(datasets=datasets, seq_len=spec.seq_len, global_batch_size=spec.global_batch,
                                 micro_batch_size=spec.rank_batch, seed=spec.seed,
                                 tokenizer=layout.info()["tokenizer"], packing="concat",
-                                num_workers=spec.num_workers, prefetch=4, batch_fields=batch_fields,
+                                num_workers=spec.num_workers, batch_fields=batch_fields,
                                 **config_overrides)
         self.loader = ZephonLoader(self.cfg, rank=spec.rank, world_size=spec.world_size)
         self._it = None

@@ -10,6 +10,7 @@ plugs in there.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -42,6 +43,20 @@ class TokenFormat:
 # instead of 16 KiB cost a fresh text loader 2.5x the CPU to its first batch (every lane
 # of the batch tokenizes its first call: 0.51-0.58 s against 0.17-0.26 s, bench/RESULTS.md, issue 16).
 TOKENIZE_CHARS = 16 * 1024
+# ...up to this much text per tokenizer thread: larger calls made a worker (one thread) stop
+# delivering for 100-700 ms at a time, which its prefetch could not cover (text, 2 workers, busy
+# trainer: 1.1 M tok/s in bursts, 1.7 M tok/s with the cap and a deeper prefetch; in-process,
+# two threads, the cap cost nothing measurable: bench/RESULTS.md, issue 16).
+MAX_TOKENIZE_CHARS_PER_THREAD = 64 * 1024
+
+
+def tokenizer_threads() -> int:
+    """The tokenizer's thread pool size in this process (``RAYON_NUM_THREADS``, which the
+    worker pool sets per worker, else one thread per core)."""
+    try:
+        return max(1, int(os.environ.get("RAYON_NUM_THREADS", "")))
+    except ValueError:
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -86,6 +101,7 @@ class TextBlock(Block):
         self._char_ends = np.cumsum([len(t) for t in texts]) if texts else np.zeros(0, dtype=np.int64)
         self._next = 0  # first document not tokenized yet
         self._chars = TOKENIZE_CHARS  # text of the next call
+        self._max_chars = MAX_TOKENIZE_CHARS_PER_THREAD * tokenizer_threads()
         self._tokenizer = tokenizer
         self._format = token_format
 
@@ -137,7 +153,7 @@ class TextBlock(Block):
         chars_before = int(self._char_ends[start - 1]) if start else 0
         end = int(np.searchsorted(self._char_ends, chars_before + self._chars, side="right"))
         end = min(max(end, start + 1), len(self._texts))
-        self._chars *= 2
+        self._chars = min(2 * self._chars, self._max_chars)
         encoded = self._tokenizer.encode_batch_fast(self._texts[start:end], add_special_tokens=False)
         id_lists = [e.ids for e in encoded]
         lengths = np.fromiter((len(ids) for ids in id_lists), dtype=np.int64, count=len(id_lists))

@@ -77,6 +77,18 @@ class WorkerProcess:
             pass
 
 
+# Default prefetch: messages holding this many tokens per worker, at least 4. Text workers
+# deliver in bursts (a tokenizer call per lane and ~64 KiB of text); 4 messages of 2048-token
+# sequences (64 K tokens, ~40 ms of a 2-worker text loader) ran dry under a busy trainer, 16 did
+# not (bench/RESULTS.md, issue 16). Slots hold ~16 bytes per token: ~4 MB per worker by default.
+PREFETCH_TOKENS = 256 * 1024
+
+
+def default_prefetch(seq_len: int) -> int:
+    """``prefetch`` when the config leaves it out: 16 messages at seq_len 2048, 4 from 8192 on."""
+    return max(4, PREFETCH_TOKENS // (ITEMS_PER_MESSAGE * seq_len))
+
+
 def slots_per_worker(prefetch: int, items_held: int) -> int:
     """Messages a worker may have ready (``prefetch``) plus those the trainer holds at most:
     the items of one micro-batch (or of a whole step, when steps are looked ahead) can span

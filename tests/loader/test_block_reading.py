@@ -299,3 +299,45 @@ def test_reading_and_restoring_never_import_pandas(tmp_path, make_config):
     subprocess.run([sys.executable, "-c", _NO_PANDAS_SCRIPT, json.dumps(fields)], env=env, check=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert not marker.exists(), "reading or restoring imported pandas, from:\n" + marker.read_text()
+
+
+class _CountingTokenizer:
+    """A tokenizer that records the characters of each ``encode_batch_fast`` call."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.call_chars: list[int] = []
+
+    def encode_batch_fast(self, texts, add_special_tokens):
+        self.call_chars.append(sum(len(t) for t in texts))
+        return self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_text_blocks_tokenize_in_calls_capped_per_tokenizer_thread(tokenizer, monkeypatch, threads):
+    from loader.io.blocks import MAX_TOKENIZE_CHARS_PER_THREAD, TOKENIZE_CHARS, TextBlock
+
+    monkeypatch.setenv("RAYON_NUM_THREADS", threads)
+    texts = [f"document {k} " + "lorem ipsum dolor sit amet " * 40 for k in range(600)]  # ~660 KB
+    counting = _CountingTokenizer(tokenizer)
+    fmt = TokenFormat(bos_id=None, eos_id=0)
+    block = TextBlock(texts, counting, fmt)
+    block.ensure(10 ** 9)
+    cap = MAX_TOKENIZE_CHARS_PER_THREAD * int(threads)
+    longest = max(len(t) for t in texts)
+    assert block.complete and counting.call_chars[0] <= TOKENIZE_CHARS
+    assert max(counting.call_chars) <= cap and max(counting.call_chars) > cap - longest  # grew to the cap
+    assert sum(counting.call_chars) == sum(len(t) for t in texts)  # every document once
+    ids = [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    whole = wrap_documents(np.concatenate([np.array(i, dtype=np.int32) for i in ids]),
+                           np.array([len(i) for i in ids]), fmt)
+    np.testing.assert_array_equal(block.tokens, whole.tokens)  # the calls do not change the tokens
+    np.testing.assert_array_equal(block.doc_starts, whole.doc_starts)
+
+
+def test_the_default_prefetch_holds_a_quarter_million_tokens_per_worker():
+    from loader.config import LoaderConfig
+    from loader.workers.pool import default_prefetch
+
+    assert [default_prefetch(n) for n in (512, 2048, 4096, 8192, 32768)] == [64, 16, 8, 4, 4]
+    assert LoaderConfig.__dataclass_fields__["prefetch"].default is None  # absent from a config: the default

@@ -190,7 +190,8 @@ def test_hand_over_does_not_wait_for_the_workers_first_messages(make_config, bas
     monkeypatch.setattr(WorkerPool, "try_receive",
                         lambda self, k: None if held_back["slow"] else real_try_receive(self, k))
     held_back["slow"] = True
-    config = make_config("concat", num_workers=2, micro_batch_size=1, prefetch=1)
+    # Pre-tokenized: a loader whose sources tokenize online hands over without a lead (below).
+    config = make_config("concat", pretokenized=True, num_workers=2, micro_batch_size=1, prefetch=1)
     run = LoaderRun(config)
     try:
         loader = run.loaders[0]
@@ -209,11 +210,43 @@ def test_hand_over_does_not_wait_for_the_workers_first_messages(make_config, bas
         got += run.run(2)
     finally:
         run.close()
-    assert got == baseline("concat", 38)[:len(got)], "the hand-over changed the stream"
+    assert got == baseline("concat", 38, pretokenized=True)[:len(got)], "the hand-over changed the stream"
     assert lead_carried_on, "the trainer waited for the workers instead of producing"
     # 64 items per worker made by the lead, 4 slots of 8 items per worker (prefetch 1): the
     # workers catch up only if the dropped items' slots went back
     assert caught_up, "the workers never caught up (slots of dropped items not given back?)"
+
+
+@pytest.mark.timeout(120)
+def test_a_text_loader_hands_over_at_once_without_a_lead(make_config, baseline, monkeypatch):
+    """Sources that tokenize online: the trainer's lanes would take the cores the workers
+    tokenize on, so the workers take over at the hand-over (the trainer waits for their first
+    messages once) and the trainer's lanes are closed. The stream is unchanged."""
+    from loader.stages.lane import Lane
+    from loader.workers.pool import WorkerPool
+
+    real_all_ready = WorkerPool.all_ready
+    gate = {"open": False}
+    monkeypatch.setattr(WorkerPool, "all_ready", lambda self: gate["open"] and real_all_ready(self))
+    closed = []
+    real_close = Lane.close
+    monkeypatch.setattr(Lane, "close", lambda self: (closed.append(self.lane_id), real_close(self)))
+    run = LoaderRun(make_config("concat", num_workers=2, micro_batch_size=1))
+    try:
+        loader = run.loaders[0]
+        got = run.run(3)  # in-process: the workers are not let in yet
+        warm_lanes = sorted(loader._run.in_process_lanes)
+        gate["open"] = True
+        loader.wait_for_workers(30)
+        got += run.run(1)  # hands over
+        handed_over = not loader._run.warm_start and loader._run.lead is None
+        closed_at_hand_over = sorted(closed)
+        got += run.run(12)
+    finally:
+        run.close()
+    assert handed_over, "a text loader kept the trainer's lanes producing after the hand-over"
+    assert closed_at_hand_over == warm_lanes, "the trainer's lanes were not closed at the hand-over"
+    assert got == baseline("concat", len(got)), "the hand-over changed the stream"
 
 
 @pytest.mark.timeout(120)
