@@ -19,6 +19,13 @@ Issue 16, with worker processes (the full profile's shape: seq_len 2048, batch 8
 they happen (with ``--pace-ms`` of sleep after each batch, a trainer that leaves the workers
 time), and the CPU the worker processes and the trainer process spend per micro-batch,
 consumed as fast as possible and paced.
+
+    python bench/thread_profile.py --workers 2 --mode text --timeline 12 [--pace-ms 4]
+
+The first seconds of a busy trainer (1 ms holding the GIL + ``--pace-ms`` of sleep per batch, as
+``bench.compare``'s trainer rows) with workers, second by second: tokens/s, the longest wait in
+``next()``, the trainer process's CPU per step, and who produces (the trainer's own lanes during
+the warm start, with or without a lead after the hand-over, or the workers alone).
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ def main(argv=None) -> int:
     parser.add_argument("--loader", default="zephon", choices=("zephon", "zephon_full"),
                         help="zephon: input_ids only, as in the comparison's 'Zephon' row; zephon_full: "
                              "the default full batch")
-    parser.add_argument("--mode", default="pretok", choices=("pretok", "mix"),
-                        help="pretok: measurement (1) of the comparison; mix: (3), the 0.7/0.3 two-source mix")
+    parser.add_argument("--mode", default="pretok", choices=("pretok", "mix", "text"),
+                        help="pretok: measurement (1) of the comparison; mix: (3), the 0.7/0.3 two-source mix; "
+                             "text: tokenized online (--workers only)")
     parser.add_argument("--read-ahead-threads", type=int, default=None,
                         help="LoaderConfig.read_ahead_threads (default: the loader's default)")
     parser.add_argument("--work", default=None, help="bench.compare work dir (default: compare-quick, with "
@@ -49,6 +57,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=1500)
     parser.add_argument("--pace-ms", type=float, default=5.0)
     parser.add_argument("--no-read-ahead", action="store_true")
+    parser.add_argument("--timeline", type=float, default=0.0,
+                        help="with --workers: seconds of a busy trainer, reported second by second")
     args = parser.parse_args(argv)
     if args.workers > 0:
         return worker_profile(args)
@@ -151,8 +161,10 @@ def worker_profile(args) -> int:
 
     layout = Layout(args.work or str(REPO_ROOT / "bench" / "_work" / "compare-full"))
     options = {"read_ahead": False} if args.no_read_ahead else {}
-    spec = Spec(loader="zephon", mode="pretok", data_dir=layout.root, seq_len=2048, global_batch=8,
-                num_workers=args.workers, options=options)
+    spec = Spec(loader="zephon", mode="text" if args.mode == "text" else "pretok", data_dir=layout.root,
+                seq_len=2048, global_batch=8, num_workers=args.workers, options=options)
+    if args.timeline:
+        return busy_timeline(args, spec, layout)
     print(f"python bench/thread_profile.py --workers {args.workers} --batches {args.batches} --pace-ms {args.pace_ms:g}"
           + (" --no-read-ahead" if args.no_read_ahead else "") + f"\n{machine_line()}")
     started = time.perf_counter()
@@ -180,6 +192,44 @@ def worker_profile(args) -> int:
         print(f"{label}: {n} micro-batches in {time.perf_counter() - t:.2f} s; CPU per micro-batch: workers "
               f"{(after['workers_cpu_s'] - before['workers_cpu_s']) / n * 1e3:.3f} ms, trainer process "
               f"{(after['own_cpu_s'] - before['own_cpu_s']) / n * 1e3:.3f} ms")
+    session.close()
+    return 0
+
+
+def busy_timeline(args, spec, layout) -> int:
+    """``--timeline``: a busy trainer's first seconds with workers (see the module docstring)."""
+    from bench.machine import machine_line
+    from bench.peers import zephon
+
+    print(f"python bench/thread_profile.py --workers {args.workers} --mode {spec.mode} --timeline {args.timeline:g} "
+          f"--pace-ms {args.pace_ms:g}\n{machine_line()}")
+    session = zephon.open_session(spec, layout)
+    batches = iter(session)
+    tokens_per_batch = spec.global_batch * spec.seq_len
+
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    started = last = time.perf_counter()
+    steps, longest, cpu = 0, 0.0, time.process_time()
+    while time.perf_counter() - started < args.timeline:
+        busy(1e-3)
+        time.sleep(args.pace_ms / 1e3)
+        t = time.perf_counter()
+        next(batches)
+        longest = max(longest, time.perf_counter() - t)
+        steps += 1
+        if time.perf_counter() - last >= 1.0:
+            run = session.loader._run
+            who = ("trainer (warm start)" if run.warm_start else "workers + trainer's lead" if run.lead is not None
+                   else "workers")
+            elapsed = time.perf_counter() - last
+            print(f"t={time.perf_counter() - started:5.1f} s: {steps * tokens_per_batch / elapsed / 1e6:5.2f} M tok/s, "
+                  f"longest next() {longest * 1e3:4.0f} ms, trainer process CPU "
+                  f"{(time.process_time() - cpu) / steps * 1e3:5.1f} ms/step, producing at the end: {who}")
+            last, steps, longest, cpu = time.perf_counter(), 0, 0.0, time.process_time()
     session.close()
     return 0
 
