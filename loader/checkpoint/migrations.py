@@ -11,8 +11,8 @@ the identical stream. Versions:
    A version-1 state becomes version 2 as it is: its bins keep no origins, which version 2
    reads as "unknown" (``zephon audit`` then replays instead of resolving the bins); the bins'
    tokens are unchanged, so the stream is too.
-3. A text lane's cursor may say which document it is in: ``document``, ``[index, first token]``
-   (``loader.io.lane_reader.LaneTokenStream``), so that a restore tokenizes the row group from
+3. A text lane's cursor may say which document it is in: ``document``, ``{index, token_start,
+   char_start}`` (``loader.io.blocks.TextBlock.document_at``), so that a restore tokenizes the row group from
    that document on instead of from its start (``loader.io.blocks.TextBlock.skip_to``). A
    version-2 state becomes version 3 as it is: a cursor without ``document`` is restored as
    before, tokenizing its block up to the offset; nothing else changed.
