@@ -58,7 +58,9 @@ from loader.transforms import resume as transform_resume
 from loader.transforms.chain import TransformChain
 from loader.checkpoint.step_states import StepStateHistory
 from loader.workers.messages import ITEMS_PER_MESSAGE
-from loader.workers.pool import WorkerError, WorkerPool, default_prefetch, slots_per_worker  # noqa: F401 - WorkerError re-exported
+from loader.workers.pool import (  # noqa: F401 - WorkerError re-exported
+    WorkerError, WorkerPool, default_prefetch, slots_per_worker,
+)
 from loader.stages.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
