@@ -113,7 +113,7 @@ class LoaderConfig:
     bos_token: Optional[str] = None
     pad_token: Optional[str] = None
     num_workers: int = 0
-    prefetch: Optional[int] = None  # None: loader.workers.pool.default_prefetch(seq_len)
+    prefetch: Optional[int] = None  # None: loader.workers.pool.default_prefetch (by seq_len and slot size)
     mixing_unit: str = "sequence"
     schedule: tuple[ScheduleEntry, ...] = ()
     cache_dir: Optional[str] = None

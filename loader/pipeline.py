@@ -59,7 +59,7 @@ from loader.transforms.chain import TransformChain
 from loader.checkpoint.step_states import StepStateHistory
 from loader.workers.messages import ITEMS_PER_MESSAGE
 from loader.workers.pool import (  # noqa: F401 - WorkerError re-exported
-    WorkerError, WorkerPool, default_prefetch, slots_per_worker,
+    WorkerError, WorkerPool,
 )
 from loader.stages.tokenizer import (
     BOS_CANDIDATES,
@@ -631,8 +631,7 @@ class ZephonLoader:
         items_held = self.topology.per_rank_batch if self.finite else self.config.micro_batch_size
         pool = WorkerPool(
             num_workers=min(self.config.num_workers, len(self.rank_lanes)), seq_len=self.config.seq_len,
-            num_slots=slots_per_worker(self.config.prefetch or default_prefetch(self.config.seq_len), items_held),
-            features=self.features,
+            prefetch=self.config.prefetch, items_held=items_held, features=self.features,
             extra_slot_bytes=0 if self.image_options is None else image_slot_bytes(
                 self.image_options.policy, self.config.seq_len, ITEMS_PER_MESSAGE, self.image_options.wrap_tokens),
         )

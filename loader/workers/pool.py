@@ -82,11 +82,15 @@ class WorkerProcess:
 # sequences (64 K tokens, ~40 ms of a 2-worker text loader) ran dry under a busy trainer, 16 did
 # not (bench/RESULTS.md, issue 16). Slots hold ~16 bytes per token: ~4 MB per worker by default.
 PREFETCH_TOKENS = 256 * 1024
+# ...and no more slot room than this per worker beyond the 4 messages (image sources: a slot
+# has room for a message's pixels, up to ~125 MB), so /dev/shm holds what it did before.
+PREFETCH_SLOT_BYTES = 64 * 1024**2
 
 
-def default_prefetch(seq_len: int) -> int:
-    """``prefetch`` when the config leaves it out: 16 messages at seq_len 2048, 4 from 8192 on."""
-    return max(4, PREFETCH_TOKENS // (ITEMS_PER_MESSAGE * seq_len))
+def default_prefetch(seq_len: int, slot_size: int) -> int:
+    """``prefetch`` when the config leaves it out: 16 messages at seq_len 2048, 4 from 8192 on,
+    and 4 where a slot is large (``slot_size`` bytes: image sources)."""
+    return max(4, min(PREFETCH_TOKENS // (ITEMS_PER_MESSAGE * seq_len), PREFETCH_SLOT_BYTES // slot_size))
 
 
 def slots_per_worker(prefetch: int, items_held: int) -> int:
@@ -97,12 +101,15 @@ def slots_per_worker(prefetch: int, items_held: int) -> int:
 
 
 class WorkerPool:
-    def __init__(self, *, num_workers: int, seq_len: int, num_slots: int, extra_slot_bytes: int = 0,
-                 features: Optional[Sequence[str]] = None) -> None:
+    def __init__(self, *, num_workers: int, seq_len: int, prefetch: Optional[int], items_held: int,
+                 extra_slot_bytes: int = 0, features: Optional[Sequence[str]] = None) -> None:
+        """``prefetch``: the config's (None: :func:`default_prefetch`); ``items_held``: the items
+        the trainer may hold at once (:func:`slots_per_worker`)."""
         remove_stale_segments()
-        self.num_slots = num_slots
         # extra_slot_bytes: a message's worst-case pixel data (image sources, loader.vision.transfer)
         self.slot_size = slot_bytes(seq_len, ITEMS_PER_MESSAGE, features) + extra_slot_bytes
+        self.prefetch = prefetch or default_prefetch(seq_len, self.slot_size)
+        self.num_slots = slots_per_worker(self.prefetch, items_held)
         self.processes: list[WorkerProcess] = []
         self.commands: list[Connection] = []
         self.messages: list[Connection] = []

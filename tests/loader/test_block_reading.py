@@ -335,9 +335,12 @@ def test_text_blocks_tokenize_in_calls_capped_per_tokenizer_thread(tokenizer, mo
     np.testing.assert_array_equal(block.doc_starts, whole.doc_starts)
 
 
-def test_the_default_prefetch_holds_a_quarter_million_tokens_per_worker():
+def test_the_default_prefetch_holds_a_quarter_million_tokens_per_worker_in_small_slots():
     from loader.config import LoaderConfig
     from loader.workers.pool import default_prefetch
+    from loader.workers.shm import slot_bytes
 
-    assert [default_prefetch(n) for n in (512, 2048, 4096, 8192, 32768)] == [64, 16, 8, 4, 4]
+    text = [default_prefetch(n, slot_bytes(n, 8, ("loss_mask",))) for n in (512, 2048, 4096, 8192, 32768)]
+    assert text == [64, 16, 8, 4, 4]
+    assert default_prefetch(2048, 125 * 1024**2) == 4  # an image source's slot (pixels): the former default
     assert LoaderConfig.__dataclass_fields__["prefetch"].default is None  # absent from a config: the default
