@@ -53,12 +53,9 @@ def _prepare_block(key: tuple[int, int], block: Block) -> None:
     """A block just read ahead (``key``: its epoch and index): its remaining decoding (an online
     chat block's render, tokenization and masks) queued on the prepare thread; blocks with
     nothing to prepare (pre-tokenized, text: see ``TextBlock``) cost nothing here."""
-    if not block.complete and type(block).prepare is not Block.prepare:
-        prepare_later(_run_prepare, block, key)
-
-
-def _run_prepare(block: Block) -> None:
-    block.prepare()
+    prepare = type(block).prepare
+    if not block.complete and prepare is not Block.prepare:
+        prepare_later(prepare, block, key)  # the unbound method: the block itself is held weakly
 
 
 class EmptyLaneError(LaneDataError):
@@ -203,11 +200,22 @@ class LaneTokenStream:
 
     # -- state -------------------------------------------------------------------------
     def get_state(self) -> dict:
-        state = {"epoch": self.epoch, "block": self.block_index, "offset": self.offset, "exhausted": self.exhausted}
+        return self._cursor_state(self.epoch, self.block_index, self.offset, self.exhausted)
+
+    @property
+    def state_is_cursor(self) -> bool:
+        """Whether :meth:`get_state` is the four cursor values alone (no transform counters, no
+        text document), so that a packer may save the cursor as four integers until it is used."""
+        return not self.counting and not self.resumes_at_document
+
+    def _cursor_state(self, epoch: int, block_index: int, offset: int, exhausted: bool) -> dict:
+        """The state of a cursor at ``(epoch, block_index, offset)`` (this one's or one it
+        will reach in the current or next block: a bulk reader's)."""
+        state = {"epoch": epoch, "block": block_index, "offset": offset, "exhausted": exhausted}
         if self.counting:
-            state["transforms"] = self._counts_at(self.epoch, self.block_index, self.offset)
-        if self.resumes_at_document and self.offset > 0 and not self.exhausted:
-            self._add_document(state, self.epoch, self.block_index, self.offset)
+            state["transforms"] = self._counts_at(epoch, block_index, offset)
+        if self.resumes_at_document and offset > 0 and not exhausted:
+            self._add_document(state, epoch, block_index, offset)
         return state
 
     def _add_document(self, state: dict, epoch: int, block_index: int, offset: int) -> None:
@@ -351,18 +359,17 @@ class LaneTokenStream:
         self._restored_path = None
         self._restored_document = None
 
-    def _check_document(self, block: Block, document: dict, path: str, where: str) -> None:
+    def _check_document(self, block: TextBlock, document: dict, path: str, where: str) -> None:
         """What a restored text cursor's document can be checked against before its block is
         tokenized from it: the index names a document of the block whose text starts at
-        ``char_start`` (which binds it to the data), starting at or before the cursor."""
+        ``char_start`` (which binds it to the data), and ``token_start`` leaves room for the
+        documents before it (the schema checked it against the offset)."""
         from loader.checkpoint.state import StateError
 
         index, token_start = document["index"], document["token_start"]
         extra = self.token_format.extra  # BOS/EOS: every document has at least these tokens
         field = "index"
-        if not isinstance(block, TextBlock):
-            field, problem = "", "only the cursors of text lanes (tokenized online) say their document"
-        elif index > block.documents:
+        if index > block.documents:
             problem = f"{where} holds {block.documents} documents, so index must be in [0, {block.documents}]"
         elif block.char_start(index) != document["char_start"]:
             field, problem = "char_start", f"document {index} of {where} starts at character {block.char_start(index)}"
@@ -371,8 +378,7 @@ class LaneTokenStream:
             problem = f"{index} documents of at least {extra} tokens each cannot end at token {token_start}"
         else:
             return
-        path = f"{path}.document" + (f".{field}" if field else "")
-        raise StateError(f"{path}: {problem} (got {document}); {_EDITED}")
+        raise StateError(f"{path}.document.{field}: {problem} (got {document}); {_EDITED}")
 
     # -- epoch layout ------------------------------------------------------------------
     def _num_row_groups(self, file_ordinal: int) -> int:
@@ -725,23 +731,11 @@ class LaneTokenStream:
     def state_at(self, view: DocumentsView, position: int) -> dict:
         """The state with the cursor at a virtual position of ``view``."""
         block_index, offset = view.where(position)
-        state = {"epoch": view.epoch, "block": block_index, "offset": offset, "exhausted": False}
-        if self.counting:
-            state["transforms"] = self._counts_at(view.epoch, block_index, offset)
-        if self.resumes_at_document and offset > 0:
-            self._add_document(state, view.epoch, block_index, offset)
-        return state
+        return self._cursor_state(view.epoch, block_index, offset, False)
 
     def rewound_state(self, rows: int, row_len: int) -> dict:
         """The state before the last ``rows`` rows of ``row_len`` (all in the current block)."""
-        offset = self.offset - rows * row_len
-        state = dict(self.get_state(), offset=offset)
-        if self.counting:  # the counts of a cursor at that offset
-            state["transforms"] = self._counts_at(self.epoch, self.block_index, offset)
-        state.pop("document", None)  # the cursor's, not this one's
-        if self.resumes_at_document and offset > 0 and not self.exhausted:
-            self._add_document(state, self.epoch, self.block_index, offset)
-        return state
+        return self._cursor_state(self.epoch, self.block_index, self.offset - rows * row_len, self.exhausted)
 
     def take_rows(self, row_len: int, max_rows: int) -> Optional[Chunk]:
         """Up to ``max_rows`` whole rows of ``row_len`` tokens from the current block, or None.

@@ -119,7 +119,8 @@ class ReadAheadQueue:
     chat block's render) elsewhere (:func:`prepare_later`).
     """
 
-    def __init__(self, read: Callable[..., Any], threads: int, prepare: Optional[Callable[[Hashable, Any], None]] = None) -> None:
+    def __init__(self, read: Callable[..., Any], threads: int,
+                 prepare: Optional[Callable[[Hashable, Any], None]] = None) -> None:
         self._read = read
         self._prepare = prepare
         self._threads = threads

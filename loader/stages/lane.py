@@ -123,8 +123,7 @@ class Lane:
         # Whether every packer's state is its stream's bare cursor (ConcatPacker.cursor_snapshot's
         # common case): step_snapshot then reads the cursors directly, once per lane and step.
         self._cursor_only = all(isinstance(p, ConcatPacker) and type(p.stream) is LaneTokenStream
-                                and not p.stream.counting and not p.stream.resumes_at_document
-                                for p in self.packers)
+                                and p.stream.state_is_cursor for p in self.packers)
         # Whether snapshot() can hold a best-fit StateSnapshot (worker state deltas encode only those).
         self.holds_bins = any(isinstance(p, BestFitPacker) for p in self.packers)
 

@@ -245,7 +245,7 @@ class ConcatPacker:
         replay with one micro-batch per step). Transform counters, a text cursor's document,
         and a token mix's streams (a ``MixedTokenStream``: one cursor per source), are built now."""
         stream = self.stream
-        if not isinstance(stream, LaneTokenStream) or stream.counting or stream.resumes_at_document:
+        if not isinstance(stream, LaneTokenStream) or not stream.state_is_cursor:
             return self.get_state()
         return StateSnapshot(concat_state, *self.cursor())
 
