@@ -200,22 +200,18 @@ def busy_timeline(args, spec, layout) -> int:
     """``--timeline``: a busy trainer's first seconds with workers (see the module docstring)."""
     from bench.machine import machine_line
     from bench.peers import zephon
+    from bench.peers.run import busy_loop, task_calibrate
 
     print(f"python bench/thread_profile.py --workers {args.workers} --mode {spec.mode} --timeline {args.timeline:g} "
           f"--pace-ms {args.pace_ms:g}\n{machine_line()}")
+    busy_iters = task_calibrate({"busy_ms": 1.0})["busy_iters"]  # the comparison's simulated trainer step
     session = zephon.open_session(spec, layout)
     batches = iter(session)
     tokens_per_batch = spec.global_batch * spec.seq_len
-
-    def busy(seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
-
     started = last = time.perf_counter()
     steps, longest, cpu = 0, 0.0, time.process_time()
     while time.perf_counter() - started < args.timeline:
-        busy(1e-3)
+        busy_loop(busy_iters)
         time.sleep(args.pace_ms / 1e3)
         t = time.perf_counter()
         next(batches)
