@@ -57,7 +57,7 @@ from loader.stages.producer import End, Item, build_lanes, produce_one, start_re
 from loader.transforms import resume as transform_resume
 from loader.transforms.chain import TransformChain
 from loader.checkpoint.step_states import StepStateHistory
-from loader.workers.messages import ITEMS_PER_MESSAGE
+from loader.workers.messages import items_per_message
 from loader.workers.pool import (  # noqa: F401 - WorkerError re-exported
     WorkerError, WorkerPool,
 )
@@ -629,11 +629,14 @@ class ZephonLoader:
 
     def _start_pool(self) -> None:
         items_held = self.topology.per_rank_batch if self.finite else self.config.micro_batch_size
+        per_message = items_per_message(self.config.seq_len, tokenizes=self.spec.tokenizer_json is not None,
+                                        images=self.image_options is not None)
         pool = WorkerPool(
             num_workers=min(self.config.num_workers, len(self.rank_lanes)), seq_len=self.config.seq_len,
-            prefetch=self.config.prefetch, items_held=items_held, features=self.features,
+            prefetch=self.config.prefetch, items_held=items_held, items_per_message=per_message,
+            features=self.features,
             extra_slot_bytes=0 if self.image_options is None else image_slot_bytes(
-                self.image_options.policy, self.config.seq_len, ITEMS_PER_MESSAGE, self.image_options.wrap_tokens),
+                self.image_options.policy, self.config.seq_len, per_message, self.image_options.wrap_tokens),
         )
         self._pool = pool
         self._finalizer = weakref.finalize(
@@ -750,7 +753,7 @@ class _Run:
         self.pending = {k: collections.deque() for k in range(num_workers)}
         pool.start_run(loader.spec, lanes_per_worker, loader.lane_states, num_lanes=self.num_lanes,
                        rank=loader.topology.rank, world_size=loader.topology.world_size,
-                       start_position=loader.rank_position)
+                       start_position=loader.rank_position, segments=loader._collator.reads_segments)
 
     @property
     def processes(self) -> list:

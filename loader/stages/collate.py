@@ -45,6 +45,9 @@ class Collator:
         self.batched = tuple(n for n in features if FEATURES[n].batch_field in self.fields)
         self.label_masks = tuple(n for n in features if FEATURES[n].masks_labels) if "labels" in self.fields else ()
         self._needed = tuple(dict.fromkeys(self.batched + self.label_masks))
+        # Whether collate reads each sequence's labels and segment (document) starts: not for a
+        # batch of input_ids (and features) alone, whose workers then do not ship them.
+        self.reads_segments = "labels" in self.fields or "position_ids" in self.fields or "cu_seqlens" in self.fields
         self._positions: Optional[np.ndarray] = None  # arange(rows * seq_len)
         self.chat_reject_reasons = tuple(chat_reject_reasons)  # empty: no online chat source, no field
         # Where the large arrays are written: np.empty, or pinned memory (loader.stages.pinned).
@@ -74,7 +77,7 @@ class Collator:
         # Datasets without features: no loop, no arrays (self._needed is empty).
         feature_arrays = {name: batch_feature(name, sequences, rows, seq_len) for name in self._needed}
         wants_segments = "position_ids" in fields or "cu_seqlens" in fields
-        if "labels" in fields or wants_segments:
+        if self.reads_segments:
             # Rows of concat fills (nearly all rows of concat packing) carry only where their
             # documents start: labels and segments of all of them come from one flat array.
             # Other rows (best fit, rows across a block boundary) bring their own arrays.

@@ -30,7 +30,8 @@ import traceback
 from multiprocessing.connection import Connection
 
 from loader.stages.producer import End, build_lanes, produce, start_reading
-from loader.workers.messages import ITEMS_PER_MESSAGE, write_message
+from loader.workers.messages import write_message
+from loader.workers.pipes import PipeWaiter
 from loader.workers.shm import Segment
 from loader.workers.state_delta import StateEncoder
 
@@ -61,13 +62,16 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
     segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"])
     messages.send(("ready", os.getpid()))
     flags = segment.flags
+    items_per_message = setup["items_per_message"]
+    command_waiter = PipeWaiter(commands)
     run_id = None
     items = None  # the current run's item generator
+    segments = True  # the current run's messages carry labels and segment starts
     lanes: dict = {}
     try:
         while True:
             # Commands first; block on them when there is nothing to produce.
-            while items is None or commands.poll():
+            while items is None or command_waiter.ready(0):
                 try:
                     command = commands.recv()
                 except EOFError:  # the trainer is gone
@@ -80,24 +84,24 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                     run_id, input_path, start_position = command[1:]
                     flags[:] = 0
                     try:
-                        lanes, items = _start(input_path, start_position)
+                        lanes, items, segments = _start(input_path, start_position)
                     except BaseException:  # noqa: BLE001 - the trainer gets the traceback
                         lanes, items = {}, None
                         messages.send(("error", run_id, traceback.format_exc()))
             slot = segment.free_slot()
             if slot is None:  # `prefetch` messages ahead of the trainer: wait for it
-                commands.poll(_SLOT_WAIT_S)
+                command_waiter.ready(_SLOT_WAIT_S)
                 continue
             try:
                 batch = []
                 for item in items:
                     batch.append(item)
-                    if isinstance(item, End) or len(batch) >= ITEMS_PER_MESSAGE:
+                    if isinstance(item, End) or len(batch) >= items_per_message:
                         break
                 ended = not batch or isinstance(batch[-1], End)
                 sequences = len(batch) - (1 if batch and isinstance(batch[-1], End) else 0)
                 if sequences:
-                    descriptor = write_message(batch, segment.view(slot))
+                    descriptor = write_message(batch, segment.view(slot), segments)
                     flags[slot] = 1
                 else:
                     slot = None
@@ -116,13 +120,13 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
 
 def _start(input_path: str, start_position: int):
     with open(input_path, "rb") as fh:  # our own file, mode 0600, written by the trainer
-        spec, lane_ids, lane_states, num_lanes, rank, world_size = pickle.load(fh)
+        spec, lane_ids, lane_states, num_lanes, rank, world_size, segments = pickle.load(fh)
     os.unlink(input_path)
     lanes = build_lanes(spec, lane_ids, lane_states)
     start_reading(lanes, rank + start_position * world_size, num_lanes)  # every lane's block at once
     items = produce(lanes, num_lanes=num_lanes, rank=rank, world_size=world_size,
                     start_position=start_position, snapshot_state=False)
-    return lanes, _with_lane_states(items, lanes, num_lanes)
+    return lanes, _with_lane_states(items, lanes, num_lanes), segments
 
 
 def _with_lane_states(items, lanes: dict, num_lanes: int):

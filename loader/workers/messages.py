@@ -1,7 +1,7 @@
 """What a worker message holds: a few consecutive items, arrays in a shared-memory slot.
 
 :func:`write_message` puts the per-token arrays of up to ``ITEMS_PER_MESSAGE`` items into a
-slot and returns the small descriptor that travels through the pipe (global indices,
+slot (:func:`items_per_message`) and returns the small descriptor that travels through the pipe (global indices,
 source ids, lane states, the arrays' layout). :func:`read_message` turns a descriptor and
 its slot back into :class:`~loader.stages.producer.Item` objects whose arrays are views of the
 slot; each item holds a :class:`SlotLease`, released by the trainer once the item is
@@ -10,6 +10,7 @@ copied into a micro-batch, after which the worker may overwrite the slot.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -18,10 +19,27 @@ from loader.stages.features import FEATURES, NO_FEATURES, in_order
 from loader.metrics import IO, receive_shipped
 from loader.stages.packing import ConcatRow, PackedSequence
 from loader.stages.producer import End, Item
-from loader.workers.shm import read_arrays, write_arrays
+from loader.workers.shm import SlotWriter, read_arrays
 from loader.vision.transfer import pack_images, unpack_images
 
-ITEMS_PER_MESSAGE = 8  # sequences per message: amortises the descriptor's pickling and the pipe
+# Sequences per message. Each message costs both processes a fixed amount (the descriptor's
+# pickling, a pipe write and read, a wake-up, slot bookkeeping) besides its arrays: 8 sequences
+# of 2048 tokens per message held pre-tokenized replay with 2 workers to ~0.5x of in-process,
+# 32 to ~0.8x, 64 no better (bench/RESULTS.md, issue 16). Pre-tokenized sources therefore ship
+# ``MESSAGE_TOKENS`` per message (within these bounds); sources that tokenize online or carry
+# images keep ``ITEMS_PER_MESSAGE``: a text worker would tokenize 4x as much before its first
+# message, and an image slot is sized for a message's worst-case pixels.
+ITEMS_PER_MESSAGE = 8
+MAX_ITEMS_PER_MESSAGE = 32
+MESSAGE_TOKENS = 64 * 1024
+
+
+def items_per_message(seq_len: int, *, tokenizes: bool, images: bool) -> int:
+    """Sequences per worker message for a loader of ``seq_len`` (see ``MESSAGE_TOKENS``):
+    32 at seq_len 2048, 16 at 4096, 8 from 8192 on; 8 where sources tokenize or hold images."""
+    if tokenizes or images:
+        return ITEMS_PER_MESSAGE
+    return max(ITEMS_PER_MESSAGE, min(MAX_ITEMS_PER_MESSAGE, MESSAGE_TOKENS // seq_len))
 
 
 class SlotLease:
@@ -39,28 +57,45 @@ class SlotLease:
             self._release()
 
 
-class _OneRowFill:
-    """The ``_fill`` of a shipped concat row: its document starts, already cut out."""
+class _MessageRows:
+    """The ``_fill`` of a message's concat rows: their document starts back to back, cut out
+    for row ``k`` (the message's ``k``-th concat row) only when asked. ``doc_starts`` is None
+    when the message was written without segments (``write_message(segments=False)``)."""
 
-    __slots__ = ("doc_starts",)
+    __slots__ = ("doc_starts", "bounds")
 
-    def __init__(self, doc_starts: np.ndarray) -> None:
+    def __init__(self, doc_starts: Optional[np.ndarray], counts: Optional[list[int]]) -> None:
         self.doc_starts = doc_starts
+        self.bounds = None if counts is None else list(itertools.accumulate(counts, initial=0))
 
     def row_doc_starts(self, row: int) -> np.ndarray:
-        return self.doc_starts
+        if self.doc_starts is None:
+            raise RuntimeError("internal error: a worker shipped no document starts, but the batch needs them")
+        return self.doc_starts[self.bounds[row] : self.bounds[row + 1]]
 
 
-def _shipped_row(input_ids: np.ndarray, doc_starts: np.ndarray, features) -> ConcatRow:
+def _shipped_row(input_ids: np.ndarray, fill: _MessageRows, row: int, features) -> ConcatRow:
     """A :class:`~loader.stages.packing.ConcatRow` rebuilt from a message (the batch builder's bulk path)."""
-    row = ConcatRow.__new__(ConcatRow)
-    row.input_ids, row.features, row.majority_source = input_ids, features, -1
-    row._fill, row._row = _OneRowFill(doc_starts), 0
-    return row
+    sequence = ConcatRow.__new__(ConcatRow)
+    sequence.input_ids, sequence.features, sequence.majority_source = input_ids, features, -1
+    sequence._fill, sequence._row = fill, row
+    return sequence
 
 
-def write_message(items: list, slot: memoryview) -> dict:
-    """The descriptor of ``items`` (an :class:`End` only last), their arrays written to ``slot``."""
+def _rows_into(writer: SlotWriter, name: str, arrays: list, dtype, seq_len: int) -> None:
+    """``arrays`` (one ``seq_len`` row each) as one ``(rows, seq_len)`` array built in the slot,
+    cast as ``astype`` would (one ``concatenate``: ~2x faster than ``np.stack`` for 8 rows)."""
+    out = writer.allocate(name, dtype, (len(arrays), seq_len))
+    np.concatenate(arrays, out=out.reshape(-1), casting="unsafe")
+
+
+def write_message(items: list, slot: memoryview, segments: bool = True) -> dict:
+    """The descriptor of ``items`` (an :class:`End` only last), their arrays written to ``slot``.
+
+    ``segments``: ship each sequence's labels and segment (document) starts. The trainer's
+    batch builder reads them only for ``labels``, ``position_ids`` or ``cu_seqlens``
+    (``Collator.reads_segments``); without, a concat row's document starts are never worked
+    out, as in-process (where they are derived on first request)."""
     end = items[-1] if items and isinstance(items[-1], End) else None
     items = items[:-1] if end is not None else items
     sequences = [it.sequence for it in items]
@@ -68,8 +103,6 @@ def write_message(items: list, slot: memoryview) -> dict:
     # the trainer's side, whose batch builder derives their labels and segments in bulk (as
     # in-process); building per-row labels here would be work the trainer skips anyway.
     is_row = [type(s) is ConcatRow for s in sequences]
-    rows = [s for s, r in zip(sequences, is_row) if r]
-    others = [s for s, r in zip(sequences, is_row) if not r]
     descriptor = {
         "global_index": [it.global_index for it in items],
         "source_id": [it.source_id for it in items],
@@ -78,32 +111,42 @@ def write_message(items: list, slot: memoryview) -> dict:
         "is_row": is_row,
         "padding": [s.padding for s in sequences],  # pad tokens per sequence (loader.metrics)
         "io": IO.delta_to_ship(),  # this worker's reads since its last message (loader.metrics)
-        "start_counts": [len(s.doc_starts) if r else len(s.segment_starts) for s, r in zip(sequences, is_row)],
+        "start_counts": None,  # per sequence, its doc_starts (rows) or segment_starts (others); None: not shipped
         "feature_rows": {},  # feature name -> which items carry it (every feature, generically)
         "end": end,
         "layout": {},
     }
-    if sequences:
-        arrays = {"input_ids": np.stack([s.input_ids for s in sequences]).astype(np.int32, copy=False)}
-        if rows:
-            arrays["doc_starts"] = np.concatenate([s.doc_starts for s in rows]).astype(np.int32, copy=False)
-        if others:
-            arrays["labels"] = np.stack([s.labels for s in others]).astype(np.int32, copy=False)
-            arrays["segment_starts"] = np.concatenate([s.segment_starts for s in others]).astype(np.int32)
-        names = in_order(name for s in sequences for name in s.features)
-        if names:
-            seq_len = len(sequences[0].input_ids)
-            for name in names:
-                feature = FEATURES[name]
-                rows = [name in s.features for s in sequences]
-                arrays[f"feature.{name}"] = np.stack([
-                    s.features[name] if has else np.full(seq_len, feature.pad, feature.dtype)
-                    for s, has in zip(sequences, rows)
-                ]).astype(feature.dtype, copy=False)
-                descriptor["feature_rows"][name] = rows
-        if any(s.images is not None for s in sequences):  # image sources: pixels beside the features
-            descriptor["images"] = pack_images(sequences, arrays)
-        descriptor["layout"] = write_arrays(slot, arrays)
+    if not sequences:
+        return descriptor
+    writer = SlotWriter(slot)
+    seq_len = len(sequences[0].input_ids)
+    _rows_into(writer, "input_ids", [s.input_ids for s in sequences], np.int32, seq_len)
+    if segments:
+        # Worked out once per row: a concat row derives its document starts on each access.
+        starts = [s.doc_starts if r else s.segment_starts for s, r in zip(sequences, is_row)]
+        descriptor["start_counts"] = [len(st) for st in starts]
+        row_starts = [st for st, r in zip(starts, is_row) if r]
+        if row_starts:
+            np.concatenate(row_starts, out=writer.allocate("doc_starts", np.int32, (sum(map(len, row_starts)),)),
+                           casting="unsafe")
+        if not all(is_row):
+            _rows_into(writer, "labels", [s.labels for s, r in zip(sequences, is_row) if not r], np.int32, seq_len)
+            other_starts = [st for st, r in zip(starts, is_row) if not r]
+            np.concatenate(other_starts, casting="unsafe",
+                           out=writer.allocate("segment_starts", np.int32, (sum(map(len, other_starts)),)))
+    for name in in_order(name for s in sequences for name in s.features):
+        feature = FEATURES[name]
+        has = [name in s.features for s in sequences]
+        values = writer.allocate(f"feature.{name}", feature.dtype, (len(sequences), seq_len))
+        for row, (sequence, present) in enumerate(zip(sequences, has)):
+            values[row] = sequence.features[name] if present else feature.pad
+        descriptor["feature_rows"][name] = has
+    if any(s.images is not None for s in sequences):  # image sources: pixels beside the features
+        pixels: dict = {}
+        descriptor["images"] = pack_images(sequences, pixels)
+        for name, array in pixels.items():
+            writer.write(name, np.ascontiguousarray(array))
+    descriptor["layout"] = writer.layout
     return descriptor
 
 
@@ -111,35 +154,39 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
                  decode_state: Optional[Callable[[Any], Any]] = None) -> list:
     """The items of a :func:`write_message` descriptor; their arrays are views of ``slot``.
     ``decode_state``: the run's :meth:`loader.workers.state_delta.StateDecoder.decode`, called
-    on every item's lane state in message order."""
+    on every item's lane state in message order. Written without segments, other rows have
+    ``labels`` and ``segment_starts`` None (the batch does not read them)."""
     items: list = []
     receive_shipped(descriptor.get("io"))
     if descriptor["global_index"]:
         arrays = read_arrays(slot, descriptor["layout"])
         input_ids = arrays["input_ids"]
-        doc_starts, labels, segment_starts = arrays.get("doc_starts"), arrays.get("labels"), arrays.get("segment_starts")
+        labels, segment_starts = arrays.get("labels"), arrays.get("segment_starts")
+        counts = descriptor["start_counts"]
+        is_rows = descriptor["is_row"]
+        row_fill = _MessageRows(arrays.get("doc_starts"),
+                                None if counts is None else [c for c, r in zip(counts, is_rows) if r])
         feature_rows = descriptor["feature_rows"]
         feature_arrays = {name: arrays[f"feature.{name}"] for name in feature_rows}
         holder = SlotLease(len(descriptor["global_index"]), lease) if lease is not None else None
-        at_row = at_starts = at_other = 0  # offsets into doc_starts / segment_starts; other rows so far
+        at_row = at_starts = at_other = 0  # concat rows so far; offset into segment_starts; other rows so far
         images = descriptor.get("images")
-        for row, (global_index, source_id, lane_state, is_row, count) in enumerate(zip(
-            descriptor["global_index"], descriptor["source_id"], descriptor["lane_state"],
-            descriptor["is_row"], descriptor["start_counts"],
+        for row, (global_index, source_id, lane_state, is_row) in enumerate(zip(
+            descriptor["global_index"], descriptor["source_id"], descriptor["lane_state"], is_rows,
         )):
             features = NO_FEATURES if not feature_rows else {
                 name: feature_arrays[name][row] for name, rows in feature_rows.items() if rows[row]}
             if is_row:
-                sequence = _shipped_row(input_ids[row], doc_starts[at_row : at_row + count], features)
-                at_row += count
+                sequence = _shipped_row(input_ids[row], row_fill, at_row, features)
+                at_row += 1
             else:
-                sequence = PackedSequence(
-                    input_ids=input_ids[row], labels=labels[at_other],
-                    segment_starts=segment_starts[at_starts : at_starts + count], features=features,
-                    padding=descriptor["padding"][row],
-                )
+                sequence = PackedSequence(input_ids=input_ids[row], labels=None, segment_starts=None,
+                                          features=features, padding=descriptor["padding"][row])
+                if counts is not None:
+                    sequence.labels = labels[at_other]
+                    sequence.segment_starts = segment_starts[at_starts : at_starts + counts[row]]
+                    at_starts += counts[row]
                 at_other += 1
-                at_starts += count
             if images is not None:
                 sequence.images = unpack_images(images[row], arrays, row)
             if decode_state is not None and lane_state is not None:

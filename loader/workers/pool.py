@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 
 from loader.errors import ZephonError
 from loader.workers.child import BOOTSTRAP
-from loader.workers.messages import ITEMS_PER_MESSAGE, read_message
+from loader.workers.messages import read_message
+from loader.workers.pipes import PipeWaiter
 from loader.workers.shm import Segment, remove_stale_segments, slot_bytes
 from loader.workers.state_delta import StateDecoder
 
@@ -87,32 +88,36 @@ PREFETCH_TOKENS = 256 * 1024
 PREFETCH_SLOT_BYTES = 64 * 1024**2
 
 
-def default_prefetch(seq_len: int, slot_size: int) -> int:
-    """``prefetch`` when the config leaves it out: 16 messages at seq_len 2048, 4 from 8192 on,
-    and 4 where a slot is large (``slot_size`` bytes: image sources)."""
-    return max(4, min(PREFETCH_TOKENS // (ITEMS_PER_MESSAGE * seq_len), PREFETCH_SLOT_BYTES // slot_size))
+def default_prefetch(seq_len: int, slot_size: int, items_per_message: int) -> int:
+    """``prefetch`` when the config leaves it out: messages of ``PREFETCH_TOKENS`` in all, at
+    least 4 (text at seq_len 2048: 16 messages of 8 sequences; pre-tokenized: 4 of 32), and 4
+    where a slot is large (``slot_size`` bytes: image sources)."""
+    return max(4, min(PREFETCH_TOKENS // (items_per_message * seq_len), PREFETCH_SLOT_BYTES // slot_size))
 
 
-def slots_per_worker(prefetch: int, items_held: int) -> int:
+def slots_per_worker(prefetch: int, items_held: int, items_per_message: int) -> int:
     """Messages a worker may have ready (``prefetch``) plus those the trainer holds at most:
     the items of one micro-batch (or of a whole step, when steps are looked ahead) can span
-    ``ceil(items / ITEMS_PER_MESSAGE) + 1`` messages, plus the one being read."""
-    return prefetch + math.ceil(items_held / ITEMS_PER_MESSAGE) + 2
+    ``ceil(items / items_per_message) + 1`` messages, plus the one being read."""
+    return prefetch + math.ceil(items_held / items_per_message) + 2
 
 
 class WorkerPool:
     def __init__(self, *, num_workers: int, seq_len: int, prefetch: Optional[int], items_held: int,
-                 extra_slot_bytes: int = 0, features: Optional[Sequence[str]] = None) -> None:
+                 items_per_message: int, extra_slot_bytes: int = 0, features: Optional[Sequence[str]] = None) -> None:
         """``prefetch``: the config's (None: :func:`default_prefetch`); ``items_held``: the items
-        the trainer may hold at once (:func:`slots_per_worker`)."""
+        the trainer may hold at once (:func:`slots_per_worker`); ``items_per_message``:
+        :func:`~loader.workers.messages.items_per_message`."""
         remove_stale_segments()
+        self.items_per_message = items_per_message
         # extra_slot_bytes: a message's worst-case pixel data (image sources, loader.vision.transfer)
-        self.slot_size = slot_bytes(seq_len, ITEMS_PER_MESSAGE, features) + extra_slot_bytes
-        self.prefetch = prefetch or default_prefetch(seq_len, self.slot_size)
-        self.num_slots = slots_per_worker(self.prefetch, items_held)
+        self.slot_size = slot_bytes(seq_len, items_per_message, features) + extra_slot_bytes
+        self.prefetch = prefetch or default_prefetch(seq_len, self.slot_size, items_per_message)
+        self.num_slots = slots_per_worker(self.prefetch, items_held, items_per_message)
         self.processes: list[WorkerProcess] = []
         self.commands: list[Connection] = []
         self.messages: list[Connection] = []
+        self.waiters: list[PipeWaiter] = []  # one per message pipe
         self.segments: list[Segment] = []
         self.ready = [False] * num_workers
         self.run_id = 0
@@ -146,9 +151,11 @@ class WorkerPool:
         self.processes.append(WorkerProcess(popen))
         self.commands.append(Connection(command_w, readable=False))
         self.messages.append(Connection(message_r, writable=False))
+        self.waiters.append(PipeWaiter(self.messages[-1]))
         self.commands[-1].send({
             "sys_path": list(sys.path), "segment_path": segment.path,
             "num_slots": self.num_slots, "slot_size": self.slot_size,
+            "items_per_message": self.items_per_message,
         })
 
     def all_ready(self) -> bool:
@@ -156,7 +163,7 @@ class WorkerPool:
         for worker_id, connection in enumerate(self.messages):
             if not self.ready[worker_id]:
                 try:
-                    if not connection.poll(0):
+                    if not self.waiters[worker_id].ready(0):
                         return False
                     message = connection.recv()
                 except (EOFError, OSError):
@@ -180,8 +187,10 @@ class WorkerPool:
 
     # -- runs ------------------------------------------------------------------------------
     def start_run(self, spec, lanes_per_worker: list[list[int]], lane_states: dict[int, dict], *,
-                  num_lanes: int, rank: int, world_size: int, start_position: int) -> None:
-        """Every worker drops what it was doing and produces from ``start_position``."""
+                  num_lanes: int, rank: int, world_size: int, start_position: int, segments: bool = True) -> None:
+        """Every worker drops what it was doing and produces from ``start_position``;
+        ``segments``: whether its messages carry labels and segment starts
+        (:func:`~loader.workers.messages.write_message`)."""
         self.run_id += 1
         self.decoders = [StateDecoder() for _ in lanes_per_worker]  # each worker's encoder starts anew too
         # Only best-fit lanes ship encoded states (loader.workers.state_delta); concat ones plain dicts.
@@ -190,7 +199,7 @@ class WorkerPool:
             path = os.path.join(self.input_dir, f"run-{self.run_id}-worker-{worker_id}.pickle")
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
                 states = {l: lane_states[l] for l in lane_ids if l in lane_states}
-                pickle.dump((spec, lane_ids, states, num_lanes, rank, world_size), fh,
+                pickle.dump((spec, lane_ids, states, num_lanes, rank, world_size, segments), fh,
                             protocol=pickle.HIGHEST_PROTOCOL)
             self._send(worker_id, ("start", self.run_id, path, start_position))
 
@@ -207,11 +216,12 @@ class WorkerPool:
     def receive(self, worker_id: int, timeout_s: float) -> list:
         """The items of the next message of ``worker_id``'s current run (views of its slot)."""
         connection = self.messages[worker_id]
+        waiter = self.waiters[worker_id]
         process = self.processes[worker_id]
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if not connection.poll(_POLL_S):
+                if not waiter.ready(_POLL_S):
                     if not process.is_alive():
                         raise self._died(worker_id)
                     if time.monotonic() > deadline:
@@ -231,8 +241,9 @@ class WorkerPool:
     def try_receive(self, worker_id: int) -> Optional[list]:
         """:meth:`receive` if a message of the current run has arrived, else None (never blocks)."""
         connection = self.messages[worker_id]
+        waiter = self.waiters[worker_id]
         try:
-            while connection.poll(0):
+            while waiter.ready(0):
                 items = self._items_of(worker_id, connection.recv())
                 if items is not None:
                     return items

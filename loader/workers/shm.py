@@ -123,23 +123,34 @@ class Segment:
 # A message's arrays lie in its slot one after another, each 64-byte aligned; the descriptor
 # names each array's dtype, shape and offset, so the trainer never guesses a layout.
 
-def write_arrays(slot: memoryview, arrays: dict[str, np.ndarray]) -> dict[str, tuple[str, tuple, int]]:
-    """Copy ``arrays`` into ``slot``; returns the layout ``{name: (dtype, shape, offset)}``."""
-    layout: dict[str, tuple[str, tuple, int]] = {}
-    offset = 0
-    for name, array in arrays.items():
-        array = np.ascontiguousarray(array)
-        end = offset + array.nbytes
-        if end > len(slot):
-            raise ValueError(f"message does not fit its shared-memory slot ({end} > {len(slot)} bytes)")
-        np.frombuffer(slot, dtype=np.uint8, count=array.nbytes, offset=offset)[:] = array.reshape(-1).view(np.uint8)
-        layout[name] = (array.dtype.str, array.shape, offset)
-        offset = _align(end)
-    return layout
+class SlotWriter:
+    """Lays a message's arrays out in ``slot``: :meth:`allocate` returns the view an array is
+    built in (``np.stack(..., out=view)``), so a worker writes each value into the slot once,
+    not into a temporary and then into the slot. ``layout`` is the descriptor's
+    ``{name: (dtype, shape, offset)}``."""
+
+    def __init__(self, slot: memoryview) -> None:
+        self.slot = slot
+        self.offset = 0
+        self.layout: dict[str, tuple[str, tuple, int]] = {}
+
+    def allocate(self, name: str, dtype, shape: tuple) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        count = math.prod(shape)
+        end = self.offset + count * dtype.itemsize
+        if end > len(self.slot):
+            raise ValueError(f"message does not fit its shared-memory slot ({end} > {len(self.slot)} bytes)")
+        view = np.frombuffer(self.slot, dtype=dtype, count=count, offset=self.offset).reshape(shape)
+        self.layout[name] = (dtype.str, tuple(shape), self.offset)
+        self.offset = _align(end)
+        return view
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        self.allocate(name, array.dtype, array.shape)[...] = array
 
 
 def read_arrays(slot: memoryview, layout: dict[str, tuple[str, tuple, int]]) -> dict[str, np.ndarray]:
-    """Views (no copy) of the arrays :func:`write_arrays` put into ``slot``."""
+    """Views (no copy) of the arrays a :class:`SlotWriter` put into ``slot``."""
     out = {}
     for name, (dtype, shape, offset) in layout.items():
         count = math.prod(shape)  # not np.prod: a ufunc reduce costs ~10x more per array

@@ -335,12 +335,24 @@ def test_text_blocks_tokenize_in_calls_capped_per_tokenizer_thread(tokenizer, mo
     np.testing.assert_array_equal(block.doc_starts, whole.doc_starts)
 
 
-def test_the_default_prefetch_holds_a_quarter_million_tokens_per_worker_in_small_slots():
+def test_the_default_prefetch_holds_a_quarter_million_tokens_per_worker_in_small_slots_and_messages():
     from loader.config import LoaderConfig
     from loader.workers.pool import default_prefetch
     from loader.workers.shm import slot_bytes
 
-    text = [default_prefetch(n, slot_bytes(n, 8, ("loss_mask",))) for n in (512, 2048, 4096, 8192, 32768)]
+    from loader.workers.messages import items_per_message
+
+    lengths = (512, 2048, 4096, 8192, 32768)
+    text = [default_prefetch(n, slot_bytes(n, 8, ("loss_mask",)), 8) for n in lengths]
     assert text == [64, 16, 8, 4, 4]
-    assert default_prefetch(2048, 125 * 1024**2) == 4  # an image source's slot (pixels): the former default
+    assert default_prefetch(2048, 125 * 1024**2, 8) == 4  # an image source's slot (pixels): the former default
+    # pre-tokenized sources ship up to 64 K tokens per message, text, chat and images 8 sequences
+    per_message = [items_per_message(n, tokenizes=False, images=False) for n in lengths]
+    assert per_message == [32, 32, 16, 8, 8]
+    assert {items_per_message(n, tokenizes=True, images=False) for n in lengths} == {8}
+    assert {items_per_message(n, tokenizes=False, images=True) for n in lengths} == {8}
+    pretokenized = [default_prefetch(n, slot_bytes(n, k), k) for n, k in zip(lengths, per_message)]
+    assert pretokenized == [16, 4, 4, 4, 4]
+    # the same ~256 K tokens (or 4 messages) ready per worker either way
+    assert [p * k * n for p, k, n in zip(pretokenized, per_message, lengths)][:3] == [256 * 1024] * 3
     assert LoaderConfig.__dataclass_fields__["prefetch"].default is None  # absent from a config: the default
