@@ -64,9 +64,35 @@ class LaneSpec:
     features: tuple[str, ...] = ()  # per-token features every sequence carries (loader.stages.features)
     images: Optional[object] = None  # loader.vision.block.ImageOptions when some source holds images
 
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return tuple(source.name for source in self.sources)
+
+    @property
+    def token_mixing(self) -> bool:
+        """Whether a lane mixes its sources token by token (one mixed stream and packer)."""
+        return self.mixing_unit == "token" and len(self.sources) > 1
+
 
 class LaneExhausted(Exception):
     """Every source of the lane has stopped: the lane produces nothing more."""
+
+
+def lane_state(source_names: tuple[str, ...], token_mixing: bool, outputs: int, parts: list, stopped) -> dict:
+    """A lane's ``get_state()`` from its output count, its packers' states (one per source; one
+    under token mixing) and which sources stopped."""
+    if token_mixing:
+        return {"outputs": outputs, "mixed": parts[0]}
+    return {
+        "outputs": outputs,
+        "sources": {name: {"packer": part, "stopped": stop} for name, part, stop in zip(source_names, parts, stopped)},
+    }
+
+
+def cursor_lane_state(source_names: tuple[str, ...], token_mixing: bool, outputs: int, cursors: list,
+                      stopped) -> dict:
+    """:func:`lane_state` of a lane whose packers' states are bare cursors (:meth:`Lane.cursors`)."""
+    return lane_state(source_names, token_mixing, outputs, [concat_state(*cursor) for cursor in cursors], stopped)
 
 
 class Lane:
@@ -82,7 +108,8 @@ class Lane:
         self.stopped = [False] * len(spec.sources)
         self.num_lanes = manifests[0].num_lanes
         self._warned: set[int] = set()
-        self.token_mixing = spec.mixing_unit == "token" and len(spec.sources) > 1
+        self.token_mixing = spec.token_mixing
+        self.source_names = spec.source_names
         streams = []
         shares = spec.schedule.peak_shares()
         for source, manifest, share in zip(spec.sources, manifests, shares):
@@ -251,36 +278,31 @@ class Lane:
         """:meth:`snapshot`, itself built only if it is saved: what the loader keeps of every lane
         at every step boundary (``step_states_kept``), so the common case (never asked for)
         costs a few object creations per lane, not the state's dicts."""
-        if self._cursor_only:  # concat over plain streams: four integers per source
-            cursors = [packer.cursor() for packer in self.packers]
-            return StateSnapshot(self._cursor_state, self.outputs, cursors, tuple(self.stopped))
+        cursors = self.cursors()
+        if cursors is not None:  # concat over plain streams: four integers per source
+            return StateSnapshot(self._cursor_state, *cursors)
         parts = [packer.cursor_snapshot() if isinstance(packer, ConcatPacker)
                  else packer.snapshot() if hasattr(packer, "snapshot") else packer.get_state()
                  for packer in self.packers]
         return StateSnapshot(self._snapshot_state, self.outputs, parts, tuple(self.stopped))
 
+    def cursors(self) -> Optional[tuple[int, list, tuple]]:
+        """``get_state()`` as ``(outputs, [cursor per source], stopped)`` where every packer's state
+        is its stream's bare cursor (:attr:`_cursor_only`), else None: the arguments of
+        :func:`cursor_lane_state`, which a worker ships instead of the dicts."""
+        if not self._cursor_only:
+            return None
+        return self.outputs, [packer.cursor() for packer in self.packers], tuple(self.stopped)
+
     def _cursor_state(self, outputs: int, cursors: list, stopped: tuple) -> dict:
-        return self._snapshot_state(outputs, [concat_state(*cursor) for cursor in cursors], stopped)
+        return cursor_lane_state(self.source_names, self.token_mixing, outputs, cursors, stopped)
 
     def _snapshot_state(self, outputs: int, parts: list, stopped: tuple) -> dict:
-        if self.token_mixing:
-            return {"outputs": outputs, "mixed": parts[0]}
-        return {
-            "outputs": outputs,
-            "sources": {source.name: {"packer": part, "stopped": stop}
-                        for source, part, stop in zip(self.spec.sources, parts, stopped)},
-        }
+        return lane_state(self.source_names, self.token_mixing, outputs, parts, stopped)
 
     def _state(self, packer_state) -> dict:
-        if self.token_mixing:
-            return {"outputs": self.outputs, "mixed": packer_state(self.packers[0])}
-        return {
-            "outputs": self.outputs,
-            "sources": {
-                source.name: {"packer": packer_state(packer), "stopped": stopped}
-                for source, packer, stopped in zip(self.spec.sources, self.packers, self.stopped)
-            },
-        }
+        return lane_state(self.source_names, self.token_mixing, self.outputs,
+                          [packer_state(packer) for packer in self.packers], self.stopped)
 
     def set_state(self, state: dict, path: Optional[str] = None) -> None:
         """Continue from a lane state checked by ``loader.checkpoint.schema`` (as

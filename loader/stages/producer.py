@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 
 from loader.stages.lane import Lane, LaneExhausted, LaneSpec
 from loader.io.manifest import Manifest
-from loader.stages.packing import PackedSequence
+from loader.stages.packing import PackedSequence, StateSnapshot
 
 
 @dataclass
@@ -46,7 +46,9 @@ def build_lanes(spec: LaneSpec, lane_ids: list[int], lane_states: dict[int, dict
     for lane_id in lane_ids:
         lane = Lane(spec, lane_id, manifests, tokenizer)
         if lane_id in lane_states:
-            lane.set_state(lane_states[lane_id])
+            state = lane_states[lane_id]
+            # A snapshot (a worker's cursor state, loader.workers.state_delta) is built now.
+            lane.set_state(state.get_state() if isinstance(state, StateSnapshot) else state)
         lanes[lane_id] = lane
     return lanes
 

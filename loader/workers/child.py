@@ -130,16 +130,14 @@ def _start(input_path: str, start_position: int):
 
 
 def _with_lane_states(items, lanes: dict, num_lanes: int):
-    """``items`` with each one's lane state after it, as deltas of the states sent before
-    (:mod:`loader.workers.state_delta`; the pool's decoder for this run rebuilds them)."""
+    """``items`` with each one's lane state after it, as the worker ships it (deltas of the
+    bins sent before, or bare cursors: :meth:`~loader.workers.state_delta.StateEncoder.ship`;
+    the pool's decoder for this run rebuilds them)."""
     encoder = StateEncoder()
     for item in items:
         if not isinstance(item, End):
             lane_id = item.global_index % num_lanes
-            lane = lanes[lane_id]
-            # A lane without best-fit bins has nothing to encode: walking its state dict per
-            # item cost a concat worker ~30% of its throughput (bench.before_after, k2).
-            item.lane_state = encoder.encode(lane_id, lane.snapshot()) if lane.holds_bins else lane.get_state()
+            item.lane_state = encoder.ship(lane_id, lanes[lane_id])
         yield item
 
 

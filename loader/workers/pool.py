@@ -122,7 +122,6 @@ class WorkerPool:
         self.ready = [False] * num_workers
         self.run_id = 0
         self.decoders: list[StateDecoder] = []  # the current run's, one per worker
-        self.decodes_states = False
         self.input_dir = tempfile.mkdtemp(prefix="zephon-workers-")
         env = dict(os.environ)
         # The tokenizer's thread pool in each worker gets its share of the cores, not all of them.
@@ -192,9 +191,8 @@ class WorkerPool:
         ``segments``: whether its messages carry labels and segment starts
         (:func:`~loader.workers.messages.write_message`)."""
         self.run_id += 1
-        self.decoders = [StateDecoder() for _ in lanes_per_worker]  # each worker's encoder starts anew too
-        # Only best-fit lanes ship encoded states (loader.workers.state_delta); concat ones plain dicts.
-        self.decodes_states = spec.packing == "best_fit"
+        # Each worker's encoder starts anew too (loader.workers.state_delta).
+        self.decoders = [StateDecoder(spec.source_names, spec.token_mixing) for _ in lanes_per_worker]
         for worker_id, lane_ids in enumerate(lanes_per_worker):
             path = os.path.join(self.input_dir, f"run-{self.run_id}-worker-{worker_id}.pickle")
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
@@ -261,7 +259,7 @@ class WorkerPool:
         if kind == "error":
             raise WorkerError(f"loader worker {worker_id} failed:\n{message[2]}")
         slot, descriptor = message[2], message[3]
-        decode = self.decoders[worker_id].decode if self.decodes_states else None
+        decode = self.decoders[worker_id].decode
         if slot is None:
             return read_message(descriptor, memoryview(b""), None, decode)
         segment = self.segments[worker_id]

@@ -14,12 +14,22 @@ So the worker takes cheap snapshots (:meth:`loader.stages.lane.Lane.snapshot`) a
 message order of one worker's run (the order the items are produced and read), so a decoded
 state is exactly the ``get_state()`` the worker would have sent: same keys, same arrays.
 Encoder and decoder are made anew for every run (a ``start`` resets both sides).
+
+A lane whose packers' states are bare stream cursors (concat packing over plain streams) ships
+``(outputs, cursors, stopped)`` instead (:meth:`loader.stages.lane.Lane.cursors`: four integers
+per source), and the decoder turns it into a :class:`StateSnapshot` of
+:func:`loader.stages.lane.cursor_lane_state`, whose dicts are built only if the state is saved:
+building, pickling and unpickling those dicts for every item was ~5% of a 2-worker replay's
+CPU (bench/RESULTS.md, issue 16). Such a snapshot is a lane state wherever the trainer keeps
+one (``loader.stages.producer.build_lanes`` builds the dicts where a lane is made from them).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Sequence
 
+from loader.stages.lane import cursor_lane_state
 from loader.stages.packing import StateSnapshot
 
 _ENCODED = "__encoded_state__"  # wraps a lane state that holds deltas (the only key of the wrapper)
@@ -31,6 +41,14 @@ class StateEncoder:
 
     def __init__(self) -> None:
         self._sent: dict[tuple, dict[int, int]] = {}  # (lane, path) -> {bin serial: pieces sent}
+
+    def ship(self, lane_id: int, lane) -> Any:
+        """What a worker sends as ``lane``'s state as of now (a :class:`loader.stages.lane.Lane`):
+        best-fit bins encoded, bare cursors as integers, any other state as ``get_state()``."""
+        if lane.holds_bins:
+            return self.encode(lane_id, lane.snapshot())
+        cursors = lane.cursors()
+        return lane.get_state() if cursors is None else cursors
 
     def encode(self, lane_id: int, state: Any) -> Any:
         """The state to ship: ``state`` itself when it holds no best-fit snapshot (concat: the
@@ -61,13 +79,18 @@ class StateEncoder:
 
 
 class StateDecoder:
-    """The trainer's side: per (lane, place in the state) the bins received, by serial."""
+    """The trainer's side: per (lane, place in the state) the bins received, by serial; the
+    lanes' source names and mixing unit, which cursor states are built with."""
 
-    def __init__(self) -> None:
+    def __init__(self, source_names: Sequence[str], token_mixing: bool) -> None:
         self._bins: dict[tuple, dict[int, dict]] = {}
+        self._cursor_state = functools.partial(cursor_lane_state, tuple(source_names), token_mixing)
 
     def decode(self, state: Any) -> Any:
-        """The shipped state as ``get_state()`` made it (one dict lookup for a plain state)."""
+        """The shipped state as ``get_state()`` made it (one type test for a plain state), or a
+        snapshot that builds it (a cursor state)."""
+        if type(state) is tuple:
+            return StateSnapshot(self._cursor_state, *state)
         if type(state) is not dict or _ENCODED not in state:
             return state
         return self._walk((), state[_ENCODED])
@@ -87,3 +110,4 @@ class StateDecoder:
         bins = [known[b] if isinstance(b, int) else b for b in delta["bins"]]
         self._bins[key] = {b["serial"]: b for b in bins}
         return {"stream": delta["stream"], "bins": bins, "serial": delta["serial"]}
+

@@ -24,7 +24,7 @@ from loader.io.integrity import LaneDataError
 from loader.io.lane_reader import LaneTokenStream
 from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader
-from loader.checkpoint.state import StateError, merge_rank_states
+from loader.checkpoint.state import StateError
 from tests.dataset_factory import write_dataset
 from tests.loader.settings import DATA_SEED, NUM_LANES, PACKINGS, eos_id_of
 

@@ -22,7 +22,7 @@ from tests.loader.settings import NUM_LANES
 
 def _run_states(loader: ZephonLoader, lane_ids: list[int], states: dict, start: int, count: int):
     lanes = build_lanes(loader.spec, lane_ids, states)
-    encoder, decoder = StateEncoder(), StateDecoder()
+    encoder, decoder = StateEncoder(), StateDecoder(loader.spec.source_names, loader.spec.token_mixing)
     items = produce(lanes, num_lanes=NUM_LANES, rank=0, world_size=1, start_position=start, snapshot_state=False)
     sizes = []
     try:
@@ -30,7 +30,7 @@ def _run_states(loader: ZephonLoader, lane_ids: list[int], states: dict, start: 
             item = next(items)
             assert not isinstance(item, End)
             lane_id = item.global_index % NUM_LANES
-            shipped = pickle.dumps(encoder.encode(lane_id, lanes[lane_id].snapshot()))
+            shipped = pickle.dumps(encoder.ship(lane_id, lanes[lane_id]))  # as a worker sends it
             sizes.append(len(shipped))
             decoded = decoder.decode(pickle.loads(shipped))
             expected = lanes[lane_id].get_state()
@@ -75,3 +75,39 @@ def test_decoded_bins_carry_their_piece_origins(make_config):
             pieces += len(bin_["piece_starts"])
     loader.close()
     assert pieces
+
+
+def _two_sources(corpus, mixing_unit: str) -> dict:
+    """The pre-tokenized corpus as two sources (each its own lanes' streams and packers)."""
+    return dict(datasets=[{"path": corpus.pretokenized_path, "name": "a", "weight": 0.6},
+                          {"path": corpus.pretokenized_path, "name": "b", "weight": 0.4}],
+                mixing_unit=mixing_unit)
+
+
+@pytest.mark.parametrize("case", ["one_source", "sequence_mix", "token_mix", "text"])
+def test_bare_cursors_ship_as_integers_and_decode_to_the_lanes_states(make_config, corpus, case):
+    """Concat lanes over plain streams ship ``(outputs, cursors, stopped)``; the decoder's
+    snapshot builds exactly ``get_state()`` (checked per item by ``_run_states``), also after a
+    restore. Where a packer's state is more than a cursor (token mixing; text cursors that name
+    their document), the state travels as the dict it is."""
+    overrides = {"one_source": {}, "text": {},
+                 "sequence_mix": _two_sources(corpus, "sequence"), "token_mix": _two_sources(corpus, "token")}[case]
+    loader = ZephonLoader(make_config("concat", pretokenized=case != "text", **overrides))
+    lane_ids = [l for l in loader.rank_lanes if l % 2 == 1]
+    encoder = StateEncoder()
+    lanes = build_lanes(loader.spec, lane_ids, {})
+    try:
+        shipped = encoder.ship(lane_ids[0], lanes[lane_ids[0]])
+        bare = case in ("one_source", "sequence_mix")
+        assert isinstance(shipped, tuple) == bare, shipped
+        if bare:  # a small fraction of the dict it stands for
+            assert len(pickle.dumps(shipped)) < 0.5 * len(pickle.dumps(lanes[lane_ids[0]].get_state()))
+    finally:
+        for lane in lanes.values():
+            lane.close()
+    last: dict = {}
+    for lane_id, state, _ in _run_states(loader, lane_ids, {}, 0, 120):
+        last[lane_id] = to_jsonable(state)
+    for _ in _run_states(loader, lane_ids, last, 120, 40):  # restored from those states
+        pass
+    loader.close()
