@@ -11,14 +11,14 @@ builder, ``ZephonLoader._collate``), the CPU time of the read-ahead threads, the
 trainer's thread waited for a block, and the wall / CPU time of one block read on the
 read-ahead thread compared with the same reads on an otherwise idle thread.
 
-    python bench/thread_profile.py --workers 2 [--batches 1500] [--pace-ms 5] [--no-read-ahead]
-        [--work bench/_work/compare-full]
+    python bench/thread_profile.py --workers 2 [--batches 1500] [--pace-ms 5] [--drain-s 3]
+        [--no-read-ahead] [--work bench/_work/compare-full]
 
 Issue 16, with worker processes (the full profile's shape: seq_len 2048, batch 8, the
 ``bench.compare`` full corpus): the longest waits inside ``next()`` and at which micro-batch
 they happen (with ``--pace-ms`` of sleep after each batch, a trainer that leaves the workers
 time), and the CPU the worker processes and the trainer process spend per micro-batch,
-consumed as fast as possible and paced.
+consumed as fast as possible (for ``--drain-s`` seconds, with the tokens/s) and paced.
 
     python bench/thread_profile.py --workers 2 --mode text --timeline 12 [--pace-ms 4]
 
@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=0, help="> 0: the worker-process profile (issue 16)")
     parser.add_argument("--batches", type=int, default=1500)
     parser.add_argument("--pace-ms", type=float, default=5.0)
+    parser.add_argument("--drain-s", type=float, default=3.0,
+                        help="with --workers: seconds consumed as fast as possible (after the paced batches)")
     parser.add_argument("--no-read-ahead", action="store_true")
     parser.add_argument("--timeline", type=float, default=0.0,
                         help="with --workers: seconds of a busy trainer, reported second by second")
@@ -166,6 +168,7 @@ def worker_profile(args) -> int:
     if args.timeline:
         return busy_timeline(args, spec, layout)
     print(f"python bench/thread_profile.py --workers {args.workers} --batches {args.batches} --pace-ms {args.pace_ms:g}"
+          f" --drain-s {args.drain_s:g}"
           + (" --no-read-ahead" if args.no_read_ahead else "") + f"\n{machine_line()}")
     started = time.perf_counter()
     session = zephon.open_session(spec, layout)
@@ -181,17 +184,19 @@ def worker_profile(args) -> int:
     print(f"{args.batches} micro-batches in {time.perf_counter() - started:.1f} s; longest next() waits "
           "(micro-batch: ms): " + ", ".join(f"{int(i)}: {w[i]:.1f}" for i in top)
           + f"; p50 {np.percentile(w, 50):.3f} ms, p99 {np.percentile(w, 99):.3f} ms")
+    # Flat out for --drain-s seconds (a few hundred micro-batches would mostly be the ones the
+    # workers had ready), then paced.
     for label, pace in (("as fast as possible", 0.0), (f"paced {args.pace_ms:g} ms", args.pace_ms / 1e3)):
-        n = 500 if pace == 0 else 300
-        before, t = tree_cpu_s(), time.perf_counter()
-        for _ in range(n):
+        n, before, t = 0, tree_cpu_s(), time.perf_counter()
+        while (time.perf_counter() - t < args.drain_s) if pace == 0 else n < 300:
             next(batches)
+            n += 1
             if pace:
                 time.sleep(pace)
-        after = tree_cpu_s()
-        print(f"{label}: {n} micro-batches in {time.perf_counter() - t:.2f} s; CPU per micro-batch: workers "
-              f"{(after['workers_cpu_s'] - before['workers_cpu_s']) / n * 1e3:.3f} ms, trainer process "
-              f"{(after['own_cpu_s'] - before['own_cpu_s']) / n * 1e3:.3f} ms")
+        after, seconds = tree_cpu_s(), time.perf_counter() - t
+        print(f"{label}: {n} micro-batches in {seconds:.2f} s ({n * 8 * 2048 / seconds / 1e6:.1f} M tok/s); CPU per "
+              f"micro-batch: workers {(after['workers_cpu_s'] - before['workers_cpu_s']) / n * 1e3:.3f} ms, trainer "
+              f"process {(after['own_cpu_s'] - before['own_cpu_s']) / n * 1e3:.3f} ms")
     session.close()
     return 0
 
