@@ -1,7 +1,7 @@
 """What a worker message holds: a few consecutive items, arrays in a shared-memory slot.
 
-:func:`write_message` puts the per-token arrays of up to ``ITEMS_PER_MESSAGE`` items into a
-slot (:func:`items_per_message`) and returns the small descriptor that travels through the pipe (global indices,
+:func:`write_message` puts the per-token arrays of a few items (:func:`items_per_message`) into
+a slot and returns the small descriptor that travels through the pipe (global indices,
 source ids, lane states, the arrays' layout). :func:`read_message` turns a descriptor and
 its slot back into :class:`~loader.stages.producer.Item` objects whose arrays are views of the
 slot; each item holds a :class:`SlotLease`, released by the trainer once the item is
@@ -24,8 +24,9 @@ from loader.vision.transfer import pack_images, unpack_images
 
 # Sequences per message. Each message costs both processes a fixed amount (the descriptor's
 # pickling, a pipe write and read, a wake-up, slot bookkeeping) besides its arrays: 8 sequences
-# of 2048 tokens per message held pre-tokenized replay with 2 workers to ~0.5x of in-process,
-# 32 to ~0.8x, 64 no better (bench/RESULTS.md, issue 16). Pre-tokenized sources therefore ship
+# of 2048 tokens per message held pre-tokenized replay with 2 workers to 0.43x of in-process,
+# 32 (with the other changes of that session) reached 0.77x; 64 was no better than 32
+# (bench/RESULTS.md, issue 16). Pre-tokenized sources therefore ship
 # ``MESSAGE_TOKENS`` per message (within these bounds); sources that tokenize online or carry
 # images keep ``ITEMS_PER_MESSAGE``: a text worker would tokenize 4x as much before its first
 # message, and an image slot is sized for a message's worst-case pixels.
@@ -84,7 +85,7 @@ def _shipped_row(input_ids: np.ndarray, fill: _MessageRows, row: int, features) 
 
 def _rows_into(writer: SlotWriter, name: str, arrays: list, dtype, seq_len: int) -> None:
     """``arrays`` (one ``seq_len`` row each) as one ``(rows, seq_len)`` array built in the slot,
-    cast as ``astype`` would (one ``concatenate``: ~2x faster than ``np.stack`` for 8 rows)."""
+    cast as ``astype`` would (one ``concatenate``: ``np.stack`` adds a Python step per row)."""
     out = writer.allocate(name, dtype, (len(arrays), seq_len))
     np.concatenate(arrays, out=out.reshape(-1), casting="unsafe")
 
