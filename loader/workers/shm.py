@@ -125,7 +125,7 @@ class Segment:
 
 class SlotWriter:
     """Lays a message's arrays out in ``slot``: :meth:`allocate` returns the view an array is
-    built in (``np.stack(..., out=view)``), so a worker writes each value into the slot once,
+    built in (``np.concatenate(..., out=view)``), so a worker writes each value into the slot once,
     not into a temporary and then into the slot. ``layout`` is the descriptor's
     ``{name: (dtype, shape, offset)}``."""
 
