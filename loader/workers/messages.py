@@ -83,11 +83,11 @@ def _shipped_row(input_ids: np.ndarray, fill: _MessageRows, row: int, features) 
     return sequence
 
 
-def _rows_into(writer: SlotWriter, name: str, arrays: list, dtype, seq_len: int) -> None:
-    """``arrays`` (one ``seq_len`` row each) as one ``(rows, seq_len)`` array built in the slot,
-    cast as ``astype`` would (one ``concatenate``: ``np.stack`` adds a Python step per row)."""
-    out = writer.allocate(name, dtype, (len(arrays), seq_len))
-    np.concatenate(arrays, out=out.reshape(-1), casting="unsafe")
+def _concat_into(writer: SlotWriter, name: str, arrays: list, shape: tuple) -> None:
+    """``arrays`` back to back as one int32 array of ``shape`` built in the slot (rows of
+    ``seq_len`` as ``(rows, seq_len)``, starts flat), cast as ``astype`` would: one
+    ``concatenate``, where ``np.stack`` adds a Python step per row."""
+    np.concatenate(arrays, out=writer.allocate(name, np.int32, shape).reshape(-1), casting="unsafe")
 
 
 def write_message(items: list, slot: memoryview, segments: bool = True) -> dict:
@@ -121,20 +121,19 @@ def write_message(items: list, slot: memoryview, segments: bool = True) -> dict:
         return descriptor
     writer = SlotWriter(slot)
     seq_len = len(sequences[0].input_ids)
-    _rows_into(writer, "input_ids", [s.input_ids for s in sequences], np.int32, seq_len)
+    _concat_into(writer, "input_ids", [s.input_ids for s in sequences], (len(sequences), seq_len))
     if segments:
         # Worked out once per row: a concat row derives its document starts on each access.
         starts = [s.doc_starts if r else s.segment_starts for s, r in zip(sequences, is_row)]
         descriptor["start_counts"] = [len(st) for st in starts]
         row_starts = [st for st, r in zip(starts, is_row) if r]
         if row_starts:
-            np.concatenate(row_starts, out=writer.allocate("doc_starts", np.int32, (sum(map(len, row_starts)),)),
-                           casting="unsafe")
+            _concat_into(writer, "doc_starts", row_starts, (sum(map(len, row_starts)),))
         if not all(is_row):
-            _rows_into(writer, "labels", [s.labels for s, r in zip(sequences, is_row) if not r], np.int32, seq_len)
+            labels = [s.labels for s, r in zip(sequences, is_row) if not r]
+            _concat_into(writer, "labels", labels, (len(labels), seq_len))
             other_starts = [st for st, r in zip(starts, is_row) if not r]
-            np.concatenate(other_starts, casting="unsafe",
-                           out=writer.allocate("segment_starts", np.int32, (sum(map(len, other_starts)),)))
+            _concat_into(writer, "segment_starts", other_starts, (sum(map(len, other_starts)),))
     for name in in_order(name for s in sequences for name in s.features):
         feature = FEATURES[name]
         has = [name in s.features for s in sequences]
