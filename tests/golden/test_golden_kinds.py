@@ -58,10 +58,10 @@ import tokenizers
 from loader.checkpoint.state import dumps
 from loader.commands.fingerprints import collect_fingerprints
 from loader.config import LoaderConfig
-from loader.io.manifest import MANIFEST_NAME, read_manifest
+from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader
 from tests.golden.kinds_data import CONFIGS, IMAGE_CONFIGS, build_all, kinds_config
-from tests.golden.test_golden_pins import lane_epochs, masked_state_bytes
+from tests.golden.test_golden_pins import dataset_bytes, lane_epochs, masked_state_bytes
 
 FIRST_STEPS = 4  # steps 0..3 are pinned one by one
 LATER_STEP = 24  # and this one, past every lane's first epoch edge in every config (checked)
@@ -650,20 +650,6 @@ def dataset_content(path: str) -> dict[str, Any]:
         "documents": manifest.documents,
         "tombstones": manifest.tombstones,
         "rejected": {reason: n for reason, n in sorted(manifest.rejected.items()) if n},
-    }
-
-
-def dataset_bytes(path: str) -> dict[str, Any]:
-    """The library-version-bound pins of a dataset: file bytes, manifest bytes, fingerprint."""
-    manifest = read_manifest(path)
-    with open(os.path.join(path, MANIFEST_NAME), "rb") as fh:
-        manifest_sha256 = hashlib.sha256(fh.read()).hexdigest()
-    first = pq.ParquetFile(os.path.join(path, manifest.files[0].path))
-    return {
-        "dataset_fingerprint": manifest.dataset_fingerprint,
-        "manifest_sha256": manifest_sha256,
-        "file_sha256_16": {f.path: f.sha256[:16] for f in manifest.files},
-        "created_by": first.metadata.created_by,
     }
 
 
