@@ -537,7 +537,7 @@ def _job_error_message(exc: BaseException) -> Optional[str]:
 
 
 def _normalize_output(output: str) -> str:
-    return output if "://" in output else os.path.abspath(os.path.expanduser(output))
+    return output if is_remote(output) else os.path.abspath(os.path.expanduser(output))
 
 
 def check_output_location(output: str) -> None:
