@@ -82,6 +82,7 @@ from beam_jobs.outputs import (
 from beam_jobs.progress import ShardSummary, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from loader.errors import ZephonError
+from loader.io.backends import UnsupportedSchemeError, backend_for
 from loader.transforms.spec import TransformError, TransformSpec, parse_transform_arg
 from loader.io.manifest import (
     DOCUMENT_REJECT_REASONS,
@@ -541,8 +542,12 @@ def _normalize_output(output: str) -> str:
 
 
 def check_output_location(output: str) -> None:
-    """Refuse a local ``--output`` that can never become a dataset folder (remote paths: nothing to check)."""
+    """Refuse a local ``--output`` that can never become a dataset folder, or a remote one no backend serves."""
     if is_remote(output):
+        try:
+            backend_for(output)
+        except UnsupportedSchemeError as exc:
+            raise ShardConfigError(f"--output {exc}") from exc
         return
     if os.path.exists(output) and not os.path.isdir(output):
         raise ShardConfigError(f"--output {output} is an existing file, not a folder; pass the path of a "

@@ -18,7 +18,7 @@ from loader.io import storage
 from loader.io.storage import StorageError, StorageOptions
 from tests.s3.s3_testing import S3Fault, restart_on, start_server
 
-pytestmark = [pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.s3, pytest.mark.timeout(60)]
 
 DATA = bytes(range(256)) * 400  # 100 KiB
 

@@ -19,7 +19,7 @@ from loader.io.storage import StorageError, StorageNotFoundError, StorageOptions
 from tests.gcs.gcs_testing import make_lane_file
 from tests.s3.s3_testing import raw_client
 
-pytestmark = [pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.s3, pytest.mark.timeout(60)]
 
 WINDOW = StorageOptions(readahead_bytes=4096)
 
