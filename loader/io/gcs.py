@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCHEME = "gs://"
-TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 # -- paths ------------------------------------------------------------------------------
