@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "--direct_running_mode=multi_processing --direct_num_workers=N for processes).",
     )
     parser.add_argument("--input", dest="inputs", nargs="+", required=True, metavar="GLOB",
-                        help="(required) input files: one or more paths or globs, local or gs:// (* within a "
+                        help="(required) input files: one or more paths or globs, local, gs:// or s3:// (* within a "
                              "directory, ** across directories). Keys without --id-field are relative "
                              "to the longest common directory of the patterns' non-glob parts.")
     parser.add_argument("--format", choices=FORMATS, default=None,
@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seed of the lane and in-lane order hashes, recorded in the manifest "
                              "(default: %(default)s)")
     parser.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
-                        help="Hugging Face tokenizer.json (local or gs://) for offline tokenization into "
+                        help="Hugging Face tokenizer.json (local, gs:// or s3://) for offline tokenization into "
                              "input_ids/num_tokens columns, without special tokens (default: none; the "
                              "loader tokenizes online)")
     parser.add_argument("--token-compression", choices=TOKEN_COMPRESSIONS, default=DEFAULT_TOKEN_COMPRESSION,
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "conversation) "
                            "(default: none, records are text documents)")
     chat.add_argument("--chat-template", default=None, metavar="FILE",
-                      help="chat template (local or gs://): a Jinja file, or a tokenizer_config.json whose "
+                      help="chat template (local, gs:// or s3://): a Jinja file, or a tokenizer_config.json whose "
                            "chat_template is used with its special tokens; rendered as transformers' "
                            "apply_chat_template does, {%% generation %%} tags marking assistant tokens "
                            "(default: none)")
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "_dedup/removed-*.jsonl (default: off)")
     add_image_arguments(parser)
     parser.add_argument("--output", required=True,
-                        help="(required) dataset directory to write (local or gs://); created if missing, "
+                        help="(required) dataset directory to write (local, gs:// or s3://); created if missing, "
                              "refused if it is a file")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing dataset at --output (manifest first, then lane files and "

@@ -21,7 +21,6 @@ Credentials: Application Default Credentials. When ``STORAGE_EMULATOR_HOST`` is 
 from __future__ import annotations
 
 import http.client
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -41,7 +40,6 @@ from loader.io.remote_files import RangedReader
 from loader.io.retries import TRANSIENT_STATUS, RetryPolicy, TruncatedRead, run_with_retries
 from loader.io.storage_options import StorageError, StorageNotFoundError, StorageOptions
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCHEME = "gs://"

@@ -11,8 +11,9 @@ Guarantees, the same as ``gs://``'s (:mod:`loader.io.gcs`):
 * **Verified.** Lane files are checked against the manifest: the size before any data
   moves; the store's own SHA-256 when the object has one (``ChecksumSHA256``, which the
   Beam job asks for on every upload) before any data moves; the manifest's SHA-256 when
-  read whole or through the cache; Parquet page checksums on ranged reads. Whole-object GETs
-  are also checked by boto3 against the object's checksum in transit.
+  read whole or through the cache; Parquet page checksums on ranged reads. Other whole
+  objects (manifests, tokenizers, templates, images) are checked by boto3 against the
+  object's own checksum in transit (``ChecksumMode``).
 * **Retries with a budget.** botocore's own retries are off; every request goes through
   :func:`loader.io.retries.run_with_retries` (HTTP 408/429/5xx, ``SlowDown``, resets,
   timeouts, truncated bodies), so one budget (``retry_*``) bounds ``gs://`` and ``s3://``.
@@ -152,6 +153,10 @@ def _make_client(key: ClientKey):
         retries={"total_max_attempts": 1},  # one retry loop, with the project's budget: ours
         connect_timeout=key.connect_timeout_s, read_timeout=key.read_timeout_s,
         max_pool_connections=32,  # read-ahead threads of one process share the client
+        # botocore hashes a response only where asked (ChecksumMode): read_bytes asks, lane-file
+        # reads do not, their bytes being hashed against the manifest or checked page by page
+        # already (a second SHA-256 of each whole-object GET cost 2-3x its time on loopback).
+        response_checksum_validation="when_required",
         s3={"addressing_style": "path"} if key.endpoint_url else None,
     )
     return session.client("s3", endpoint_url=key.endpoint_url, region_name=key.region, config=config)

@@ -53,6 +53,14 @@ def test_transient_faults_give_identical_bytes(moto_s3, s3_proxy, quick_backoff)
     assert storage.read_bytes(url, via(s3_proxy)) == DATA
 
 
+def test_bytes_damaged_in_transit_are_fetched_again(moto_s3, s3_proxy, quick_backoff):
+    """A whole-object GET is checked against S3's SHA-256 of the object (boto3, ChecksumMode)."""
+    url = put(moto_s3, "damaged.bin")
+    s3_proxy.inject(S3Fault("corrupt"))
+    assert storage.read_bytes(url, via(s3_proxy)) == DATA
+    assert s3_proxy.pending() == 0 and len(s3_proxy.object_gets("damaged")) == 2
+
+
 def test_throttling_past_the_budget_is_loud_and_bounded(moto_s3, s3_proxy, quick_backoff):
     url = put(moto_s3, "throttled.bin")
     s3_proxy.inject(S3Fault("status", status=503, code="SlowDown", match="any", count=1000))
