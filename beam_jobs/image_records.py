@@ -145,7 +145,7 @@ def image_spec_from_args(known: argparse.Namespace) -> Optional[ImageSpec]:
         except ImagePolicyError as exc:
             raise ImageOptionError(str(exc)) from None
     root = known.image_root
-    if root is not None and "://" not in root:  # workers may run elsewhere: never relative to a cwd
+    if root is not None and not is_remote(root):  # workers may run elsewhere: never relative to a cwd
         root = os.path.abspath(os.path.expanduser(root))
     return ImageSpec(image_field=known.image_field, image_root=root, policy=policy, limits=limits)
 
@@ -197,9 +197,14 @@ def resolve_image_job(options, input_files: Sequence[InputFile]):
         problems = image_option_problems(options)
         if problems:
             raise ImageOptionError(f"WebDataset input ({webdataset[0]}) is an image job: " + "; ".join(problems))
-    if spec.image_root is not None and "://" not in spec.image_root and not os.path.isdir(spec.image_root):
+    if spec.image_root is not None and not is_remote(spec.image_root) and not os.path.isdir(spec.image_root):
         raise ImageOptionError(f"--image-root {spec.image_root} is not a directory; pass the folder that relative "
                                "image paths start from")
+    if spec.image_root is not None and is_remote(spec.image_root):
+        try:
+            storage.backend_for(spec.image_root)
+        except storage.UnsupportedSchemeError as exc:
+            raise ImageOptionError(f"--image-root {exc}") from exc
     text_files = [f.path for f in input_files if f.format == "text"]
     if text_files:
         raise ImageOptionError(f"an image job cannot read text input (e.g. {text_files[0]}): a text file is one "

@@ -148,3 +148,29 @@ def test_unsupported_output_scheme_is_one_line(capsys, tmp_path):
     assert code == 2 and len(err) == 1
     assert err[0].startswith("zephon shard: error: --output az://container/ds: the storage scheme az:// is not "
                              "supported; supported: gs://, s3://")
+
+
+def test_image_job_reads_images_from_s3(moto_s3, tmp_path, capsys):
+    """Relative image paths resolved against an s3:// --image-root: the dataset of a local root."""
+    from beam_jobs import shard
+    from tests.vision.image_factory import image_bytes
+
+    images = tmp_path / "images"
+    (images / "img").mkdir(parents=True)
+    records = []
+    for i in range(12):
+        data = image_bytes(30 + i, 20 + i, "PNG", seed=i)
+        (images / "img" / f"{i:02d}.png").write_bytes(data)
+        storage.write_atomically(moto_s3.url(f"images/img/{i:02d}.png"), data)
+        records.append(json.dumps({"id": f"im-{i:02d}", "image": f"img/{i:02d}.png", "text": f"picture {i}"}))
+    (tmp_path / "records.jsonl").write_text("\n".join(records) + "\n")
+    common = ["--input", str(tmp_path / "records.jsonl"), "--id-field", "id", "--num-lanes", "2",
+              "--image-field", "image", "--runner=FnApiRunner"]
+    local = shard.run([*common, "--output", str(tmp_path / "local"), "--image-root", str(images)])
+    remote = shard.run([*common, "--output", str(tmp_path / "remote"), "--image-root", moto_s3.url("images")])
+    assert remote.dataset_fingerprint == local.dataset_fingerprint
+    assert remote.documents == 12 and sum(remote.rejected.values()) == 0
+    capsys.readouterr()
+    code = run_command("shard", [*common, "--output", str(tmp_path / "az"), "--image-root", "az://c/images"])
+    assert code == 2
+    assert "--image-root az://c/images: the storage scheme az:// is not supported" in capsys.readouterr().err
