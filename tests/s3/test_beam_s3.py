@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,34 @@ def test_image_job_reads_images_from_s3(moto_s3, tmp_path, capsys):
     code = run_command("shard", [*common, "--output", str(tmp_path / "az"), "--image-root", "az://c/images"])
     assert code == 2
     assert "--image-root az://c/images: the storage scheme az:// is not supported" in capsys.readouterr().err
+
+
+def test_existing_s3_output_is_refused_then_overwritten(moto_s3, tmp_path):
+    from beam_jobs import shard
+    from beam_jobs.outputs import OutputExistsError
+
+    write_corpus(tmp_path / "corpus", files=1, per_file=60)
+    output = moto_s3.url("beam/overwrite")
+    stale = f"{output}/lane=00009/part-00000.parquet"  # a lane this run does not have
+    storage.write_atomically(stale, b"left by an older job")
+    args = ["--input", str(tmp_path / "corpus" / "*.jsonl"), "--output", output, "--num-lanes", "2",
+            "--id-field", "id", "--runner=FnApiRunner"]
+    with pytest.raises(OutputExistsError, match=re.escape(f"--output {output} already holds a dataset")):
+        shard.run(args)
+    manifest = shard.run([*args, "--overwrite"])
+    assert not storage.exists(stale) and read_manifest(output).to_dict() == manifest.to_dict()
+
+
+def test_a_storage_failure_while_reading_an_input_fails_the_job():
+    """The store failing is not bad data: the records are not rejected, the job stops."""
+    from beam_jobs.outputs import ShardJobError
+    from beam_jobs.readers import _guarded
+
+    def reads():
+        yield b"first line\n"
+        raise storage.StorageError("s3://b/in.jsonl changed while being read (HTTP 412 ...)")
+
+    items = _guarded(reads())
+    assert next(items) == b"first line\n"
+    with pytest.raises(ShardJobError, match=re.escape("zephon shard: s3://b/in.jsonl changed while being read")):
+        next(items)
