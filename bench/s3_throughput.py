@@ -33,23 +33,22 @@ import functools
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.gcs_throughput import (  # noqa: E402
-    Timing,
-    _die_with_parent,
     build_pretokenized_dataset,
+    describe_loader_run,
     loader_config,
+    loader_steps,
     loader_tokens,
-    time_callable,
+    print_round_robin,
+    start_local_server,
 )
 from loader.io import s3, storage  # noqa: E402
 from loader.io.retries import RetryPolicy  # noqa: E402
@@ -60,23 +59,8 @@ CLIENT_WINDOWS = (1024**2, 8 * 1024**2)
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
-    import requests
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(endpoint + "/moto-api/", timeout=1).ok:
-                return proc, endpoint
-        except requests.RequestException:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto.server did not start (pip install 'moto[server]')")
+    return start_local_server(lambda port: [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              "/moto-api/", "moto.server (pip install 'moto[server]')")
 
 
 def upload(local_dir: str, remote_dir: str, manifest) -> None:
@@ -91,13 +75,8 @@ def run_loader_bench(work: str, args) -> None:
     local_dir, remote_dir = os.path.join(work, "loader-local"), f"s3://{BUCKET}/loader"
     manifest, total = build_pretokenized_dataset(local_dir, int(args.loader_mtokens * 1e6), args.loader_lanes)
     upload(local_dir, remote_dir, manifest)
-    per_lane_step = args.seq_len * args.global_batch // manifest.num_lanes
-    smallest_lane = min(sum(e.tokens for e in manifest.files if e.lane == lane) for lane in range(manifest.num_lanes))
-    steps = args.loader_steps or max(1, int(0.95 * smallest_lane / per_lane_step))
-    print(f"loader: pre-tokenized, {total:,} tokens in {len(manifest.files)} lane files of "
-          f"{min(e.bytes for e in manifest.files) / 1e6:.1f}-{max(e.bytes for e in manifest.files) / 1e6:.1f} MB "
-          f"({sum(e.bytes for e in manifest.files) / total:.2f} bytes/token); seq_len={args.seq_len}, "
-          f"global batch {args.global_batch}, {steps} steps, num_workers=0; median of {args.repeats}")
+    steps = loader_steps(manifest, args)
+    print(describe_loader_run(manifest, total, steps, args))
     cache_dir = os.path.join(work, "loader-cache")
     size = dict(seq_len=args.seq_len, global_batch=args.global_batch)
     local_cfg = loader_config(local_dir, **size)
@@ -112,13 +91,8 @@ def run_loader_bench(work: str, args) -> None:
     ]
     loader_tokens(local_cfg, min(steps, 2))  # warm-up: imports, tokenizer, pyarrow pools, page cache
     loader_tokens(setups[1][1], min(steps, 2))  # and boto3's client, credentials, connection pool
-    rounds = [[time_callable(label, functools.partial(loader_tokens, config, steps), 1, setup=setup)
-               for label, config, setup in setups] for _ in range(args.repeats)]
-    timings = [Timing(runs[0].label, [t for run in runs for t in run.seconds], runs[0].counts)
-               for runs in zip(*rounds)]
-    for timing in timings:
-        spread = f"  (runs {min(timing.seconds):.2f}-{max(timing.seconds):.2f} s)"
-        print((timing.line() if timing is timings[0] else timing.line(timings[0])) + spread)
+    print_round_robin([(label, functools.partial(loader_tokens, config, steps), setup)
+                       for label, config, setup in setups], args.repeats)
     if args.clients:
         run_client_bench(remote_dir, manifest, args.repeats)
 
@@ -162,13 +136,8 @@ def run_client_bench(remote_dir: str, manifest, repeats: int) -> None:
     print(f"\nclients: {len(urls)} lane files, {sum(sizes) / 1e6:.1f} MB in ranged GETs (If-Match); "
           f"median of {repeats}, round-robin")
     for window in CLIENT_WINDOWS:
-        rounds = [[time_callable(f"{name}_{window >> 20}MiB", functools.partial(fn, window), 1) for name, fn in clients]
-                  for _ in range(repeats)]
-        timings = [Timing(runs[0].label, [t for run in runs for t in run.seconds], runs[0].counts)
-                   for runs in zip(*rounds)]
-        for timing in timings:
-            spread = f"  (runs {min(timing.seconds):.3f}-{max(timing.seconds):.3f} s)"
-            print((timing.line() if timing is timings[0] else timing.line(timings[0])) + spread)
+        print_round_robin([(f"{name}_{window >> 20}MiB", functools.partial(fn, window), lambda: None)
+                           for name, fn in clients], repeats, seconds_format=".3f")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,6 +140,17 @@ def is_remote(path: str) -> bool:
     return scheme_of(path) != LOCAL
 
 
+def split_bucket_path(path: str, scheme: str) -> tuple[str, str]:
+    """``("bucket", "key/of/object")`` of ``scheme://bucket/key/of/object`` (the key may be "")."""
+    prefix = f"{scheme}://"
+    if not path.startswith(prefix):
+        raise ValueError(f"not a {prefix} path (got {path!r})")
+    bucket, _, key = path[len(prefix):].partition("/")
+    if not bucket:
+        raise StorageError(f"{path}: no bucket name; write {prefix}BUCKET/prefix")
+    return bucket, key
+
+
 def supported_schemes() -> list[str]:
     """``["gs", "s3", ...]``: the schemes with a backend (built in or registered)."""
     return sorted(({s for s in BUILTIN_BACKENDS} | set(_registry)) - {LOCAL})

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import threading
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, TypeVar
 
@@ -35,7 +34,8 @@ from google.cloud import storage as gcs_storage
 from google.cloud.storage import exceptions as gcs_exceptions
 
 from loader.io import remote_files
-from loader.io.backends import ObjectInfo, StorageBackend, register_backend
+from loader.io.backends import ObjectInfo, StorageBackend, register_backend, split_bucket_path
+from loader.io.clients import PerProcessClients
 from loader.io.remote_files import RangedReader
 from loader.io.retries import TRANSIENT_STATUS, RetryPolicy, TruncatedRead, run_with_retries
 from loader.io.storage_options import StorageError, StorageNotFoundError, StorageOptions
@@ -53,32 +53,13 @@ class GcsPath:
 
     @classmethod
     def parse(cls, path: str) -> "GcsPath":
-        if not path.startswith(SCHEME):
-            raise ValueError(f"not a gs:// path (got {path!r})")
-        bucket, _, name = path[len(SCHEME):].partition("/")
-        if not bucket:
-            raise ValueError(f"gs:// path without a bucket name (got {path!r})")
-        return cls(bucket, name)
+        return cls(*split_bucket_path(path, "gs"))
 
     def __str__(self) -> str:
         return f"{SCHEME}{self.bucket}/{self.name}"
 
 
 # -- one client per process -------------------------------------------------------------
-_clients: dict[Optional[str], gcs_storage.Client] = {}
-_clients_pid = os.getpid()
-_clients_lock = threading.Lock()
-
-
-def _forget_clients_in_child() -> None:
-    # The child must not reuse the parent's sockets, nor a lock another thread held at fork.
-    global _clients, _clients_pid, _clients_lock
-    _clients, _clients_pid, _clients_lock = {}, os.getpid(), threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_clients_in_child)
-
-
 def resolve_endpoint(endpoint: Optional[str] = None) -> Optional[str]:
     """The endpoint to use: ``endpoint``, else ``STORAGE_EMULATOR_HOST``, else None (Google)."""
     chosen = endpoint or os.environ.get("STORAGE_EMULATOR_HOST") or None
@@ -89,13 +70,7 @@ def resolve_endpoint(endpoint: Optional[str] = None) -> Optional[str]:
 
 def client(endpoint: Optional[str] = None) -> gcs_storage.Client:
     """The process's client for ``endpoint`` (see :func:`resolve_endpoint`)."""
-    key = resolve_endpoint(endpoint)
-    with _clients_lock:
-        if _clients_pid != os.getpid():  # forked without the at-fork hook (belt and braces)
-            _forget_clients_in_child()
-        if key not in _clients:
-            _clients[key] = _make_client(key)
-        return _clients[key]
+    return _clients.get(resolve_endpoint(endpoint))
 
 
 def _make_client(endpoint: Optional[str]) -> gcs_storage.Client:
@@ -115,6 +90,9 @@ def _make_client(endpoint: Optional[str]) -> gcs_storage.Client:
             f"local emulator, set STORAGE_EMULATOR_HOST ({exc})"
         ) from exc
     return gcs_storage.Client(project=project, credentials=credentials)
+
+
+_clients: PerProcessClients[Optional[str], gcs_storage.Client] = PerProcessClients(_make_client)
 
 
 # -- retries ----------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from __future__ import annotations
 import base64
 import http.client
 import os
-import threading
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, TypeVar
 
@@ -45,7 +44,8 @@ import botocore.exceptions as boto_exceptions
 import urllib3
 
 from loader.io import remote_files
-from loader.io.backends import ObjectInfo, StorageBackend, register_backend
+from loader.io.backends import ObjectInfo, StorageBackend, register_backend, split_bucket_path
+from loader.io.clients import PerProcessClients
 from loader.io.remote_files import RangedReader
 from loader.io.retries import TRANSIENT_STATUS, RetryPolicy, TruncatedRead, run_with_retries
 from loader.io.storage_options import StorageError, StorageNotFoundError, StorageOptions
@@ -70,12 +70,7 @@ class S3Path:
 
     @classmethod
     def parse(cls, path: str) -> "S3Path":
-        if not path.startswith(SCHEME):
-            raise ValueError(f"not an s3:// path (got {path!r})")
-        bucket, _, key = path[len(SCHEME):].partition("/")
-        if not bucket:
-            raise StorageError(f"{path}: an s3:// path needs a bucket name (s3://BUCKET/prefix)")
-        return cls(bucket, key)
+        return cls(*split_bucket_path(path, "s3"))
 
     def __str__(self) -> str:
         return f"{SCHEME}{self.bucket}/{self.key}"
@@ -118,29 +113,9 @@ def region(options: StorageOptions) -> Optional[str]:
     return os.environ.get("AWS_REGION") or None
 
 
-_clients: dict[ClientKey, object] = {}
-_clients_pid = os.getpid()
-_clients_lock = threading.Lock()
-
-
-def _forget_clients_in_child() -> None:
-    # The child must not reuse the parent's sockets, nor a lock another thread held at fork.
-    global _clients, _clients_pid, _clients_lock
-    _clients, _clients_pid, _clients_lock = {}, os.getpid(), threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_clients_in_child)
-
-
 def client(options: StorageOptions, policy: RetryPolicy):
     """The process's boto3 S3 client for this configuration (boto3 clients are thread-safe)."""
-    key = ClientKey.of(options, policy)
-    with _clients_lock:
-        if _clients_pid != os.getpid():  # forked without the at-fork hook (belt and braces)
-            _forget_clients_in_child()
-        if key not in _clients:
-            _clients[key] = _make_client(key)
-        return _clients[key]
+    return _clients.get(ClientKey.of(options, policy))
 
 
 def _make_client(key: ClientKey):
@@ -160,6 +135,9 @@ def _make_client(key: ClientKey):
         s3={"addressing_style": "path"} if key.endpoint_url else None,
     )
     return session.client("s3", endpoint_url=key.endpoint_url, region_name=key.region, config=config)
+
+
+_clients: PerProcessClients[ClientKey, object] = PerProcessClients(_make_client)
 
 
 # -- errors -----------------------------------------------------------------------------

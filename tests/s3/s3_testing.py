@@ -17,11 +17,14 @@ from pathlib import Path
 import requests
 from moto.server import ThreadedMotoServer
 
+from loader.commands.fingerprints import collect_fingerprints
+from loader.config import LoaderConfig
 from loader.io import s3, storage
 from loader.io.retries import RetryPolicy
 from loader.io.storage_options import StorageOptions
 from tests.gcs.faults import Fault, FaultProxy
 
+TOKENIZER = str(Path(__file__).resolve().parents[2] / "beam_jobs" / "assets" / "tokenizer.json")
 BUCKET = "zephon-test"
 REGION = "us-east-1"
 # moto accepts any key unless auth is switched on (MotoS3.require_auth); these are the test's own.
@@ -67,6 +70,19 @@ class MotoS3:
         answer.raise_for_status()
 
 
+def loader_config(path: str, *, seq_len: int, tokenizer: str = TOKENIZER, **overrides) -> LoaderConfig:
+    """The tests' loader config over one dataset: global batch 8 in micro-batches of 2, no workers."""
+    fields = dict(datasets=[{"path": path}], seq_len=seq_len, global_batch_size=8, micro_batch_size=2, seed=3,
+                  tokenizer=tokenizer, num_workers=0, worker_timeout_s=60.0)
+    fields.update(overrides)
+    return LoaderConfig(**fields)
+
+
+def fingerprint_lines(config: LoaderConfig, steps: int, world_size: int = 1) -> list[str]:
+    results, _ = collect_fingerprints(config, world_size=world_size, end_step=steps)
+    return [r.line() for r in results]
+
+
 def upload_tree(local_dir: str, remote_dir: str) -> None:
     """Copy a local directory to s3://, files in name order with ``manifest.json`` last (like the Beam job)."""
     files = sorted(str(p.relative_to(local_dir)) for p in Path(local_dir).rglob("*") if p.is_file())
@@ -105,11 +121,6 @@ class S3FaultProxy(FaultProxy):
     def object_gets(self, name_part: str = "") -> list:
         with self._lock:
             return [r for r in self.log if r.method == "GET" and "list-type=" not in r.path and name_part in r.path]
-
-
-def clear_foreign_aws_settings(monkeypatch) -> None:
-    for name in FOREIGN_AWS_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
 
 
 def set_test_environment(endpoint: str) -> dict:

@@ -18,15 +18,14 @@ from pathlib import Path
 import pytest
 
 from loader.cli import run_command
-from loader.commands.fingerprints import collect_fingerprints
 from loader.config import LoaderConfig
 from loader.io import storage
 from loader.io.manifest import read_manifest
 from tests.resume_harness import check_resume, loader_runs
+from tests.s3.s3_testing import TOKENIZER, fingerprint_lines, loader_config
 
 pytestmark = [pytest.mark.s3, pytest.mark.beam, pytest.mark.timeout(120)]
 
-TOKENIZER = str(Path(__file__).resolve().parents[2] / "beam_jobs" / "assets" / "tokenizer.json")
 STEPS = 8
 LANES = 4
 
@@ -62,16 +61,12 @@ def sharded(moto_s3, tmp_path_factory):
     return local, remote, local_dir, remote_dir, tokenizer
 
 
-def make_config(path: str, tokenizer: str = TOKENIZER, **overrides) -> LoaderConfig:
-    fields = dict(datasets=[{"path": path}], seq_len=128, global_batch_size=8, micro_batch_size=2, seed=3,
-                  tokenizer=tokenizer, num_workers=0, worker_timeout_s=60.0)
-    fields.update(overrides)
-    return LoaderConfig(**fields)
+def make_config(path: str, **overrides) -> LoaderConfig:
+    return loader_config(path, seq_len=128, **overrides)
 
 
 def fingerprints(config: LoaderConfig, world_size: int = 1) -> list[str]:
-    results, _ = collect_fingerprints(config, world_size=world_size, end_step=STEPS)
-    return [r.line() for r in results]
+    return fingerprint_lines(config, STEPS, world_size)
 
 
 @pytest.fixture(scope="module")

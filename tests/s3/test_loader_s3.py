@@ -16,18 +16,16 @@ import pytest
 from beam_jobs.image_records import _Reject, read_image_file
 from dataset_factory import synthetic_texts, write_dataset
 from loader.chat import load_chat_template
-from loader.commands.fingerprints import collect_fingerprints
 from loader.config import LoaderConfig
 from loader.io import storage
 from loader.io.storage import StorageError, StorageNotFoundError, StorageOptions
 from loader.pipeline import ZephonLoader
 from loader.vision.images import ImageLimits
 from tests.resume_harness import LoaderRun
-from tests.s3.s3_testing import S3Fault, raw_client, upload_tree
+from tests.s3.s3_testing import S3Fault, fingerprint_lines, loader_config, raw_client, upload_tree
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(90)]
 
-TOKENIZER = str(Path(__file__).resolve().parents[2] / "beam_jobs" / "assets" / "tokenizer.json")
 TEMPLATE = str(Path(__file__).resolve().parents[1] / "chat" / "templates" / "chatml_generation.jinja")
 STEPS = 10
 FIRST_FILE = "lane=00000/part-00000.parquet"
@@ -53,15 +51,11 @@ def private_copy(dataset, moto_s3, request) -> str:
 
 
 def make_config(path: str, **overrides) -> LoaderConfig:
-    fields = dict(datasets=[{"path": path}], seq_len=256, global_batch_size=8, micro_batch_size=2, seed=3,
-                  tokenizer=TOKENIZER, num_workers=0, worker_timeout_s=30.0)
-    fields.update(overrides)
-    return LoaderConfig(**fields)
+    return loader_config(path, seq_len=256, **overrides)
 
 
-def fingerprints(config: LoaderConfig, world_size: int = 1) -> list[str]:
-    results, _ = collect_fingerprints(config, world_size=world_size, end_step=STEPS)
-    return [r.line() for r in results]
+def fingerprints(config: LoaderConfig) -> list[str]:
+    return fingerprint_lines(config, STEPS)
 
 
 @pytest.fixture(scope="module")
