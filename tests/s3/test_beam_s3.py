@@ -201,3 +201,17 @@ def test_a_storage_failure_while_reading_an_input_fails_the_job():
     assert next(items) == b"first line\n"
     with pytest.raises(ShardJobError, match=re.escape("zephon shard: s3://b/in.jsonl changed while being read")):
         next(items)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_multi_processing_workers_write_the_same_s3_dataset(sharded, moto_s3):
+    """Beam's worker processes find the store through the AWS_* variables they inherit."""
+    from beam_jobs import shard
+
+    local, _, _, _, _ = sharded
+    common = ["--id-field", "id", "--num-lanes", str(LANES), "--seed", "1", "--source-name", "corpus",
+              "--target-file-mb", "0.004"]
+    manifest = shard.run(["--input", f"{moto_s3.url('beam/corpus')}/*.jsonl", "--output", moto_s3.url("beam/mp"),
+                          *common, "--direct_running_mode=multi_processing", "--direct_num_workers=2"])
+    assert manifest.to_dict() == local.to_dict()
