@@ -105,7 +105,8 @@ def endpoint_url(options: StorageOptions) -> Optional[str]:
 
 
 def region(options: StorageOptions) -> Optional[str]:
-    """``s3_region``, else ``AWS_DEFAULT_REGION`` or the profile's (botocore), else ``AWS_REGION``."""
+    """``s3_region``, else ``AWS_DEFAULT_REGION`` (botocore reads it), else ``AWS_REGION``, else
+    None (botocore: the profile's region)."""
     if options.s3_region:
         return options.s3_region
     if os.environ.get("AWS_DEFAULT_REGION"):

@@ -105,11 +105,16 @@ def test_resume_across_world_sizes_from_s3(sharded, reference, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_workers_read_s3_and_resume(sharded, reference):
-    """Two spawned workers per rank find the store through the AWS_* variables they inherit."""
-    _, _, _, remote_dir, _ = sharded
+def test_workers_read_s3_and_resume(sharded, reference, tmp_path):
+    """Two spawned workers per rank find the store through the AWS_* variables they inherit,
+    and fill one node-shared cache (each file once, complete and verified)."""
+    local, _, _, remote_dir, _ = sharded
     config = make_config(remote_dir)
-    assert fingerprints(config.replace(num_workers=2)) == reference
+    cache_dir = tmp_path / "cache"
+    assert fingerprints(config.replace(num_workers=2, cache_dir=str(cache_dir))) == reference
+    cached = sorted(p.name for p in (cache_dir / "zephon-cache-v1" / "objects").rglob("*.parquet"))
+    assert cached == sorted(f"{f.sha256}-{f.bytes}.parquet" for f in local.files)
+    assert list((cache_dir / "zephon-cache-v1" / "tmp").iterdir()) == []
     make = loader_runs(config, [{"world_size": 1}, {"world_size": 2, "num_workers": 2}, {"world_size": 1}])
     check_resume(make, steps=STEPS, cut_points=[4], expected=reference, compare_states=False)
 
