@@ -25,7 +25,7 @@ a list, text a list of equal length    interleaved (the OBELICS layout): positio
 An image reference is bytes (Parquet ``binary``), a ``{"bytes": ..., "path": ...}`` struct
 (the Hugging Face ``Image`` feature; ``path`` is read when ``bytes`` is null) or a string: a
 path (JSONL, Parquet), resolved against ``--image-root`` or else the input file's directory
-(``gs://`` URLs and absolute paths are used as given; ``gs://`` is read through
+(``gs://`` / ``s3://`` URLs and absolute paths are used as given, URLs read through
 :mod:`loader.io.storage`), or, in a WebDataset sample, the name of a member (``"jpg"``,
 ``"0.png"`` or the full member name).
 
@@ -45,8 +45,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from beam_jobs.image_lanes import IMAGE_COLUMNS
 from beam_jobs.inputs import InputFile
+from beam_jobs.job_files import JOB_STORAGE_OPTIONS
 from beam_jobs.readers import RecordConverter, _InvalidUtf8, _json_type_name
 from loader.errors import ZephonError
+from loader.io import storage
+from loader.io.backends import is_remote
 from loader.vision.images import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_BYTES,
@@ -102,7 +105,7 @@ def add_image_arguments(parser: argparse.ArgumentParser) -> None:
                             "or list of images; makes the job an image job. In a WebDataset sample's .json: "
                             "the list naming the members of an interleaved document (default: none)")
     group.add_argument("--image-root", default=None, metavar="DIR",
-                       help="directory (local or gs://) that relative image paths are resolved against "
+                       help="directory (local, gs:// or s3://) that relative image paths are resolved against "
                             "(default: the directory of the input file naming them)")
     group.add_argument("--image-policy", default=None, metavar="SPEC",
                        help="image-processing policy whose visual-token count of each image is recorded in "
@@ -142,7 +145,7 @@ def image_spec_from_args(known: argparse.Namespace) -> Optional[ImageSpec]:
         except ImagePolicyError as exc:
             raise ImageOptionError(str(exc)) from None
     root = known.image_root
-    if root is not None and "://" not in root:  # workers may run elsewhere: never relative to a cwd
+    if root is not None and not is_remote(root):  # workers may run elsewhere: never relative to a cwd
         root = os.path.abspath(os.path.expanduser(root))
     return ImageSpec(image_field=known.image_field, image_root=root, policy=policy, limits=limits)
 
@@ -194,9 +197,14 @@ def resolve_image_job(options, input_files: Sequence[InputFile]):
         problems = image_option_problems(options)
         if problems:
             raise ImageOptionError(f"WebDataset input ({webdataset[0]}) is an image job: " + "; ".join(problems))
-    if spec.image_root is not None and "://" not in spec.image_root and not os.path.isdir(spec.image_root):
+    if spec.image_root is not None and not is_remote(spec.image_root) and not os.path.isdir(spec.image_root):
         raise ImageOptionError(f"--image-root {spec.image_root} is not a directory; pass the folder that relative "
                                "image paths start from")
+    if spec.image_root is not None and is_remote(spec.image_root):
+        try:
+            storage.backend_for(spec.image_root)
+        except storage.UnsupportedSchemeError as exc:
+            raise ImageOptionError(f"--image-root {exc}") from exc
     text_files = [f.path for f in input_files if f.format == "text"]
     if text_files:
         raise ImageOptionError(f"an image job cannot read text input (e.g. {text_files[0]}): a text file is one "
@@ -339,43 +347,32 @@ class ImageRecordConverter(RecordConverter):
 
 
 def _directory_of(path: str) -> str:
-    return path[: path.rfind("/") + 1] if "://" in path else os.path.dirname(path)
+    return path[: path.rfind("/") + 1] if is_remote(path) else os.path.dirname(path)
 
 
 def resolve_image_path(root: str, name: str) -> str:
     """``name`` resolved against ``root``: URLs and absolute paths as given, else ``root/name``."""
-    if "://" in name or os.path.isabs(name):
+    if is_remote(name) or os.path.isabs(name):
         return name
-    if "://" in root:
+    if is_remote(root):
         scheme, rest = root.split("://", 1)
         return f"{scheme}://{posixpath.normpath(posixpath.join(rest, name))}"
     return os.path.normpath(os.path.join(root, name))
 
 
 def read_image_file(path: str, limits: ImageLimits) -> bytes:
-    """Read one image file (local, ``gs://`` through :mod:`loader.io.storage`, else Beam's FileSystems)."""
-    from loader.io import storage
-
+    """Read one image file: local, or remote through the storage backend of its scheme
+    (:mod:`loader.io.storage`; an unsupported scheme is an ``image_unreadable`` reject naming
+    the supported ones)."""
     try:
-        if "://" not in path:
+        if not is_remote(path):
             size = os.stat(path).st_size
             if size > limits.max_bytes:  # never read a huge file into memory just to refuse it
                 raise _Reject("image_too_large", f"{path}: {size} bytes, above the limit of {limits.max_bytes} "
                               "(--max-image-mb)")
             with open(path, "rb") as handle:
                 return handle.read()
-        if storage.is_gcs(path):
-            return storage.read_bytes(path)
-        from apache_beam.io.filesystem import CompressionTypes
-        from apache_beam.io.filesystems import FileSystems
-
-        try:
-            handle = FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
-        except ValueError as exc:  # a scheme Beam has no filesystem for (http://, ...)
-            raise _Reject("image_unreadable", f"{path}: no filesystem reads this scheme ({exc}); name images by "
-                          "local path or gs:// URL") from None
-        with handle:
-            return handle.read()
+        return storage.read_bytes(path, JOB_STORAGE_OPTIONS)
     except (FileNotFoundError, storage.StorageNotFoundError):
         raise _Reject("image_missing", f"{path} does not exist") from None
     except (OSError, storage.StorageError) as exc:

@@ -32,6 +32,7 @@ import gzip
 import io
 from typing import BinaryIO, Iterator, Optional
 
+from beam_jobs import job_files
 from beam_jobs.inputs import InputFile
 
 STREAM_BUFFER_BYTES = 1 << 20
@@ -106,13 +107,9 @@ class ZstdFramesReader(io.RawIOBase):
 
 @contextlib.contextmanager
 def open_stream(input_file: InputFile) -> Iterator[BinaryIO]:
-    """A buffered binary stream of the file's decompressed bytes (via Beam's FileSystems)."""
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
+    """A buffered binary stream of the file's decompressed bytes (:func:`beam_jobs.job_files.open_read`)."""
     with contextlib.ExitStack() as stack:
-        raw = stack.enter_context(
-            FileSystems.open(input_file.path, compression_type=CompressionTypes.UNCOMPRESSED))
+        raw = stack.enter_context(job_files.open_read(input_file.path))
         # Decompress here rather than through Beam's CompressedFile: the C stream readers
         # are much faster at line iteration, and behave the same on every filesystem.
         if input_file.compression == "gzip":
@@ -127,13 +124,10 @@ def open_stream(input_file: InputFile) -> Iterator[BinaryIO]:
 
 def find_corruption(input_file: InputFile) -> Optional[Exception]:
     """The error of a compressed file whose data is corrupt (not just cut short), else None."""
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
     if input_file.compression == "none":
         return None
     try:
-        with FileSystems.open(input_file.path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+        with job_files.open_read(input_file.path) as raw:
             if input_file.compression == "zstd":
                 ZstdFramesReader(raw).discard_all()
             else:

@@ -15,7 +15,7 @@ non-glob parts of the ``--input`` patterns. For example::
 
 so the keys (and therefore lanes and order) do not depend on the machine's working
 directory or the bucket's mount point, only on the layout below the root. Local patterns
-are made absolute first; ``gs://`` patterns are used as given.
+are made absolute first; ``gs://`` and ``s3://`` patterns are used as given.
 
 Formats
 -------
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from loader.errors import ZephonError
+from loader.io import backends
+from loader.io.backends import UnsupportedSchemeError
 
 FORMATS = ("jsonl", "parquet", "text", "webdataset")  # webdataset: image jobs (beam_jobs.webdataset)
 COMPRESSIONS = ("none", "gzip", "zstd")
@@ -66,7 +68,7 @@ class InputError(ZephonError, ValueError):
 class InputFile:
     """One input file. Ordered by ``path`` so that the file list is sorted deterministically."""
 
-    path: str  # as FileSystems knows it (absolute local path or gs://...)
+    path: str  # absolute local path, or a URL (gs://..., s3://...) as beam_jobs.job_files reads it
     relative_path: str  # relative to the input root, "/"-separated: part of document keys
     file_index: int  # position in the sorted file list; names the _rejected file
     format: str  # one of FORMATS
@@ -84,8 +86,8 @@ class InputFile:
 
 
 def is_remote(path: str) -> bool:
-    """True for any ``scheme://`` path (gs://, s3://, ...), handled by Beam's FileSystems."""
-    return "://" in path
+    """True for any ``scheme://`` path (gs://, s3://, ...): :func:`loader.io.backends.is_remote`."""
+    return backends.is_remote(path)
 
 
 def normalize_pattern(pattern: str) -> str:
@@ -130,7 +132,7 @@ def infer_compression(path: str) -> str:
 
 
 def _match_pattern(pattern: str) -> dict[str, int]:
-    from apache_beam.io.filesystems import FileSystems
+    from beam_jobs import job_files  # imports apache_beam: only when the job lists its inputs
 
     if not is_remote(pattern) and os.path.isdir(pattern):
         raise InputError(
@@ -138,10 +140,11 @@ def _match_pattern(pattern: str) -> dict[str, int]:
             f"(or {pattern.rstrip('/')}/** for every file below it)."
         )
     try:
-        (result,) = FileSystems.match([pattern])
-    except Exception as exc:  # BeamIOError wraps the per-pattern cause
+        sizes = job_files.match(pattern)
+    except UnsupportedSchemeError as exc:
+        raise InputError(f"--input {exc}") from exc
+    except Exception as exc:  # BeamIOError wraps the per-pattern cause; StorageError names the object
         raise InputError(f"--input {pattern}: listing failed ({exc})") from exc
-    sizes = {m.path: m.size_in_bytes for m in result.metadata_list}
     if not is_remote(pattern):
         sizes = {p: size for p, size in sizes.items() if os.path.isfile(p)}
     if not sizes:

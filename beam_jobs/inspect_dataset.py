@@ -124,7 +124,7 @@ def render_text(summary: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zephon inspect",
                                      description="Summarise a sharded Zephon dataset from its manifest.json.")
-    parser.add_argument("dataset", metavar="DATASET", help="dataset directory (local or gs://)")
+    parser.add_argument("dataset", metavar="DATASET", help="dataset directory (local, gs:// or s3://)")
     parser.add_argument("--json", action="store_true",
                         help="print the summary as JSON (includes dataset_fingerprint; default: text)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,

@@ -24,7 +24,10 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import apache_beam as beam
 
+from beam_jobs import job_files
+from beam_jobs.job_files import INPROGRESS_SUFFIX
 from loader.errors import ZephonError
+from loader.io.backends import is_remote
 from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, ChatRecord, FileEntry, Manifest
 from loader.vision.record import ImagesRecord
 
@@ -37,7 +40,6 @@ DEDUP_DIR = "_dedup"  # --dedup: the list of removed documents (beam_jobs.dedup)
 # runner embeds the remote traceback as text).
 JOB_ERROR_PREFIX = "zephon shard: "
 REJECTED_FILE_FORMAT = "rejected-{file_index:05d}.jsonl"
-INPROGRESS_SUFFIX = ".inprogress"
 
 
 class OutputExistsError(ZephonError, FileExistsError):
@@ -52,7 +54,7 @@ class ShardJobError(ZephonError, RuntimeError):
 
 
 def is_local(path: str) -> bool:
-    return "://" not in path
+    return not is_remote(path)
 
 
 def join_output(output: str, relative_path: str) -> str:
@@ -62,21 +64,8 @@ def join_output(output: str, relative_path: str) -> str:
 
 
 def write_atomically(path: str, data: bytes) -> None:
-    """Write ``path + '.inprogress'`` and rename it to ``path``.
-
-    A retried bundle rewrites the same names, so retries overwrite instead of duplicating,
-    and a reader never sees a half-written file under the final name.
-    """
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
-    temporary = path + INPROGRESS_SUFFIX
-    handle = FileSystems.create(temporary, compression_type=CompressionTypes.UNCOMPRESSED)
-    try:
-        handle.write(data)
-    finally:
-        handle.close()
-    FileSystems.rename([temporary], [path])
+    """``data`` under ``path``, never half-written under that name (:func:`beam_jobs.job_files.write_atomically`)."""
+    job_files.write_atomically(path, data)
 
 
 # ---------------------------------------------------------------------------------------
@@ -85,8 +74,6 @@ def write_atomically(path: str, data: bytes) -> None:
 
 def existing_dataset_parts(output: str) -> list[str]:
     """What of a (possibly partial) dataset exists at ``output``, as relative names."""
-    from apache_beam.io.filesystems import FileSystems
-
     if is_local(output):
         if not os.path.isdir(output):
             return []
@@ -95,8 +82,7 @@ def existing_dataset_parts(output: str) -> list[str]:
                 or n.startswith("lane=")]
     found = []
     for pattern in (MANIFEST_NAME, MANIFEST_NAME + INPROGRESS_SUFFIX, "lane=*/*", REJECTED_DIR + "/*", DEDUP_DIR + "/*"):
-        (result,) = FileSystems.match([join_output(output, pattern)])
-        found += [m.path[len(output.rstrip("/")) + 1:] for m in result.metadata_list]
+        found += [path[len(output.rstrip("/")) + 1:] for path in job_files.match(join_output(output, pattern))]
     return sorted(found)
 
 
@@ -106,8 +92,6 @@ def prepare_output(output: str, overwrite: bool) -> None:
     The old manifest goes first, so an interrupted clean-up never leaves a manifest that
     points at deleted files.
     """
-    from apache_beam.io.filesystems import FileSystems
-
     existing = existing_dataset_parts(output)
     if not existing:
         return
@@ -127,7 +111,7 @@ def prepare_output(output: str, overwrite: bool) -> None:
             else:
                 os.remove(path)
         else:
-            FileSystems.delete([path])
+            job_files.delete(path)
 
 
 # ---------------------------------------------------------------------------------------

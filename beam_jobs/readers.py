@@ -70,10 +70,12 @@ import apache_beam as beam
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
-from beam_jobs import progress
+from beam_jobs import job_files, progress
 from beam_jobs.chat_records import ChatEncoder, ChatSpec, InvalidUtf8Record
 from beam_jobs.input_streams import check_parquet_magic, find_corruption, open_stream
 from beam_jobs.inputs import InputFile
+from beam_jobs.outputs import ShardJobError
+from loader.io.storage_options import StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +132,15 @@ def _guarded(items: Iterable) -> Iterator:
     """Yield from ``items``; on a read error yield one :class:`_ReadFailure` and stop.
 
     Only the iteration (I/O, decompression, decoding of the file) is guarded, so a bug in
-    the record handling still fails loudly instead of becoming a rejection.
+    the record handling still fails loudly instead of becoming a rejection. A
+    :class:`StorageError` (the store failed past its retry budget, or the object changed
+    while being read) fails the job instead: the file's records are not bad, and rejecting
+    them would lose them.
     """
     try:
         iterator = iter(items)
+    except StorageError as exc:
+        raise ShardJobError(str(exc)) from exc
     except Exception as exc:  # opening the file failed
         yield _ReadFailure(exc)
         return
@@ -142,6 +149,8 @@ def _guarded(items: Iterable) -> Iterator:
             item = next(iterator)
         except StopIteration:
             return
+        except StorageError as exc:
+            raise ShardJobError(str(exc)) from exc
         except Exception as exc:
             yield _ReadFailure(exc)
             return
@@ -381,13 +390,10 @@ def _read_parquet(input_file: InputFile, spec: RecordSpec,
                   converter: RecordConverter) -> Iterator[tuple[bool, tuple]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
     wanted = [*spec.content_fields, *([spec.id_field] if spec.id_field else []), *spec.keep_fields]
 
     def batches():
-        with FileSystems.open(input_file.path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
+        with job_files.open_read(input_file.path) as handle:
             check_parquet_magic(handle)
             parquet_file = pq.ParquetFile(handle, page_checksum_verification=True)
             present = [n for n in dict.fromkeys(wanted) if n in parquet_file.schema_arrow.names]

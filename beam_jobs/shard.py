@@ -82,6 +82,7 @@ from beam_jobs.outputs import (
 from beam_jobs.progress import ShardSummary, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from loader.errors import ZephonError
+from loader.io.backends import UnsupportedSchemeError, backend_for
 from loader.transforms.spec import TransformError, TransformSpec, parse_transform_arg
 from loader.io.manifest import (
     DOCUMENT_REJECT_REASONS,
@@ -249,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "--direct_running_mode=multi_processing --direct_num_workers=N for processes).",
     )
     parser.add_argument("--input", dest="inputs", nargs="+", required=True, metavar="GLOB",
-                        help="(required) input files: one or more paths or globs, local or gs:// (* within a "
+                        help="(required) input files: one or more paths or globs, local, gs:// or s3:// (* within a "
                              "directory, ** across directories). Keys without --id-field are relative "
                              "to the longest common directory of the patterns' non-glob parts.")
     parser.add_argument("--format", choices=FORMATS, default=None,
@@ -276,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seed of the lane and in-lane order hashes, recorded in the manifest "
                              "(default: %(default)s)")
     parser.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
-                        help="Hugging Face tokenizer.json (local or gs://) for offline tokenization into "
+                        help="Hugging Face tokenizer.json (local, gs:// or s3://) for offline tokenization into "
                              "input_ids/num_tokens columns, without special tokens (default: none; the "
                              "loader tokenizes online)")
     parser.add_argument("--token-compression", choices=TOKEN_COMPRESSIONS, default=DEFAULT_TOKEN_COMPRESSION,
@@ -300,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "conversation) "
                            "(default: none, records are text documents)")
     chat.add_argument("--chat-template", default=None, metavar="FILE",
-                      help="chat template (local or gs://): a Jinja file, or a tokenizer_config.json whose "
+                      help="chat template (local, gs:// or s3://): a Jinja file, or a tokenizer_config.json whose "
                            "chat_template is used with its special tokens; rendered as transformers' "
                            "apply_chat_template does, {%% generation %%} tags marking assistant tokens "
                            "(default: none)")
@@ -328,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "_dedup/removed-*.jsonl (default: off)")
     add_image_arguments(parser)
     parser.add_argument("--output", required=True,
-                        help="(required) dataset directory to write (local or gs://); created if missing, "
+                        help="(required) dataset directory to write (local, gs:// or s3://); created if missing, "
                              "refused if it is a file")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing dataset at --output (manifest first, then lane files and "
@@ -537,12 +538,16 @@ def _job_error_message(exc: BaseException) -> Optional[str]:
 
 
 def _normalize_output(output: str) -> str:
-    return output if "://" in output else os.path.abspath(os.path.expanduser(output))
+    return output if is_remote(output) else os.path.abspath(os.path.expanduser(output))
 
 
 def check_output_location(output: str) -> None:
-    """Refuse a local ``--output`` that can never become a dataset folder (remote paths: nothing to check)."""
+    """Refuse a local ``--output`` that can never become a dataset folder, or a remote one no backend serves."""
     if is_remote(output):
+        try:
+            backend_for(output)
+        except UnsupportedSchemeError as exc:
+            raise ShardConfigError(f"--output {exc}") from exc
         return
     if os.path.exists(output) and not os.path.isdir(output):
         raise ShardConfigError(f"--output {output} is an existing file, not a folder; pass the path of a "

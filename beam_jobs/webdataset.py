@@ -1,6 +1,6 @@
 """WebDataset tar shards as input of the sharding job (``--format webdataset``, or a ``.tar`` name).
 
-A shard is a tar file read as a stream (local or ``gs://``, through Beam's FileSystems);
+A shard is a tar file read as a stream (local or remote, through :mod:`beam_jobs.job_files`);
 consecutive members with the same *sample key* form one sample, as in WebDataset: a member
 ``dir/000123.0.jpg`` has key ``dir/000123`` and extension ``0.jpg`` (everything after the
 first dot of the file name, lower-cased). Directories and other non-file members are
@@ -30,6 +30,7 @@ import json
 import tarfile
 from typing import Iterator, Union
 
+from beam_jobs import job_files
 from beam_jobs.image_records import ImageRecordConverter, _MISSING, _Reject
 from beam_jobs.inputs import InputFile
 from beam_jobs.readers import _guarded, _ReadFailure, _unreadable
@@ -133,11 +134,8 @@ def sample_record(key: str, members: dict[str, bytes], converter: ImageRecordCon
 
 def read_webdataset(input_file: InputFile, converter: ImageRecordConverter) -> Iterator[tuple[bool, tuple]]:
     """Every sample of one shard as ``(True, document)`` or ``(False, rejection)``."""
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
     def samples() -> Iterator[Sample]:
-        with FileSystems.open(input_file.path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
+        with job_files.open_read(input_file.path) as handle:
             yield from iter_samples(handle)
 
     record_index = -1

@@ -236,13 +236,8 @@ def run_loader_bench(work: str, args) -> None:
             gcs.write_bytes(storage.join(remote_dir, entry.path), fh.read())
     with open(os.path.join(local_dir, "manifest.json"), "rb") as fh:  # last, as the Beam job does
         gcs.write_bytes(storage.join(remote_dir, "manifest.json"), fh.read())
-    per_lane_step = args.seq_len * args.global_batch // manifest.num_lanes
-    smallest_lane = min(sum(e.tokens for e in manifest.files if e.lane == lane) for lane in range(manifest.num_lanes))
-    steps = args.loader_steps or max(1, int(0.95 * smallest_lane / per_lane_step))
-    print(f"\nloader: pre-tokenized, {total:,} tokens in {len(manifest.files)} lane files of "
-          f"{min(e.bytes for e in manifest.files) / 1e6:.1f}-{max(e.bytes for e in manifest.files) / 1e6:.1f} MB "
-          f"({sum(e.bytes for e in manifest.files) / total:.2f} bytes/token); seq_len={args.seq_len}, "
-          f"global batch {args.global_batch}, {steps} steps, num_workers=0; median of {args.repeats}")
+    steps = loader_steps(manifest, args)
+    print("\n" + describe_loader_run(manifest, total, steps, args))
     cache_dir = os.path.join(work, "loader-cache")
     size = dict(seq_len=args.seq_len, global_batch=args.global_batch)
     local_cfg = loader_config(local_dir, **size)
@@ -256,14 +251,35 @@ def run_loader_bench(work: str, args) -> None:
     ]
     setups.insert(0, ("loader_local", local_cfg, lambda: None))
     loader_tokens(local_cfg, min(steps, 2))  # warm-up: imports, tokenizer, pyarrow pools, page cache
-    # Repeats round-robin over the setups (not setup after setup), so a burst of load from
-    # other work on a shared machine hits every setup alike instead of skewing one ratio.
-    rounds = [[time_callable(label, functools.partial(loader_tokens, config, steps), 1, setup=setup)
-               for label, config, setup in setups] for _ in range(args.repeats)]
+    print_round_robin([(label, functools.partial(loader_tokens, config, steps), setup)
+                       for label, config, setup in setups], args.repeats)
+
+
+def loader_steps(manifest, args) -> int:
+    """``--loader-steps``, or ~95% of the smallest lane: every file opened once, no epoch wrap."""
+    per_lane_step = args.seq_len * args.global_batch // manifest.num_lanes
+    smallest_lane = min(sum(e.tokens for e in manifest.files if e.lane == lane) for lane in range(manifest.num_lanes))
+    return args.loader_steps or max(1, int(0.95 * smallest_lane / per_lane_step))
+
+
+def describe_loader_run(manifest, total: int, steps: int, args) -> str:
+    return (f"loader: pre-tokenized, {total:,} tokens in {len(manifest.files)} lane files of "
+            f"{min(e.bytes for e in manifest.files) / 1e6:.1f}-{max(e.bytes for e in manifest.files) / 1e6:.1f} MB "
+            f"({sum(e.bytes for e in manifest.files) / total:.2f} bytes/token); seq_len={args.seq_len}, "
+            f"global batch {args.global_batch}, {steps} steps, num_workers=0; median of {args.repeats}")
+
+
+def print_round_robin(setups: list[tuple[str, Callable[[], dict[str, float]], Callable[[], None]]],
+                      repeats: int, seconds_format: str = ".2f") -> None:
+    """Time ``(label, fn, setup)`` setups ``repeats`` times each and print medians, spreads and
+    ratios to the first. Repeats go round-robin over the setups (not setup after setup), so a
+    burst of load from other work on a shared machine hits every setup alike instead of
+    skewing one ratio."""
+    rounds = [[time_callable(label, fn, 1, setup=setup) for label, fn, setup in setups] for _ in range(repeats)]
     timings = [Timing(runs[0].label, [t for run in runs for t in run.seconds], runs[0].counts)
                for runs in zip(*rounds)]
     for timing in timings:
-        spread = f"  (runs {min(timing.seconds):.2f}-{max(timing.seconds):.2f} s)"
+        spread = f"  (runs {min(timing.seconds):{seconds_format}}-{max(timing.seconds):{seconds_format}} s)"
         print((timing.line() if timing is timings[0] else timing.line(timings[0])) + spread)
 
 
@@ -277,24 +293,30 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_emulator() -> tuple[subprocess.Popen, str]:
+def start_local_server(command: Callable[[int], list[str]], probe_path: str, name: str) -> tuple[subprocess.Popen, str]:
+    """``command(port)`` started on a free port of 127.0.0.1, once ``probe_path`` answers."""
     import requests
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={port}", "--in-memory", "-q"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent)
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            if requests.get(endpoint + "/", timeout=1).ok:
+            if requests.get(endpoint + probe_path, timeout=1).ok:
                 return proc, endpoint
         except requests.RequestException:
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("gcp-storage-emulator did not start")
+    raise RuntimeError(f"{name} did not start")
+
+
+def start_emulator() -> tuple[subprocess.Popen, str]:
+    return start_local_server(lambda port: [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1",
+                                            f"--port={port}", "--in-memory", "-q"], "/", "gcp-storage-emulator")
 
 
 def run_file_bench(work: str, args) -> None:

@@ -19,6 +19,7 @@ from loader.validation import (
 )
 
 from loader.errors import ZephonError
+from loader.io.backends import is_remote
 from loader.stages.features import BATCH_FEATURE_FIELDS
 from loader.transforms.spec import TransformSpec
 from loader.vision.options import ImagesConfig, ImagesTable
@@ -296,7 +297,7 @@ class LoaderConfig:
 
 
 def _resolve(base: str, path: str) -> str:
-    if path.startswith("gs://") or os.path.isabs(path):
+    if is_remote(path) or os.path.isabs(path):
         return path
     return os.path.normpath(os.path.join(base, path))
 

@@ -20,7 +20,7 @@ wait_s                 seconds spent inside ``next(loader)`` (what the trainer w
 bytes_read             compressed bytes of the Parquet column chunks read (all lanes of the
                        process, worker processes included: they report with every message)
 row_groups_read        row groups read, likewise
-cache_hits/misses      lane-file cache (``cache_dir``, ``gs://``) opens served locally / fetched
+cache_hits/misses      lane-file cache (``cache_dir``, remote files) opens served locally / fetched
 =====================  ===================================================================
 
 plus ``restores``, ``restore_s`` (seconds of the last ``load_state_dict``),

@@ -153,9 +153,9 @@ class Text(Rule):
 
 @dataclass(frozen=True)
 class FilePath(Rule):
-    """A non-empty path string (local or ``gs://``); an ``os.PathLike`` is stored as its string."""
+    """A non-empty path string (local, ``gs://`` or ``s3://``); an ``os.PathLike`` is stored as its string."""
 
-    expected: str = "a non-empty path string (local or gs://)"
+    expected: str = "a non-empty path string (local, gs:// or s3://)"
 
     def check(self, value: Any, path: str, problems: Problems) -> Any:
         if isinstance(value, os.PathLike):

@@ -403,7 +403,7 @@ def load_chat_template(
     extra_variables: Optional[Mapping[str, Any]] = None,
     storage_options=None,
 ) -> ChatTemplate:
-    """Load a chat template from a ``.jinja`` file or a ``tokenizer_config.json`` (local or ``gs://``).
+    """Load a chat template from a ``.jinja`` file or a ``tokenizer_config.json`` (local, ``gs://`` or ``s3://``).
 
     A file whose text parses as a JSON object is a tokenizer config: its ``chat_template`` is
     used (or the ``chat_template.jinja`` beside it) and its special tokens become template

@@ -1,17 +1,13 @@
-"""``gs://`` access on google-cloud-storage: what the loader and the manifest reader need.
+"""``gs://`` access on google-cloud-storage: the ``gs`` storage backend (:mod:`loader.io.backends`).
 
 Guarantees:
 
 * :func:`open_lane_file` checks the object's size against the manifest before any data
-  moves. Objects up to ``whole_file_max_bytes`` are downloaded whole and their SHA-256 is
-  compared with the manifest; larger ones are served by :class:`RangedReader`, a seekable
-  file object issuing ranged GETs through a bounded read-ahead window, so pyarrow reading
-  one row group moves about that row group's bytes, never the whole object. Ranged bytes
-  are verified by the Parquet page checksums as pyarrow decodes them. With
-  ``cache_dir`` set, whole verified copies are served from :mod:`loader.io.cache` instead.
+  moves, then reads it whole (SHA-256-checked), ranged or through the cache, as every
+  remote backend does (:func:`loader.io.remote_files.open_remote_lane_file`).
 * Every request is retried on transient failures (HTTP 408/429/5xx, connection resets,
   timeouts, truncated bodies) with exponential backoff and full jitter, within the budget
-  of :class:`loader.io.storage.StorageOptions` (``retry_*``). Permanent failures raise
+  of :class:`loader.io.storage.StorageOptions` (``retry_*``, :mod:`loader.io.retries`). Permanent failures raise
   :class:`loader.io.storage.StorageError` naming ``gs://bucket/name`` and what to do.
 * Ranged reads pin the object generation seen at open: an object replaced mid-read fails
   (404 on GCS) instead of mixing bytes of two versions.
@@ -24,14 +20,8 @@ Credentials: Application Default Credentials. When ``STORAGE_EMULATOR_HOST`` is 
 
 from __future__ import annotations
 
-import hashlib
 import http.client
-import io
-import logging
 import os
-import random
-import threading
-import time
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, TypeVar
 
@@ -43,15 +33,16 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs_storage
 from google.cloud.storage import exceptions as gcs_exceptions
 
-from loader.io import cache
-from loader.io.storage_options import CHECKSUM_ATTEMPTS, StorageError, StorageNotFoundError, StorageOptions
+from loader.io import remote_files
+from loader.io.backends import ObjectInfo, StorageBackend, register_backend, split_bucket_path
+from loader.io.clients import PerProcessClients
+from loader.io.remote_files import RangedReader
+from loader.io.retries import TRANSIENT_STATUS, RetryPolicy, TruncatedRead, run_with_retries
+from loader.io.storage_options import StorageError, StorageNotFoundError, StorageOptions
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCHEME = "gs://"
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_MAX_REQUEST_BYTES = 64 * 1024**2  # a huge pyarrow read is split so one retry re-fetches <= this
 
 
 # -- paths ------------------------------------------------------------------------------
@@ -62,32 +53,13 @@ class GcsPath:
 
     @classmethod
     def parse(cls, path: str) -> "GcsPath":
-        if not path.startswith(SCHEME):
-            raise ValueError(f"not a gs:// path (got {path!r})")
-        bucket, _, name = path[len(SCHEME):].partition("/")
-        if not bucket:
-            raise ValueError(f"gs:// path without a bucket name (got {path!r})")
-        return cls(bucket, name)
+        return cls(*split_bucket_path(path, "gs"))
 
     def __str__(self) -> str:
         return f"{SCHEME}{self.bucket}/{self.name}"
 
 
 # -- one client per process -------------------------------------------------------------
-_clients: dict[Optional[str], gcs_storage.Client] = {}
-_clients_pid = os.getpid()
-_clients_lock = threading.Lock()
-
-
-def _forget_clients_in_child() -> None:
-    # The child must not reuse the parent's sockets, nor a lock another thread held at fork.
-    global _clients, _clients_pid, _clients_lock
-    _clients, _clients_pid, _clients_lock = {}, os.getpid(), threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_clients_in_child)
-
-
 def resolve_endpoint(endpoint: Optional[str] = None) -> Optional[str]:
     """The endpoint to use: ``endpoint``, else ``STORAGE_EMULATOR_HOST``, else None (Google)."""
     chosen = endpoint or os.environ.get("STORAGE_EMULATOR_HOST") or None
@@ -98,13 +70,7 @@ def resolve_endpoint(endpoint: Optional[str] = None) -> Optional[str]:
 
 def client(endpoint: Optional[str] = None) -> gcs_storage.Client:
     """The process's client for ``endpoint`` (see :func:`resolve_endpoint`)."""
-    key = resolve_endpoint(endpoint)
-    with _clients_lock:
-        if _clients_pid != os.getpid():  # forked without the at-fork hook (belt and braces)
-            _forget_clients_in_child()
-        if key not in _clients:
-            _clients[key] = _make_client(key)
-        return _clients[key]
+    return _clients.get(resolve_endpoint(endpoint))
 
 
 def _make_client(endpoint: Optional[str]) -> gcs_storage.Client:
@@ -126,48 +92,15 @@ def _make_client(endpoint: Optional[str]) -> gcs_storage.Client:
     return gcs_storage.Client(project=project, credentials=credentials)
 
 
+_clients: PerProcessClients[Optional[str], gcs_storage.Client] = PerProcessClients(_make_client)
+
+
 # -- retries ----------------------------------------------------------------------------
-class TruncatedRead(IOError):
-    """A response body shorter than the bytes asked for (transient: retried)."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff with full jitter: sleep ~ U(0, min(max, initial * 2**retry)).
-
-    Full jitter (rather than a fixed or +-x% delay) spreads the retries of many workers hit
-    by the same 429/503 over the whole interval, so they do not come back in lockstep.
-    """
-
-    max_attempts: int
-    initial_backoff_s: float
-    max_backoff_s: float
-    deadline_s: float
-    timeout_s: float
-
-    @classmethod
-    def from_options(cls, options: StorageOptions) -> "RetryPolicy":
-        return cls(
-            max_attempts=options.retry_max_attempts,
-            initial_backoff_s=options.retry_initial_backoff_s,
-            max_backoff_s=options.retry_max_backoff_s,
-            deadline_s=options.retry_deadline_s,
-            timeout_s=options.request_timeout_s,
-        )
-
-    @property
-    def timeout(self) -> tuple[float, float]:
-        return (min(10.0, self.timeout_s), self.timeout_s)  # (connect, read)
-
-    def backoff_s(self, retry_index: int) -> float:
-        return random.uniform(0.0, min(self.max_backoff_s, self.initial_backoff_s * 2**retry_index))
-
-
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, api_exceptions.GoogleAPICallError):
-        return exc.code in _TRANSIENT_STATUS
+        return exc.code in TRANSIENT_STATUS
     if isinstance(exc, gcs_exceptions.InvalidResponse):
-        return getattr(exc.response, "status_code", None) in _TRANSIENT_STATUS
+        return getattr(exc.response, "status_code", None) in TRANSIENT_STATUS
     return isinstance(
         exc,
         (
@@ -212,31 +145,7 @@ def _permanent_error(obj: str, action: str, exc: BaseException) -> StorageError:
 
 def with_retries(obj: str, action: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
     """``fn()``, retried on transient errors within ``policy``; StorageError otherwise."""
-    start = time.monotonic()
-    for attempt in range(1, policy.max_attempts + 1):
-        try:
-            return fn()
-        except StorageError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - classified right below
-            if not is_transient(exc):
-                raise _permanent_error(obj, action, exc) from exc
-            elapsed = time.monotonic() - start
-            delay = policy.backoff_s(attempt - 1)
-            if attempt == policy.max_attempts or elapsed + delay > policy.deadline_s:
-                raise StorageError(
-                    f"{obj}: cannot {action}: still failing after {attempt} attempts in "
-                    f"{elapsed:.1f}s (last error: {exc!r:.300}). The retry budget "
-                    f"(retry_max_attempts={policy.max_attempts}, retry_deadline_s="
-                    f"{policy.deadline_s}) is spent: check the network and the bucket's "
-                    "status, or raise the budget in StorageOptions."
-                ) from exc
-            log.warning(
-                "%s: %s failed (attempt %d/%d: %r); retrying in %.2fs",
-                obj, action, attempt, policy.max_attempts, exc, delay,
-            )
-            time.sleep(delay)
-    raise AssertionError("unreachable")  # the loop always returns or raises
+    return run_with_retries(obj, action, fn, policy, is_transient=is_transient, permanent_error=_permanent_error)
 
 
 # -- simple object access ---------------------------------------------------------------
@@ -320,8 +229,7 @@ class RemoteObject:
 
     def copy_to(self, out: BinaryIO, policy: RetryPolicy, chunk_bytes: int) -> None:
         """Stream the whole object into ``out`` in ranged chunks (memory: one chunk)."""
-        for start in range(0, self.size, chunk_bytes):
-            out.write(self.fetch(start, min(self.size, start + chunk_bytes), policy))
+        remote_files.copy_to(self, out, policy, chunk_bytes)
 
 
 def stat(path: str, options: Optional[StorageOptions] = None) -> RemoteObject:
@@ -335,93 +243,6 @@ def stat(path: str, options: Optional[StorageOptions] = None) -> RemoteObject:
     return RemoteObject(path, loc.bucket, loc.name, int(blob.size), blob.generation, endpoint)
 
 
-class RangedReader(io.RawIOBase):
-    """A read-only, seekable view of a remote object through a bounded read-ahead window.
-
-    A read inside the window is served from memory; otherwise one ranged GET fetches
-    ``max(n, readahead)`` bytes from the read position (reads larger than the window are
-    passed through, split into requests of at most 64 MiB). Memory: one window plus the
-    read being served. Thread-safe (pyarrow may read from its I/O threads).
-    """
-
-    def __init__(self, obj: RemoteObject, policy: RetryPolicy, readahead_bytes: int) -> None:
-        super().__init__()
-        self.obj, self._policy, self._readahead = obj, policy, readahead_bytes
-        self._pos, self._win_start, self._win = 0, 0, b""
-        self._lock = threading.Lock()
-        self.requests = 0  # ranged GETs issued (for tests and benchmarks)
-
-    @property
-    def name(self) -> str:
-        return self.obj.url
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise ValueError(f"I/O operation on closed file {self.obj.url}")
-
-    def tell(self) -> int:
-        self._check_open()
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._check_open()
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.obj.size}.get(whence)
-        if base is None:
-            raise ValueError(f"invalid whence {whence!r}")
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset} in {self.obj.url}")
-        self._pos = base + offset
-        return self._pos
-
-    def _get(self, start: int, end: int) -> bytes:
-        parts = []
-        for lo in range(start, end, _MAX_REQUEST_BYTES):
-            parts.append(self.obj.fetch(lo, min(end, lo + _MAX_REQUEST_BYTES), self._policy))
-            self.requests += 1
-        return b"".join(parts)
-
-    def read(self, size: Optional[int] = -1) -> bytes:
-        with self._lock:
-            self._check_open()
-            start = self._pos
-            end = self.obj.size if size is None or size < 0 else min(self.obj.size, start + size)
-            if end <= start:
-                return b""
-            win_end = self._win_start + len(self._win)
-            head = b""
-            if self._win_start <= start < win_end:  # serve what the window has
-                head = self._win[start - self._win_start:min(end, win_end) - self._win_start]
-            rest_start = start + len(head)
-            if rest_start < end:
-                if end - rest_start >= self._readahead:
-                    tail = self._get(rest_start, end)  # big read: pass through, keep the window
-                else:
-                    self._win_start = rest_start
-                    self._win = self._get(rest_start, min(self.obj.size, rest_start + self._readahead))
-                    tail = self._win[:end - rest_start]
-                head = head + tail if head else tail
-            self._pos = end
-            return head
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        memoryview(buffer).cast("B")[:len(data)] = data
-        return len(data)
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def close(self) -> None:
-        self._win = b""
-        super().close()
-
-
 def open_input(path: str, options: Optional[StorageOptions] = None) -> RangedReader:
     """A seekable binary file object over ``path`` doing ranged reads."""
     opts = options if options is not None else StorageOptions()
@@ -429,49 +250,66 @@ def open_input(path: str, options: Optional[StorageOptions] = None) -> RangedRea
 
 
 # -- lane files -------------------------------------------------------------------------
-def _size_mismatch(url: str, actual: int, entry) -> StorageError:
-    return StorageError(
-        f"{url} has {actual} bytes but the manifest says {entry.bytes}: the object was truncated "
-        "or replaced after the manifest was written; re-run the Beam job or restore the object"
-    )
-
-
-def _sha256_mismatch(url: str, actual: str, entry) -> StorageError:
-    return StorageError(
-        f"{url}: content does not match the manifest (sha256 {actual[:16]}..., manifest "
-        f"says {entry.sha256[:16]}...; size matches) after {CHECKSUM_ATTEMPTS} downloads: the "
-        "object was overwritten or is corrupt; re-run the Beam job or restore the object"
-    )
-
-
 def open_lane_file(path: str, entry, options: StorageOptions) -> BinaryIO:
-    """Open a lane file listed in a manifest (``entry``: :class:`loader.io.manifest.FileEntry`)."""
-    policy = RetryPolicy.from_options(options)
-    if options.cache_dir is not None:
-        lane_cache = cache.LaneFileCache(options.cache_dir, options.cache_max_bytes, options.verify_checksums)
-        if lane_cache.fits(entry):
-            def fetch(out: BinaryIO) -> None:
-                obj = stat(path, options)
-                if obj.size != entry.bytes:
-                    raise _size_mismatch(path, obj.size, entry)
-                obj.copy_to(out, policy, max(options.readahead_bytes, 16 * 1024**2))
+    """Open a lane file listed in a manifest (``entry``: :class:`loader.io.manifest.FileEntry`);
+    see :func:`loader.io.remote_files.open_remote_lane_file`."""
+    return remote_files.open_remote_lane_file(path, entry, options, lambda: stat(path, options))
 
-            return lane_cache.open(path, entry, fetch)
-        log.warning("%s (%d bytes) is larger than cache_max_bytes=%d: reading it uncached",
-                    path, entry.bytes, options.cache_max_bytes)
-    obj = stat(path, options)
-    if obj.size != entry.bytes:
-        raise _size_mismatch(path, obj.size, entry)
-    if obj.size > options.whole_file_max_bytes:
-        return RangedReader(obj, policy, options.readahead_bytes)
-    for attempt in range(1, CHECKSUM_ATTEMPTS + 1):
-        data = obj.fetch(0, obj.size, policy)
-        digest = hashlib.sha256(data).hexdigest()
-        if not options.verify_checksums or digest == entry.sha256:
-            return io.BytesIO(data)
-        log.warning("%s: sha256 %s differs from the manifest's %s (download %d/%d)",
-                    path, digest[:16], entry.sha256[:16], attempt, CHECKSUM_ATTEMPTS)
-    raise _sha256_mismatch(path, digest, entry)
+
+def delete(path: str, options: Optional[StorageOptions] = None) -> None:
+    """Remove the object (absent is fine)."""
+    loc, policy, c = _target(path, options)
+
+    def remove() -> None:
+        try:
+            c.bucket(loc.bucket).blob(loc.name).delete(retry=None, timeout=policy.timeout)
+        except api_exceptions.NotFound:
+            pass
+
+    with_retries(path, "delete", remove, policy)
+
+
+# -- the backend ------------------------------------------------------------------------
+class GcsBackend(StorageBackend):
+    """``gs://`` behind the backend protocol: the functions of this module."""
+
+    scheme = "gs"
+    beam_filesystem = True  # the job keeps Beam's gcsio (Dataflow's own, tested in tests/gcs)
+
+    def exists(self, path: str, options: StorageOptions) -> bool:
+        return exists(path, options)
+
+    def stat(self, path: str, options: StorageOptions) -> ObjectInfo:
+        obj = stat(path, options)
+        return ObjectInfo(path, obj.size, None if obj.generation is None else str(obj.generation), None)
+
+    def read_bytes(self, path: str, options: StorageOptions) -> bytes:
+        return read_bytes(path, options)
+
+    def open_input(self, path: str, options: StorageOptions) -> BinaryIO:
+        return open_input(path, options)
+
+    def open_lane_file(self, path: str, entry, options: StorageOptions) -> BinaryIO:
+        return open_lane_file(path, entry, options)
+
+    def list_objects(self, path: str, options: StorageOptions) -> list[ObjectInfo]:
+        loc, policy, c = _target(path, options)
+
+        def listing() -> list[ObjectInfo]:
+            blobs = c.list_blobs(loc.bucket, prefix=loc.name, retry=None, timeout=policy.timeout)
+            return sorted((ObjectInfo(f"{SCHEME}{loc.bucket}/{b.name}", int(b.size), str(b.generation), None)
+                           for b in blobs), key=lambda o: o.url)
+
+        return with_retries(path, "list objects", listing, policy)
+
+    def write_atomically(self, path: str, data: bytes, options: StorageOptions) -> None:
+        write_bytes(path, data, options)  # an upload is atomic: the object appears whole or not at all
+
+    def delete(self, path: str, options: StorageOptions) -> None:
+        delete(path, options)
+
+
+register_backend(GcsBackend())
 
 
 # -- Beam -------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def check_no_unlisted_files(dataset_path: str, lane_id: int, files: list[FileEnt
 
     The Beam job clears its output before writing, so a part file that the manifest does not
     list means an entry was removed from the manifest (its lane would silently lose those
-    documents). One directory listing per lane and process; not done on ``gs://``, where it
+    documents). One directory listing per lane and process; not done on ``gs://`` or ``s3://``, where it
     would cost a request per lane.
     """
     lane_dir = storage.join(dataset_path, os.path.dirname(lane_file_path(lane_id, 0)))

@@ -133,7 +133,7 @@ class LaneTokenStream:
         if not self.pretokenized and tokenizer is None:
             raise ValueError("a tokenizer is needed for text lanes")
         self.files: list[FileEntry] = manifest.lane_files(lane_id)  # rows >= 1 each (Manifest.from_dict)
-        if not storage.is_gcs(dataset_path):
+        if not storage.is_remote(dataset_path):
             check_no_unlisted_files(dataset_path, lane_id, self.files)
         if not self.files:
             raise LaneDataError(
@@ -407,14 +407,14 @@ class LaneTokenStream:
             path = storage.join(self.dataset_path, entry.path)
             handle = storage.open_lane_file(self.dataset_path, entry, self.storage_options)
             try:
-                if self.storage_options.verify_local_files and not storage.is_gcs(path):
+                if self.storage_options.verify_local_files and not storage.is_remote(path):
                     verify_local_file(path, handle, entry)
                 # pre_buffer (pyarrow's default) sends every local row-group read through
                 # Arrow's I/O thread pool with an fadvise first: 150-350 us per read for
                 # nothing when the file is in the page cache (bench/RESULTS.md, "Token column
                 # codec and lane file access"). Remote files keep it: it coalesces ranged reads.
                 parquet = pq.ParquetFile(handle, page_checksum_verification=True,
-                                         pre_buffer=storage.is_gcs(self.dataset_path))
+                                         pre_buffer=storage.is_remote(self.dataset_path))
                 check_footer(parquet.metadata, entry, path)
             except BaseException as exc:
                 handle.close()  # pyarrow closes only sources it opened itself

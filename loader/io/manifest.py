@@ -1,6 +1,6 @@
 """The dataset manifest: the contract between the Beam job and the loader.
 
-A lane-sharded dataset is a directory (local or ``gs://``)::
+A lane-sharded dataset is a directory (local, ``gs://`` or ``s3://``)::
 
     <dataset>/manifest.json                    written last and atomically: the commit marker
     <dataset>/lane=00017/part-00003.parquet    lane 17, order-key bucket 3

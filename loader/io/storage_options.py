@@ -1,9 +1,9 @@
 """What every storage backend shares: the read options, the error types and file hashing.
 
-Its own module so that the backends (:mod:`loader.io.storage` for local paths and the
-dispatch, :mod:`loader.io.gcs`, :mod:`loader.io.cache`) depend on it and not on each other:
-``storage`` imports ``gcs`` (lazily: google-cloud-storage is slow to import), ``gcs`` imports
-``cache``, and none imports back.
+Its own module so that the backends (:mod:`loader.io.backends` and its implementations
+:mod:`loader.io.local`, :mod:`loader.io.gcs`, :mod:`loader.io.s3`, and :mod:`loader.io.cache`)
+depend on it and not on each other: the registry imports a remote backend on first use
+(google-cloud-storage and boto3 are slow to import), and none imports back.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ CHECKSUM_ATTEMPTS = 2  # a whole download whose sha256 mismatches the manifest i
 class StorageOptions:
     """How the loader reads lane files. Documented in README ("Storage options").
 
-    The retry fields bound every remote request (``gs://``): a request that fails with a
+    The retry fields bound every remote request (``gs://``, ``s3://``): a request that fails with a
     transient error (HTTP 408/429/5xx, connection reset, timeout, truncated body) is retried
     with exponential backoff and full jitter, at most ``retry_max_attempts`` times and no
     longer than ``retry_deadline_s`` (plus the attempt in flight, itself bounded by
@@ -49,6 +49,11 @@ class StorageOptions:
     verify_checksums: bool = True  # compare with the manifest's sha256 where the file is read whole
     verify_local_files: bool = False  # sha256 of local lane files on first open (off: README "Data integrity")
     endpoint: Optional[str] = None  # explicit GCS endpoint (else STORAGE_EMULATOR_HOST / Google)
+    # s3:// (loader.io.s3); each None = boto3's own lookup: AWS_ENDPOINT_URL(_S3), AWS_DEFAULT_REGION
+    # or AWS_REGION, AWS_PROFILE, ~/.aws/config and credentials (docs/guides/s3.md)
+    s3_endpoint_url: Optional[str] = None  # an S3-compatible store (MinIO, R2, Ceph): http(s)://host:port
+    s3_region: Optional[str] = None
+    s3_profile: Optional[str] = None  # a profile of ~/.aws/config (credentials, region, endpoint_url)
     retry_max_attempts: int = 8  # attempts per request, the first one included
     retry_initial_backoff_s: float = 0.5  # backoff cap before the 1st retry; doubles each retry
     retry_max_backoff_s: float = 16.0  # ceiling of the backoff cap
@@ -64,6 +69,9 @@ class StorageOptions:
         "verify_checksums": rules.Boolean(),
         "verify_local_files": rules.Boolean(),
         "endpoint": rules.OrAbsent(rules.Text()),
+        "s3_endpoint_url": rules.OrAbsent(rules.Text()),
+        "s3_region": rules.OrAbsent(rules.Text()),
+        "s3_profile": rules.OrAbsent(rules.Text()),
         "retry_max_attempts": rules.Integer(minimum=1),
         "retry_initial_backoff_s": rules.Number(minimum=0),
         "retry_max_backoff_s": rules.Number(minimum=0),

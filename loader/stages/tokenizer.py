@@ -25,7 +25,7 @@ class TokenizerError(ZephonError, ValueError):
 
 
 def load_tokenizer(path: str, storage_options=None):
-    """Load ``tokenizer.json`` from a local path or ``gs://`` (read with ``storage_options``).
+    """Load ``tokenizer.json`` from a local path, ``gs://`` or ``s3://`` (read with ``storage_options``).
 
     A path that is missing, a directory or unreadable, and a file that is not a Hugging Face
     ``tokenizers`` JSON, are a :class:`TokenizerError` naming the path.

@@ -34,11 +34,17 @@ class Fault:
     status: int = 503
     stall_s: float = 3.0
 
+    MATCHES = ("media", "metadata", "any")
+
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"kind must be one of {FAULT_KINDS} (got {self.kind!r})")
-        if self.match not in ("media", "metadata", "any"):
-            raise ValueError(f"match must be media, metadata or any (got {self.match!r})")
+        if self.match not in self.MATCHES:
+            raise ValueError(f"match must be one of {', '.join(self.MATCHES)} (got {self.match!r})")
+
+    def error_body(self) -> tuple[bytes, str]:
+        """The body and content type of an injected ``status`` answer (the store's error format)."""
+        return b'{"error": {"code": %d, "message": "injected"}}' % self.status, "application/json"
 
     def matches(self, method: str, path: str) -> bool:
         media = method == "GET" and "alt=media" in path
@@ -131,9 +137,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         fault = self.owner.take(self.command, self.path, self.headers.get("Range"))
         kind = fault.kind if fault else None
         if kind == "status":
-            payload = b'{"error": {"code": %d, "message": "injected"}}' % fault.status
+            payload, content_type = fault.error_body()
             self.send_response(fault.status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -157,7 +163,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             for key, value in response.getheaders():
                 if key.lower() not in _HOP_BY_HOP:
                     self.send_header(key, value)
-            self.send_header("Content-Length", str(len(data)))
+            # A HEAD answer has no body but says how long the object is (S3 clients read it).
+            length = response.getheader("Content-Length") if self.command == "HEAD" else None
+            self.send_header("Content-Length", length if length is not None else str(len(data)))
             self.end_headers()
             if kind == "truncate":
                 self.wfile.write(data[: len(data) // 2])
@@ -167,4 +175,4 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         except OSError:
             pass  # the client gave up (stall): nothing to deliver
 
-    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
