@@ -58,7 +58,7 @@ import tokenizers
 from loader.checkpoint.state import dumps
 from loader.commands.fingerprints import collect_fingerprints
 from loader.config import LoaderConfig
-from loader.io.manifest import read_manifest
+from loader.io.manifest import MANIFEST_NAME, read_manifest
 from loader.pipeline import ZephonLoader
 from tests.golden.kinds_data import CONFIGS, IMAGE_CONFIGS, build_all, kinds_config
 from tests.golden.test_golden_pins import dataset_bytes, lane_epochs, masked_state_bytes
@@ -861,7 +861,7 @@ def test_beam_lane_files_hold_the_pinned_content(paths, name) -> None:
 PINNED_BYTES = {
     "chat_offline": {
         "dataset_fingerprint": "fd8afe3349f214430aab183c63b1f1b21a003e2e552d141d1add05b20ceacbda",
-        "manifest_sha256": "8352c162674687f67c906625b889d24031210b80be78b25d44402a5dd20bf5ea",
+        "manifest_sha256": "c4c2c171112800d56dd255fec924256e9796fbc4a769ae9525e7eff5198ca8c3",
         "file_sha256_16": {
             "lane=00000/part-00001.parquet": "799695d3c84cf274",
             "lane=00000/part-00003.parquet": "d7834eb49dbcae6c",
@@ -895,7 +895,7 @@ PINNED_BYTES = {
     },
     "chat_online": {
         "dataset_fingerprint": "e74664c90f395e3bad27f7c55cd763b86a807491a181a470968c37447d2f00ec",
-        "manifest_sha256": "6c8491f6c470e5673a289b76eaf6b34239c87fee48c18d06b5659c9cbb46d93a",
+        "manifest_sha256": "2efb317305e4fd189d8159cf8b30d9595df6429242a05103c3fdcf788e832f27",
         "file_sha256_16": {
             "lane=00000/part-00002.parquet": "feafa2e7d39057dc",
             "lane=00000/part-00004.parquet": "9e2f733bb39b47aa",
@@ -955,7 +955,7 @@ PINNED_BYTES = {
     },
     "image_chat": {
         "dataset_fingerprint": "671be3c39e200635de031bfbbcf6829ee7354cfb27af51d4922a5658e264f853",
-        "manifest_sha256": "9fd71fabe0577e833d00c1d9bf36be90a6f5b471b24f17efb53867acdf0b189e",
+        "manifest_sha256": "18b6dddf1a220e6c168045a74e3bca2fa7df7ba07e8e33e9613bb75c1e8e6f31",
         "file_sha256_16": {
             "lane=00000/part-00000.parquet": "1facfd5a885af336",
             "lane=00000/part-00001.parquet": "4d3eda5be8569c36",
@@ -990,7 +990,24 @@ PINNED_BYTES = {
 }
 
 
+REPOSITORY_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def portable_dataset_bytes(path: str) -> dict[str, Any]:
+    """:func:`dataset_bytes` with the manifest hashed as if the checkout were at ``<repo>``.
+
+    A chat manifest records where its template came from (``template_origin``, an absolute
+    path of the machine that sharded it; outside the dataset fingerprint), so its raw bytes
+    differ between two clones of the repository. Everything else is hashed as written.
+    """
+    values = dataset_bytes(path)
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as fh:
+        raw = fh.read()
+    values["manifest_sha256"] = hashlib.sha256(raw.replace(REPOSITORY_ROOT.encode(), b"<repo>")).hexdigest()
+    return values
+
+
 @pytest.mark.parametrize("name", BEAM_DATASETS)
 def test_beam_lane_file_bytes_and_dataset_fingerprints_keep_their_values(paths, name) -> None:
     require_pinned_libraries(*libraries_of(name))
-    assert dataset_bytes(paths[name]) == PINNED_BYTES[name]
+    assert portable_dataset_bytes(paths[name]) == PINNED_BYTES[name]
