@@ -187,6 +187,7 @@ class ZephonLoader:
             read_ahead_threads=config.read_ahead_threads,
             features=self.features,
             images=image_options,
+            packing_window=config.packing_window,
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far
