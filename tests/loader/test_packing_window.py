@@ -105,15 +105,28 @@ def test_stream_is_the_same_on_every_topology(windowed, make_config, pretokenize
     assert _lines(config.replace(num_workers=2), 2) == reference, "2 workers"
 
 
-def test_windowed_rows_keep_documents_whole_and_pad_only_window_ends(windowed):
-    """Every row of a window but its last few is full or cannot take any later piece."""
-    loader = ZephonLoader(windowed(), rank=0, world_size=1)
-    try:
-        batch = next(loader)
-        ids = batch["input_ids"].numpy()
-        assert ids.shape == (2, SEQ_LEN)
-    finally:
-        loader.close()
+def test_packer_emits_each_windows_best_fit_decreasing_bins(corpus, tokenizer):
+    """Lane 0's documents (computed from the hashes and the tokenizer, not by the loader) cut into
+    windows of WINDOW, each packed by the pure function: the packer's rows, in order, to the end."""
+    from loader.stages.window_packing import WindowedBestFitPacker
+    from tests.loader.settings import eos_id_of, expected_lane_documents, make_stream
+
+    documents = expected_lane_documents(corpus.texts, corpus.keys, tokenizer, num_lanes=corpus.num_lanes,
+                                        seed=corpus.seed)[0]
+    pad = eos_id_of(tokenizer)
+    packer = WindowedBestFitPacker(make_stream(corpus.pretokenized_path, tokenizer, 0, max_epochs=1), SEQ_LEN, pad,
+                                   WINDOW)
+    expected = []
+    for first in range(0, len(documents), WINDOW):
+        pieces = [doc[k:k + SEQ_LEN] for doc in documents[first:first + WINDOW] for k in range(0, len(doc), SEQ_LEN)]
+        for members in best_fit_decreasing([len(p) for p in pieces], SEQ_LEN):
+            row = [t for k in members for t in pieces[k]]
+            expected.append(row + [pad] * (SEQ_LEN - len(row)))
+    rows = []
+    while (sequence := packer.next_sequence()) is not None:
+        rows.append(sequence.input_ids.tolist())
+    assert len(expected) > 2 * len(documents) // WINDOW  # several bins per window: a real test
+    assert rows == expected
 
 
 @pytest.mark.slow
