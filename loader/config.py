@@ -153,7 +153,7 @@ class LoaderConfig:
         "tokenizer": FilePath(),
         "packing": Text(choices=PACKING_MODES),
         "best_fit_open_bins": Integer(minimum=1),
-        "packing_window": OrAbsent(Integer(minimum=1, hint="docs/guides/packing-window-and-balance.md suggests 1024")),
+        "packing_window": OrAbsent(Integer(minimum=1, hint="docs/guides/packing-window-and-balance.md recommends 256")),
         "balance": OrAbsent(Text(choices=BALANCE_MODES)),
         "add_bos": Boolean(),
         "add_eos": Boolean(),

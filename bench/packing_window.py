@@ -1,0 +1,246 @@
+"""Packing window and balance (issue 32): packing efficiency, audit seek time, balance, exchange.
+
+    python bench/packing_window.py [--only CASE ...] [--repeats 3] [--steps 20000]
+
+Cases (the harness of ``bench/loader_throughput.py``: each timed measurement in a fresh
+process, rounds interleaved, medians; the machine is shared, so wall times are noisy):
+
+* ``efficiency``  non-padding tokens / all tokens of ``packing_window = K`` (K 64 .. 4096)
+                  against best fit without windows (``best_fit_open_bins`` 8, the default, and
+                  64), seq_len 2048, on three length distributions (generated, see
+                  :func:`lengths`): ``text`` (lognormal web documents), ``chat`` (multi-turn
+                  conversations, template tokens per turn) and ``image`` (1-3 images of the
+                  dynamic Qwen2-VL policy's visual tokens plus a caption). Best fit runs the
+                  loader's own :class:`~loader.stages.packing.BestFitPacker` over an in-memory
+                  stream; windows use :func:`~loader.order.packing_windows.window_outputs`,
+                  which the loader's windowed packer matches (checked here on one K).
+* ``audit_*``     wall seconds of ``zephon audit``'s ``audit_step`` (the whole step, every lane)
+                  in a fresh process, at step 20 and at ``--steps``: ``_cold`` with an empty
+                  window-count cache, ``_warm`` with the cache the cold run left, ``_state``
+                  from a checkpoint saved at that step (the result is checked equal).
+* ``balance``     max/mean rank cost (loader.order.balance's cost model) over 100 steps of a
+                  long-tailed corpus at W = 4, with and without ``balance = "attention"``, and
+                  the simulated step time (slowest rank's cost) it saves.
+* ``exchange``    a real gloo run (W = 2 and 4 processes on this machine): tokens/s and the
+                  per-step latency of the balance exchange.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORK_DIR = REPO_ROOT / "bench" / "_work" / "packing_window"
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench.loader_throughput import add_run_options, child_main, run_and_report  # noqa: E402
+
+SEQ_LEN = 2048
+WINDOWS = (64, 128, 256, 512, 1024, 2048, 4096)
+AUDIT = dict(lanes=8, docs=24000, seq_len=512, batch=16, window=1024)
+
+
+# -- efficiency --------------------------------------------------------------------------------
+def lengths(kind: str, count: int, seed: int = 0) -> list[int]:
+    """Wrapped document lengths (EOS included) of a generated corpus of ``kind``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    if kind == "text":  # web text: median ~250 tokens, a long tail past seq_len
+        values = rng.lognormal(5.5, 1.2, count)
+    elif kind == "chat":  # 1 + geometric turns, user + assistant + 10 template tokens each
+        turns = rng.geometric(0.35, count)
+        values = np.array([sum(rng.lognormal(4.0, 0.8) + rng.lognormal(5.3, 0.9) + 10 for _ in range(t))
+                           for t in turns])
+    elif kind == "image":  # 1-3 images of (h/28) x (w/28) visual tokens (+2 markers), a caption
+        images = rng.integers(1, 4, count)
+        values = np.array([sum((rng.integers(8, 41) * rng.integers(8, 41)) + 2 for _ in range(n))
+                           for n in images]) + rng.lognormal(4.5, 0.8, count)
+    else:
+        raise ValueError(f"kind must be text, chat or image (got {kind!r})")
+    return [int(v) + 1 for v in np.minimum(values, 4 * SEQ_LEN)]
+
+
+class _LengthStream:
+    """A stream of zero tokens in documents of given lengths, read as the packers read a lane."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        import numpy as np
+
+        self._np = np
+        self.sizes, self.doc, self.offset = sizes, 0, 0
+        self.last_origin = (0, 0, 0)
+
+    def take(self, n: int, *, within_document: bool = False):
+        from loader.io.blocks import Chunk
+
+        np = self._np
+        if self.doc >= len(self.sizes):
+            return None
+        count = min(n, self.sizes[self.doc] - self.offset)
+        starts = np.zeros(1 if self.offset == 0 else 0, dtype=np.int64)
+        self.offset += count
+        if self.offset == self.sizes[self.doc]:
+            self.doc, self.offset = self.doc + 1, 0
+        return Chunk(tokens=np.zeros(count, dtype=np.int32), doc_starts=starts, features={})
+
+    def at_document_start(self) -> bool:
+        return self.offset == 0
+
+    def get_state(self) -> dict:
+        return {"doc": self.doc, "offset": self.offset}
+
+
+def _efficiency_of(packer) -> tuple[float, int]:
+    used = total = 0
+    while (sequence := packer.next_sequence()) is not None:
+        total += len(sequence.input_ids)
+        used += len(sequence.input_ids) - sequence.padding
+    return used / total, total // SEQ_LEN
+
+
+def efficiency(docs: int = 40000) -> dict:
+    from loader.order.packing_windows import window_outputs
+    from loader.stages.packing import BestFitPacker
+    from loader.stages.window_packing import WindowedBestFitPacker
+
+    out = {}
+    for kind in ("text", "chat", "image"):
+        sizes = lengths(kind, docs)
+        row = {"documents": docs, "mean_length": sum(sizes) / len(sizes)}
+        for bins in (8, 64):
+            row[f"best_fit_{bins}"] = _efficiency_of(BestFitPacker(_LengthStream(sizes), SEQ_LEN, 0, bins))[0]
+        for window in WINDOWS:
+            outputs = sum(window_outputs(sizes[k:k + window], SEQ_LEN) for k in range(0, len(sizes), window))
+            row[f"window_{window}"] = sum(sizes) / (outputs * SEQ_LEN)
+        check, rows = _efficiency_of(WindowedBestFitPacker(_LengthStream(sizes), SEQ_LEN, 0, 256))
+        assert abs(check - row["window_256"]) < 1e-12, (kind, check, row["window_256"])  # the packer's own count
+        out[kind] = row
+    return out
+
+
+# -- audit seek time ---------------------------------------------------------------------------
+def _audit_dataset() -> str:
+    path = WORK_DIR / f"data_{AUDIT['docs']}"
+    if not (path / "manifest.json").exists():
+        from beam_jobs.sample_data import default_tokenizer_path
+        from loader.stages.tokenizer import load_tokenizer
+        from tests.dataset_factory import synthetic_texts, write_dataset
+
+        write_dataset(str(path), synthetic_texts(AUDIT["docs"], seed=5, max_words=300), num_lanes=AUDIT["lanes"],
+                      seed=2, tokenizer=load_tokenizer(default_tokenizer_path()), row_group_rows=256)
+    return str(path)
+
+
+def _audit_config(**overrides):
+    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.config import LoaderConfig
+
+    fields = dict(datasets=[{"path": _audit_dataset()}], seq_len=AUDIT["seq_len"], global_batch_size=AUDIT["batch"],
+                  micro_batch_size=AUDIT["batch"], seed=7, tokenizer=default_tokenizer_path(), packing="best_fit",
+                  packing_window=AUDIT["window"])
+    fields.update(overrides)
+    return LoaderConfig(**fields)
+
+
+def _state_file(step: int) -> Path:
+    return WORK_DIR / f"state_{AUDIT['docs']}_{step}.json"
+
+
+def child_make_state(step: int) -> dict:
+    from loader.commands.fingerprints import collect_fingerprints
+
+    start = time.perf_counter()
+    _, state = collect_fingerprints(_audit_config(batch_fields=("input_ids",)), end_step=step, save_state_step=step)
+    _state_file(step).write_text(json.dumps(state))
+    return {"seconds": time.perf_counter() - start}
+
+
+def child_audit(step: int, cache: str, use_state: bool) -> dict:
+    """One audit of ``step`` in this fresh process: wall seconds from before the import of the
+    loader (what a user's ``zephon audit`` waits for, minus the interpreter start)."""
+    os.environ["ZEPHON_WINDOW_CACHE"] = cache
+    start = time.perf_counter()
+    from loader.commands.audit import audit_step
+
+    state = json.loads(_state_file(step).read_text()) if use_state else None
+    report = audit_step(_audit_config(), step, load_state=state)
+    seconds = time.perf_counter() - start
+    pieces = [[(p.key, p.position, p.length, p.start) for p in s.pieces] for s in report.sequences]
+    return {"seconds": seconds, "method": report.method, "notes": report.notes,
+            "digest": __import__("hashlib").sha256(json.dumps(pieces).encode()).hexdigest()}
+
+
+CHILDREN = {"audit": child_audit, "make_state": child_make_state}
+
+
+def audit_cases(steps: int) -> dict[str, dict]:
+    cases = {}
+    for step in (20, steps):
+        cold = str(WORK_DIR / f"cache_cold_{step}")
+        cases[f"audit_{step}_cold"] = {"kind": "audit", "step": step, "cache": cold, "use_state": False,
+                                       "fresh_cache": True}
+        cases[f"audit_{step}_warm"] = {"kind": "audit", "step": step, "cache": str(WORK_DIR / "cache_warm"),
+                                       "use_state": False}
+        cases[f"audit_{step}_state"] = {"kind": "audit", "step": step, "cache": str(WORK_DIR / "cache_warm"),
+                                        "use_state": True}
+    return cases
+
+
+def audit_report(results: dict) -> list[str]:
+    lines = ["case                      wall s (median)  runs   method      same pieces as _state"]
+    for name, runs in results.items():
+        step = name.split("_")[1]
+        reference = results.get(f"audit_{step}_state", [{}])[0].get("digest")
+        same = all(r["digest"] == reference for r in runs)
+        lines.append(f"{name:<25} {statistics.median(r['seconds'] for r in runs):>10.2f}  "
+                     f"{', '.join(format(r['seconds'], '.2f') for r in runs):<18} {runs[0]['method']:<11} {same}")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20000, help="the far audit step (default 20,000)")
+    add_run_options(parser)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        spec = json.loads(args.child)
+        if spec.pop("fresh_cache", False):
+            shutil.rmtree(spec["cache"], ignore_errors=True)
+        return child_main(CHILDREN, json.dumps(spec))
+    only = args.only or ["efficiency", "audit", "balance", "exchange"]
+    WORK_DIR.mkdir(parents=True, exist_ok=True)
+    if "efficiency" in only:
+        print(f"efficiency (non-padding / all tokens), seq_len {SEQ_LEN}:")
+        for kind, row in efficiency().items():
+            base = row["best_fit_8"]
+            print(f"  {kind:<6} mean length {row['mean_length']:.0f}: best fit 8 bins {base:.4f}, 64 bins "
+                  f"{row['best_fit_64']:.4f}; windows " + ", ".join(
+                      f"K={w} {row[f'window_{w}']:.4f} ({row[f'window_{w}'] / base:.3f}x)" for w in WINDOWS))
+    if "audit" in only:
+        from bench.loader_throughput import run_child
+
+        script = str(Path(__file__).resolve())
+        for step in (20, args.steps):
+            if not _state_file(step).exists():
+                made = run_child("make_state", script=script, step=step)
+                print(f"state at step {step} saved ({made['seconds']:.1f} s)")
+        cases = audit_cases(args.steps)
+        warm = run_child("audit", script=script, step=args.steps, cache=str(WORK_DIR / "cache_warm"), use_state=False)
+        print(f"warm-up audit of step {args.steps} (fills cache_warm): {warm['seconds']:.2f} s; {warm['notes'][-1]}")
+        run_and_report(cases, args.repeats or 3, audit_report, argv,
+                       data=f"{AUDIT['docs']:,} synthetic documents pre-tokenized in {AUDIT['lanes']} lanes, "
+                            f"seq_len {AUDIT['seq_len']}, B {AUDIT['batch']}, packing_window {AUDIT['window']}",
+                       script=str(Path(__file__).resolve()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
