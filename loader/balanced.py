@@ -92,7 +92,7 @@ class Balancer:
             self._produce_step()
         items = self._pending.popleft()
         self._position += len(items)
-        batch = loader._collate(items)  # micro_step from the position: the default layout's
+        batch = loader._collate(items, self._position)  # its micro_step from the position handed out
         loader._metrics.count(items, batch, time.perf_counter() - started, self._position)
         return batch
 

@@ -669,10 +669,10 @@ class ZephonLoader:
             self._finalizer.detach()
             self._finalizer = None
 
-    def _collate(self, items: list[Item]) -> dict[str, Any]:
+    def _collate(self, items: list[Item], rank_position: Optional[int] = None) -> dict[str, Any]:
         """The micro-batch of ``items``: NumPy arrays (loader.stages.collate), as torch tensors unless
-        ``output="numpy"``."""
-        batch = self._collator.collate(items, self.rank_position)
+        ``output="numpy"``; ``rank_position``: sequences handed out with these (default: the rank's)."""
+        batch = self._collator.collate(items, self.rank_position if rank_position is None else rank_position)
         if self._pinned is not None:
             return self._pinned.to_torch(batch)
         return batch if self.output == "numpy" else to_torch(batch)
