@@ -178,7 +178,134 @@ def child_audit(step: int, cache: str, use_state: bool) -> dict:
             "digest": __import__("hashlib").sha256(json.dumps(pieces).encode()).hexdigest()}
 
 
-CHILDREN = {"audit": child_audit, "make_state": child_make_state}
+# -- balance -----------------------------------------------------------------------------------
+BALANCE = dict(seq_len=2048, batch=64, micro=4, steps=100, docs=4000)
+
+
+def _balance_dataset() -> str:
+    """Lognormal document lengths (median ~400 tokens) up to seq_len, pre-tokenized, 8 lanes."""
+    path = WORK_DIR / f"long_tailed_{BALANCE['docs']}"
+    if not (path / "manifest.json").exists():
+        import numpy as np
+
+        from beam_jobs.sample_data import default_tokenizer_path
+        from loader.stages.tokenizer import load_tokenizer
+        from tests.dataset_factory import write_dataset
+
+        rng = np.random.default_rng(11)
+        words = ["alpha", "beta", "gamma", "delta", "data", "model", "token", "lane", "zephon", "batch"]
+        counts = np.minimum(rng.lognormal(6.0, 1.0, BALANCE["docs"]).astype(int) + 1, BALANCE["seq_len"] - 2)
+        texts = [" ".join(words[k] for k in rng.integers(0, len(words), n)) for n in counts]
+        write_dataset(str(path), texts, num_lanes=8, seed=1, tokenizer=load_tokenizer(default_tokenizer_path()),
+                      row_group_rows=128)
+    return str(path)
+
+
+def _balance_config(**overrides):
+    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.config import LoaderConfig
+
+    fields = dict(datasets=[{"path": _balance_dataset()}], seq_len=BALANCE["seq_len"],
+                  global_batch_size=BALANCE["batch"], micro_batch_size=BALANCE["micro"], seed=3,
+                  tokenizer=default_tokenizer_path(), packing="best_fit",
+                  batch_fields=("input_ids", "labels", "position_ids"))
+    fields.update(overrides)
+    return LoaderConfig(**fields)
+
+
+def balance_figures() -> dict:
+    """Per cost model and world size: mean over the steps of max/mean rank cost, balanced and not,
+    and the simulated step time (the slowest rank's cost, summed over steps) balancing saves."""
+    from loader.order.balance import CostModel, balanced_assignment, default_assignment, rank_costs
+    from loader.pipeline import ZephonLoader
+
+    config = _balance_config()
+    loader = ZephonLoader(config, rank=0, world_size=1)  # every sequence of every step
+    rows = []
+    try:
+        for _ in range(BALANCE["steps"]):
+            items = [item for _ in range(loader.topology.micro_steps_per_step) for item in loader._next_items()]
+            rows.append([(item.sequence.segment_starts, item.sequence.padding) for item in items])
+    finally:
+        loader.close()
+    out = {}
+    for name, model in (("linear=seq_len (default)", CostModel.for_seq_len(config.seq_len)),
+                        ("attention only (linear=0)", CostModel(linear=0))):
+        for world_size in (4, 8):
+            ratios = {"balanced": [], "unbalanced": []}
+            slowest = {"balanced": 0, "unbalanced": 0}
+            for step_rows in rows:
+                costs = [model.row_cost(starts, config.seq_len, padding) for starts, padding in step_rows]
+                for kind, assignment in (("balanced", balanced_assignment(costs, world_size, BALANCE["micro"])),
+                                         ("unbalanced", default_assignment(len(costs), world_size, BALANCE["micro"]))):
+                    per_rank = rank_costs(costs, assignment)
+                    ratios[kind].append(max(per_rank) / (sum(per_rank) / world_size))
+                    slowest[kind] += max(per_rank)
+            out[f"{name}, W={world_size}"] = {
+                "balanced": statistics.mean(ratios["balanced"]), "unbalanced": statistics.mean(ratios["unbalanced"]),
+                "step_time_saved": 1 - slowest["balanced"] / slowest["unbalanced"]}
+    return out
+
+
+# -- the exchange on real ranks ------------------------------------------------------------------
+def rank_run(argv: list[str]) -> int:
+    """One gloo rank (``tests.rank_launcher.launch_ranks``): steps of the loader, with or without
+    balance; rank 0 writes wall time, tokens and the per-step exchange latencies."""
+    import torch.distributed as dist
+
+    from loader.pipeline import ZephonLoader
+
+    spec = json.loads(argv[0])
+    dist.init_process_group("gloo")
+    loader = ZephonLoader(_balance_config(**spec["overrides"]))
+    for _ in range(loader.topology.micro_steps_per_step):  # first step: start-up, not timed
+        next(loader)
+    dist.barrier()
+    started, tokens, latencies = time.perf_counter(), 0, []
+    for _ in range(spec["steps"]):
+        for _ in range(loader.topology.micro_steps_per_step):
+            batch = next(loader)
+            tokens += int((batch["labels"] != -100).sum())
+        if "exchange_s" in loader.metrics().balance:
+            latencies.append(loader.metrics().balance["exchange_s"])
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    totals = [None] * dist.get_world_size()
+    dist.all_gather_object(totals, tokens)
+    if dist.get_rank() == 0:
+        Path(spec["out"]).write_text(json.dumps({"seconds": seconds, "tokens": sum(totals), "latencies": latencies}))
+    loader.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def child_exchange(world_size: int, balance: bool, steps: int) -> dict:
+    from tests.rank_launcher import launch_ranks
+
+    out = WORK_DIR / f"exchange_{world_size}_{balance}.json"
+    spec = {"overrides": {"balance": "attention"} if balance else {}, "steps": steps, "out": str(out)}
+    launch_ranks(world_size, "bench.packing_window", ["--rank-run", json.dumps(spec)], timeout_s=600,
+                 preload=("torch.distributed", "loader.pipeline"))
+    result = json.loads(out.read_text())
+    latencies = result.pop("latencies")
+    if latencies:
+        result["exchange_ms_median"] = 1e3 * statistics.median(latencies)
+        result["exchange_ms_p90"] = 1e3 * sorted(latencies)[int(0.9 * (len(latencies) - 1))]
+    return result
+
+
+def exchange_report(results: dict) -> list[str]:
+    lines = ["case                 tokens/s (median)   per-step exchange ms (median, p90 of the median run)"]
+    for name, runs in results.items():
+        runs = sorted(runs, key=lambda r: r["tokens"] / r["seconds"])
+        middle = runs[len(runs) // 2]
+        exchange = (f"{middle['exchange_ms_median']:.1f}, {middle['exchange_ms_p90']:.1f}"
+                    if "exchange_ms_median" in middle else "-")
+        lines.append(f"{name:<20} {middle['tokens'] / middle['seconds']:>12,.0f}        {exchange}")
+    return lines
+
+
+CHILDREN = {"audit": child_audit, "make_state": child_make_state, "exchange": child_exchange}
 
 
 def audit_cases(steps: int) -> dict[str, dict]:
@@ -208,8 +335,12 @@ def audit_report(results: dict) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20000, help="the far audit step (default 20,000)")
+    parser.add_argument("--exchange-steps", type=int, default=30, help="timed steps of each gloo run (default 30)")
+    parser.add_argument("--rank-run", default=None, help=argparse.SUPPRESS)
     add_run_options(parser)
     args = parser.parse_args(argv)
+    if args.rank_run is not None:
+        return rank_run([args.rank_run])
     if args.child is not None:
         spec = json.loads(args.child)
         if spec.pop("fresh_cache", False):
@@ -238,6 +369,21 @@ def main(argv=None) -> int:
         run_and_report(cases, args.repeats or 3, audit_report, argv,
                        data=f"{AUDIT['docs']:,} synthetic documents pre-tokenized in {AUDIT['lanes']} lanes, "
                             f"seq_len {AUDIT['seq_len']}, B {AUDIT['batch']}, packing_window {AUDIT['window']}",
+                       script=str(Path(__file__).resolve()))
+    if "balance" in only:
+        print(f"balance: {BALANCE['steps']} steps of B={BALANCE['batch']}, micro-batch {BALANCE['micro']}, seq_len "
+              f"{BALANCE['seq_len']}, best fit, lognormal(6.0, 1.0) words up to seq_len ({BALANCE['docs']} documents)")
+        for name, row in balance_figures().items():
+            print(f"  {name:<36} mean max/mean rank cost {row['balanced']:.4f} balanced, {row['unbalanced']:.4f} "
+                  f"unbalanced; simulated step time saved {row['step_time_saved']:.1%}")
+    if "exchange" in only:
+        _balance_dataset()
+        cases = {f"gloo_W{w}_{'balance' if b else 'plain'}": {"kind": "exchange", "world_size": w, "balance": b,
+                                                              "steps": args.exchange_steps}
+                 for w in (2, 4) for b in (False, True)}
+        run_and_report(cases, args.repeats or 3, exchange_report, argv,
+                       data=f"the balance corpus, B={BALANCE['batch']}, seq_len {BALANCE['seq_len']}, "
+                            f"{args.exchange_steps} timed steps per run, W processes on this machine's cores",
                        script=str(Path(__file__).resolve()))
     return 0
 

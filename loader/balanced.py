@@ -187,6 +187,12 @@ class DistributedExchange:
                              f"serves world_size={loader.topology.world_size}; build the loader with the "
                              "data-parallel group's rank and size (dp_rank/dp_world_size or device_mesh)")
         self.group = loader.dp_group
+        if dist.get_backend(self.group) != "gloo":  # NCCL: the rows are CPU tensors, as the end-of-data flag is
+            if self.group is not None:
+                raise ValueError("balance = \"attention\" with a non-gloo data-parallel group from a DeviceMesh: "
+                                 "its rows travel as CPU tensors; give the loader a gloo DP group (a mesh built "
+                                 "with backend \"cpu:gloo,cuda:nccl\")")
+            self.group = dist.new_group(backend="gloo")  # every rank builds the loader: a collective call
         self.features = loader.features
 
     def _global_rank(self, rank: int) -> int:

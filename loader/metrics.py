@@ -25,7 +25,9 @@ cache_hits/misses      lane-file cache (``cache_dir``, ``gs://``) opens served l
 
 plus ``restores``, ``restore_s`` (seconds of the last ``load_state_dict``),
 ``first_batch_after_restore_s`` (the wait for the first micro-batch after it) and
-``dataset_rejected`` (per source and reason, from the manifests). I/O counters are per
+``dataset_rejected`` (per source and reason, from the manifests), and with ``balance`` set
+``balance`` (:meth:`loader.balanced.Balancer.stats`: the last step's max/mean rank cost, balanced
+and as the default layout had it, their means, the exchange's seconds). I/O counters are per
 process: two loaders in one process (simulated ranks) see each other's reads.
 
 Cost: per micro-batch two clock reads and one pass over its sequences (source id and padding

@@ -174,3 +174,15 @@ def test_real_gloo_ranks_agree_with_simulated_ranks(long_tailed, tmp_path, world
     for rank in range(world_size):
         assert real[rank]["rows"] == simulated[rank], f"rank {rank}"
     assert any(int(i) % world_size != 0 for i in real[0]["rows"])  # the exchange moved sequences
+
+
+def test_zephon_fingerprints_notes_the_rank_costs(long_tailed, tmp_path, capsys):
+    from loader.commands.fingerprints import command
+
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(long_tailed(balance="attention").to_dict()))
+    assert command([str(config_path), "--steps", "0:3", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len([line for line in out if not line.startswith("#")]) == 3
+    note = [line for line in out if line.startswith("# balance attention W=2")]
+    assert note and "over 3 steps" in note[0] and "unbalanced" in note[0]
