@@ -18,6 +18,8 @@ process, rounds interleaved, medians; the machine is shared, so wall times are n
                   in a fresh process, at step 20 and at ``--steps``: ``_cold`` with an empty
                   window-count cache, ``_warm`` with the cache the cold run left, ``_state``
                   from a checkpoint saved at that step (the result is checked equal).
+* ``throughput``  tokens/s of one in-process rank (no workers) on the audit dataset: concat, best
+                  fit (8 open bins), ``packing_window`` 256 and 1024 (wall and CPU time).
 * ``balance``     max/mean rank cost (loader.order.balance's cost model) over 100 steps of a
                   long-tailed corpus at W = 4, with and without ``balance = "attention"``, and
                   the simulated step time (slowest rank's cost) it saves.
@@ -305,7 +307,38 @@ def exchange_report(results: dict) -> list[str]:
     return lines
 
 
-CHILDREN = {"audit": child_audit, "make_state": child_make_state, "exchange": child_exchange}
+# -- throughput of the windowed packer ----------------------------------------------------------------
+def child_throughput(packing: str, window, steps: int) -> dict:
+    """Tokens/s of an in-process loader (one rank, no workers) on the audit dataset: wall and CPU."""
+    from loader.pipeline import ZephonLoader
+
+    overrides = {"packing": packing, "packing_window": window, "micro_batch_size": 4,
+                 "batch_fields": ("input_ids", "labels", "position_ids")}
+    loader = ZephonLoader(_audit_config(**overrides), rank=0, world_size=1)
+    try:
+        for _ in range(4 * loader.topology.micro_steps_per_step):  # start-up: the first row groups
+            next(loader)
+        started, cpu, tokens = time.perf_counter(), time.process_time(), 0
+        for _ in range(steps * loader.topology.micro_steps_per_step):
+            tokens += int((next(loader)["labels"] != -100).sum())
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        padding = loader.metrics().total.padding_fraction
+    finally:
+        loader.close()
+    return {"tokens": tokens, "seconds": seconds, "cpu_s": cpu, "padding": padding}
+
+
+def throughput_report(results: dict) -> list[str]:
+    lines = ["case                 tokens/s (median)  tokens/CPU s (median)  padding"]
+    for name, runs in results.items():
+        rate = statistics.median(r["tokens"] / r["seconds"] for r in runs)
+        per_cpu = statistics.median(r["tokens"] / r["cpu_s"] for r in runs)
+        lines.append(f"{name:<20} {rate:>14,.0f}  {per_cpu:>18,.0f}      {runs[0]['padding']:.2%}")
+    return lines
+
+
+CHILDREN = {"audit": child_audit, "make_state": child_make_state, "exchange": child_exchange,
+            "throughput": child_throughput}
 
 
 def audit_cases(steps: int) -> dict[str, dict]:
@@ -346,7 +379,7 @@ def main(argv=None) -> int:
         if spec.pop("fresh_cache", False):
             shutil.rmtree(spec["cache"], ignore_errors=True)
         return child_main(CHILDREN, json.dumps(spec))
-    only = args.only or ["efficiency", "audit", "balance", "exchange"]
+    only = args.only or ["efficiency", "audit", "throughput", "balance", "exchange"]
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     if "efficiency" in only:
         print(f"efficiency (non-padding / all tokens), seq_len {SEQ_LEN}:")
@@ -369,6 +402,16 @@ def main(argv=None) -> int:
         run_and_report(cases, args.repeats or 3, audit_report, argv,
                        data=f"{AUDIT['docs']:,} synthetic documents pre-tokenized in {AUDIT['lanes']} lanes, "
                             f"seq_len {AUDIT['seq_len']}, B {AUDIT['batch']}, packing_window {AUDIT['window']}",
+                       script=str(Path(__file__).resolve()))
+    if "throughput" in only:
+        _audit_dataset()
+        cases = {"concat": {"kind": "throughput", "packing": "concat", "window": None, "steps": 400},
+                 "best_fit_8_bins": {"kind": "throughput", "packing": "best_fit", "window": None, "steps": 400},
+                 "best_fit_window_256": {"kind": "throughput", "packing": "best_fit", "window": 256, "steps": 400},
+                 "best_fit_window_1024": {"kind": "throughput", "packing": "best_fit", "window": 1024, "steps": 400}}
+        run_and_report(cases, args.repeats or 3, throughput_report, argv,
+                       data=f"the audit dataset ({AUDIT['docs']:,} documents, seq_len {AUDIT['seq_len']}), B "
+                            f"{AUDIT['batch']}, micro-batch 4, in-process, 400 timed steps",
                        script=str(Path(__file__).resolve()))
     if "balance" in only:
         print(f"balance: {BALANCE['steps']} steps of B={BALANCE['batch']}, micro-batch {BALANCE['micro']}, seq_len "

@@ -124,6 +124,7 @@ def test_fingerprints_equal_unbalanced_on_every_world_size(long_tailed):
     reference = _lines(long_tailed(), 1, 4)
     for world_size in (1, 2, 4):
         assert _lines(long_tailed(balance="attention"), world_size, 4) == reference, f"W={world_size}"
+    assert _lines(long_tailed(balance="attention", num_workers=2), 2, 4) == reference, "W=2, 2 workers"
 
 
 def test_ranks_get_other_ranks_sequences(long_tailed):
@@ -186,3 +187,12 @@ def test_zephon_fingerprints_notes_the_rank_costs(long_tailed, tmp_path, capsys)
     assert len([line for line in out if not line.startswith("#")]) == 3
     note = [line for line in out if line.startswith("# balance attention W=2")]
     assert note and "over 3 steps" in note[0] and "unbalanced" in note[0]
+
+
+def test_zephon_diff_counts_balance_as_runtime_and_a_window_as_stream(long_tailed):
+    from loader.commands.diff import config_differences
+
+    plain = long_tailed()
+    assert config_differences(plain, long_tailed(balance="attention")) == [
+        {"field": "balance", "kind": "runtime", "a": None, "b": "attention"}]
+    assert [d["kind"] for d in config_differences(plain, long_tailed(packing_window=64))] == ["stream"]

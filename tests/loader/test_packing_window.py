@@ -219,3 +219,21 @@ def test_window_seek_equals_the_audit_from_a_saved_state(windowed, tmp_path, mon
         assert len(rows) == len(used)
     finally:
         loader.close()
+
+
+def test_a_changed_cache_file_is_rebuilt_not_used(windowed, tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "windows"
+    monkeypatch.setenv("ZEPHON_WINDOW_CACHE", str(cache))
+    config = windowed()
+    first = audit_step(config, 11)
+    files = sorted(cache.glob("*.json"))
+    assert files
+    for path in files:  # one more output in every window: a seek from these counts would be wrong
+        data = json.loads(path.read_text())
+        data["windows"] = [entry[:3] + [entry[3] + 1] for entry in data["windows"]]
+        path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING"):
+        again = audit_step(config, 11)
+    assert "does not match its key or checksum" in caplog.text
+    assert any("counted the windows" in note for note in again.notes)
+    assert _pieces(again) == _pieces(first)
