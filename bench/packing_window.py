@@ -18,6 +18,8 @@ process, rounds interleaved, medians; the machine is shared, so wall times are n
                   in a fresh process, at step 20 and at ``--steps``: ``_cold`` with an empty
                   window-count cache, ``_warm`` with the cache the cold run left, ``_state``
                   from a checkpoint saved at that step (the result is checked equal).
+* ``count``       CPU seconds of counting one lane's windows up to ``--steps`` with no cache
+                  (lengths read + ``window_outputs``): what a cold audit pays once.
 * ``throughput``  tokens/s of one in-process rank (no workers) on the audit dataset: concat, best
                   fit (8 open bins), ``packing_window`` 256 and 1024 (wall and CPU time).
 * ``balance``     max/mean rank cost (loader.order.balance's cost model) over 100 steps of a
@@ -341,6 +343,30 @@ CHILDREN = {"audit": child_audit, "make_state": child_make_state, "exchange": ch
             "throughput": child_throughput}
 
 
+def count_rate(steps: int) -> dict:
+    """CPU seconds of counting one lane's windows from nothing up to ``steps`` (no cache): the
+    one-time cost behind a cold audit."""
+    from dataclasses import replace
+
+    from loader.commands import audit
+    from loader.commands.window_index import WindowIndex
+    from loader.pipeline import ZephonLoader
+
+    config = _audit_config()
+    loader = ZephonLoader(config.replace(read_ahead=False), rank=0, world_size=1)
+    try:
+        spec = replace(loader.spec, features=audit.AUDIT_FEATURES, read_ahead=False)
+        stream = audit._build(spec, [0], loader)[0].source_streams()[0]
+        outputs = int(audit.source_counts_before(spec.schedule, 1, AUDIT["batch"], AUDIT["lanes"], steps)[0, 0])
+        wall, cpu = time.perf_counter(), time.process_time()
+        index = WindowIndex(stream, seq_len=AUDIT["seq_len"], window=AUDIT["window"], dataset_fingerprint="-",
+                            directory=None)
+        index.locate(outputs)
+        return {"documents": index.scanned, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+    finally:
+        loader.close()
+
+
 def audit_cases(steps: int) -> dict[str, dict]:
     cases = {}
     for step in (20, steps):
@@ -403,6 +429,11 @@ def main(argv=None) -> int:
                        data=f"{AUDIT['docs']:,} synthetic documents pre-tokenized in {AUDIT['lanes']} lanes, "
                             f"seq_len {AUDIT['seq_len']}, B {AUDIT['batch']}, packing_window {AUDIT['window']}",
                        script=str(Path(__file__).resolve()))
+    if "count" in only:
+        row = count_rate(args.steps)
+        print(f"window counts of lane 0 up to step {args.steps}: {row['documents']:,} documents in "
+              f"{row['cpu_s']:.2f} CPU s ({row['documents'] / row['cpu_s']:,.0f} documents per CPU s; "
+              f"wall {row['wall_s']:.2f} s)")
     if "throughput" in only:
         _audit_dataset()
         cases = {"concat": {"kind": "throughput", "packing": "concat", "window": None, "steps": 400},
