@@ -31,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from loader.io.lane_reader import EmptyLaneError
 from loader.order.packing_windows import window_outputs
 
 log = logging.getLogger(__name__)
@@ -109,9 +110,14 @@ class WindowIndex:
         pending: list[np.ndarray] = []
         pending_docs = 0
         total = self.ends[-1] if self.ends else 0
+        empty_blocks = 0  # in a row: a whole epoch of them is a lane without documents, not a loop forever
         while len(self.ends) < target_windows or total <= outputs:
             blocks = len(self.stream.blocks_of_epoch(epoch))
             wrapped = self._wrapped(epoch, block)
+            empty_blocks = 0 if len(wrapped) else empty_blocks + 1
+            if empty_blocks > blocks:
+                raise EmptyLaneError(f"lane {self.stream.lane_id} of source {self.stream.source_name!r}: a whole "
+                                     "epoch of row groups without documents; the lane can never produce a sequence")
             bounds = np.cumsum(wrapped)
             first = int(np.searchsorted(bounds, offset, side="right")) if offset else 0
             if offset and (first == 0 or int(bounds[first - 1]) != offset):
