@@ -48,7 +48,7 @@ from bench.loader_throughput import add_run_options, child_main, run_and_report 
 
 SEQ_LEN = 2048
 WINDOWS = (64, 128, 256, 512, 1024, 2048, 4096)
-AUDIT = dict(lanes=8, docs=24000, seq_len=512, batch=16, window=1024)
+AUDIT = dict(lanes=8, docs=24000, seq_len=512, batch=16, window=256)  # window: --window
 
 
 # -- efficiency --------------------------------------------------------------------------------
@@ -155,22 +155,24 @@ def _audit_config(**overrides):
 
 
 def _state_file(step: int) -> Path:
-    return WORK_DIR / f"state_{AUDIT['docs']}_{step}.json"
+    return WORK_DIR / f"state_{AUDIT['docs']}_K{AUDIT['window']}_{step}.json"
 
 
-def child_make_state(step: int) -> dict:
+def child_make_state(step: int, window: int) -> dict:
     from loader.commands.fingerprints import collect_fingerprints
 
+    AUDIT["window"] = window
     start = time.perf_counter()
     _, state = collect_fingerprints(_audit_config(batch_fields=("input_ids",)), end_step=step, save_state_step=step)
     _state_file(step).write_text(json.dumps(state))
     return {"seconds": time.perf_counter() - start}
 
 
-def child_audit(step: int, cache: str, use_state: bool) -> dict:
+def child_audit(step: int, cache: str, use_state: bool, window: int) -> dict:
     """One audit of ``step`` in this fresh process: wall seconds from before the import of the
     loader (what a user's ``zephon audit`` waits for, minus the interpreter start)."""
     os.environ["ZEPHON_WINDOW_CACHE"] = cache
+    AUDIT["window"] = window
     start = time.perf_counter()
     from loader.commands.audit import audit_step
 
@@ -367,16 +369,20 @@ def count_rate(steps: int) -> dict:
         loader.close()
 
 
+def _warm_cache() -> str:
+    return str(WORK_DIR / f"cache_warm_K{AUDIT['window']}")
+
+
 def audit_cases(steps: int) -> dict[str, dict]:
-    cases = {}
+    cases, window = {}, AUDIT["window"]
     for step in (20, steps):
-        cold = str(WORK_DIR / f"cache_cold_{step}")
+        cold = str(WORK_DIR / f"cache_cold_K{window}_{step}")
         cases[f"audit_{step}_cold"] = {"kind": "audit", "step": step, "cache": cold, "use_state": False,
-                                       "fresh_cache": True}
-        cases[f"audit_{step}_warm"] = {"kind": "audit", "step": step, "cache": str(WORK_DIR / "cache_warm"),
-                                       "use_state": False}
-        cases[f"audit_{step}_state"] = {"kind": "audit", "step": step, "cache": str(WORK_DIR / "cache_warm"),
-                                        "use_state": True}
+                                       "fresh_cache": True, "window": window}
+        cases[f"audit_{step}_warm"] = {"kind": "audit", "step": step, "cache": _warm_cache(), "use_state": False,
+                                       "window": window}
+        cases[f"audit_{step}_state"] = {"kind": "audit", "step": step, "cache": _warm_cache(), "use_state": True,
+                                        "window": window}
     return cases
 
 
@@ -394,6 +400,8 @@ def audit_report(results: dict) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20000, help="the far audit step (default 20,000)")
+    parser.add_argument("--window", type=int, default=AUDIT["window"], help="packing_window of the audit and "
+                        "count cases (default 256, the recommended K)")
     parser.add_argument("--exchange-steps", type=int, default=30, help="timed steps of each gloo run (default 30)")
     parser.add_argument("--rank-run", default=None, help=argparse.SUPPRESS)
     add_run_options(parser)
@@ -405,6 +413,7 @@ def main(argv=None) -> int:
         if spec.pop("fresh_cache", False):
             shutil.rmtree(spec["cache"], ignore_errors=True)
         return child_main(CHILDREN, json.dumps(spec))
+    AUDIT["window"] = args.window
     only = args.only or ["efficiency", "audit", "throughput", "balance", "exchange"]
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     if "efficiency" in only:
@@ -420,10 +429,11 @@ def main(argv=None) -> int:
         script = str(Path(__file__).resolve())
         for step in (20, args.steps):
             if not _state_file(step).exists():
-                made = run_child("make_state", script=script, step=step)
+                made = run_child("make_state", script=script, step=step, window=AUDIT["window"])
                 print(f"state at step {step} saved ({made['seconds']:.1f} s)")
         cases = audit_cases(args.steps)
-        warm = run_child("audit", script=script, step=args.steps, cache=str(WORK_DIR / "cache_warm"), use_state=False)
+        warm = run_child("audit", script=script, step=args.steps, cache=_warm_cache(), use_state=False,
+                         window=AUDIT["window"])
         print(f"warm-up audit of step {args.steps} (fills cache_warm): {warm['seconds']:.2f} s; {warm['notes'][-1]}")
         run_and_report(cases, args.repeats or 3, audit_report, argv,
                        data=f"{AUDIT['docs']:,} synthetic documents pre-tokenized in {AUDIT['lanes']} lanes, "

@@ -210,44 +210,36 @@ class DistributedExchange:
         return costs, {item.global_index - step * B: item for item in own}
 
     def sequences(self, step: int, held: dict[int, Item], assignment) -> list[list[Item]]:
-        topology = self.loader.topology
-        me, W = topology.rank, topology.world_size
-        owner = {p: p % W for p in range(self.loader.config.global_batch_size)}
-        wanted = {p for micro in assignment[me] for p in micro}
-        received: dict[int, Item] = {p: held[p] for p in wanted if owner[p] == me}
-        operations, inboxes = [], {}
-        sizes_out = {}
-        for peer in range(W):
-            if peer == me:
-                continue
-            out = [held[p] for micro in assignment[peer] for p in micro if owner[p] == me]
-            payload = encode_items(out, self.features)
-            sizes_out[peer] = payload
-            incoming = sorted(p for p in wanted if owner[p] == peer)
-            inboxes[peer] = (incoming, None)
-        # sizes first (rows are fixed-size but segment starts are not), then the payloads
-        size_ops, size_in = [], {}
-        for peer, payload in sizes_out.items():
-            size_ops.append(self.dist.P2POp(self.dist.isend, torch.tensor([payload.numel()], dtype=torch.int64),
-                                            self._global_rank(peer), self.group))
-            size_in[peer] = torch.zeros(1, dtype=torch.int64)
-            size_ops.append(self.dist.P2POp(self.dist.irecv, size_in[peer], self._global_rank(peer), self.group))
-        for request in self.dist.batch_isend_irecv(size_ops) if size_ops else ():
-            request.wait()
-        for peer, payload in sizes_out.items():
-            buffer = torch.empty(int(size_in[peer].item()), dtype=torch.int64)
-            inboxes[peer] = (inboxes[peer][0], buffer)
-            operations.append(self.dist.P2POp(self.dist.isend, payload, self._global_rank(peer), self.group))
-            operations.append(self.dist.P2POp(self.dist.irecv, buffer, self._global_rank(peer), self.group))
+        me, W = self.loader.topology.rank, self.loader.topology.world_size
+        B, seq_len = self.loader.config.global_batch_size, self.loader.config.seq_len
+        peers = [peer for peer in range(W) if peer != me]
+        # rank q holds the positions p = q mod W: send each peer those of its share that are ours
+        outgoing = {peer: encode_items([held[p] for micro in assignment[peer] for p in micro if p % W == me],
+                                       self.features) for peer in peers}
+        # sizes first (a row's segment starts vary), then the rows themselves
+        sizes = self._swap({peer: torch.tensor([len(payload)], dtype=torch.int64) for peer, payload in outgoing.items()},
+                           {peer: torch.zeros(1, dtype=torch.int64) for peer in peers})
+        incoming = self._swap(outgoing, {peer: torch.empty(int(sizes[peer].item()), dtype=torch.int64) for peer in peers})
+        wanted = [p for micro in assignment[me] for p in micro]
+        received = {p: held[p] for p in wanted if p % W == me}
+        for peer, buffer in incoming.items():
+            items = decode_items(buffer, self.features, seq_len)
+            positions = sorted(item.global_index - step * B for item in items)
+            if positions != sorted(p for p in wanted if p % W == peer):
+                raise RuntimeError(f"balance exchange: rank {peer} sent batch positions {positions} that rank {me} "
+                                   f"did not ask for at step {step} (are the ranks at different steps?)")
+            received.update((item.global_index - step * B, item) for item in items)
+        return [[received[p] for p in micro] for micro in assignment[me]]
+
+    def _swap(self, outgoing: dict, incoming: dict) -> dict:
+        """Send ``outgoing[peer]`` to every peer and receive into ``incoming[peer]``, all at once."""
+        operations = []
+        for peer in outgoing:
+            operations.append(self.dist.P2POp(self.dist.isend, outgoing[peer], self._global_rank(peer), self.group))
+            operations.append(self.dist.P2POp(self.dist.irecv, incoming[peer], self._global_rank(peer), self.group))
         for request in self.dist.batch_isend_irecv(operations) if operations else ():
             request.wait()
-        for peer, (incoming, buffer) in inboxes.items():
-            items = decode_items(buffer, self.features, self.loader.config.seq_len)
-            if sorted(item.global_index - step * self.loader.config.global_batch_size for item in items) != incoming:
-                raise RuntimeError(f"balance exchange: rank {peer} sent positions that rank {me} did not ask for "
-                                   "(ranks at different steps?)")
-            received.update({item.global_index - step * self.loader.config.global_batch_size: item for item in items})
-        return [[received[p] for p in micro] for micro in assignment[me]]
+        return incoming
 
     def restored(self, state: dict) -> None:
         pass

@@ -154,11 +154,10 @@ def test_a_state_past_its_window_is_refused(windowed):
     try:
         for _ in range(loader.topology.micro_steps_per_step * 3):
             next(loader)
-        state = loader.global_state_dict() if hasattr(loader, "global_state_dict") else loader.state_dict()
+        state = loader.state_dict()
     finally:
         loader.close()
-    lane = state["lanes"]["00000"]["sources"]
-    (name, source), = lane.items()
+    (source,) = state["lanes"]["00000"]["sources"].values()
     source["packer"]["window"]["emitted"] = 10_000
     restored = ZephonLoader(config, rank=0, world_size=1)
     try:
