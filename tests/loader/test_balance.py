@@ -196,3 +196,8 @@ def test_zephon_diff_counts_balance_as_runtime_and_a_window_as_stream(long_taile
     assert config_differences(plain, long_tailed(balance="attention")) == [
         {"field": "balance", "kind": "runtime", "a": None, "b": "attention"}]
     assert [d["kind"] for d in config_differences(plain, long_tailed(packing_window=64))] == ["stream"]
+
+
+def test_balance_over_a_packing_window_keeps_its_stream(long_tailed):
+    assert _lines(long_tailed(packing_window=64, balance="attention"), 2, 3) == \
+        _lines(long_tailed(packing_window=64), 1, 3)

@@ -236,3 +236,22 @@ def test_a_changed_cache_file_is_rebuilt_not_used(windowed, tmp_path, monkeypatc
     assert "does not match its key or checksum" in caplog.text
     assert any("counted the windows" in note for note in again.notes)
     assert _pieces(again) == _pieces(first)
+
+
+@settings(max_examples=12, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=120), min_size=1, max_size=4))
+def test_packer_resumes_at_any_output_to_the_end_of_the_data(corpus, tokenizer, cuts):
+    """The windowed packer alone, through the shared harness: a text lane of two epochs cut at
+    random outputs (mid-window, at window ends, repeated), saved as JSON and restored from its
+    cursors, gives the uninterrupted outputs to the end of the data."""
+    from loader.stages.window_packing import WindowedBestFitPacker
+    from tests.loader.settings import eos_id_of, make_stream
+    from tests.resume_harness import StageRun, digest_sequences
+
+    def make(_k):
+        packer = WindowedBestFitPacker(make_stream(corpus.text_path, tokenizer, 5, max_epochs=2), SEQ_LEN,
+                                       eos_id_of(tokenizer), WINDOW)
+        return StageRun(packer, lambda p: p.next_sequence(), 1, digest_sequences)
+
+    report = check_resume(make, steps=120, cut_points=cuts)
+    assert 40 < len(report.baseline) < 120  # the data ends inside the run: its last window is flushed
