@@ -11,7 +11,7 @@ a checkpoint can place the lanes (``replay``, with a notice). The lanes of step 
 :class:`~loader.io.provenance.ProvenanceStream` streams, which read document *lengths*
 (``num_tokens``, 4 bytes a document) and carry each token's document and offset as
 audit-only per-token features, and are brought to their state before step ``N`` like a
-resume, by one of three methods (the report names the one used):
+resume, by one of four methods (the report names the one used):
 
 ``seek`` (concat packing, endless sources, sequence mixing or one source)
     Each output of a concat lane takes exactly ``seq_len`` tokens, and which source a lane's
@@ -213,7 +213,7 @@ def concat_cursor(stream: ProvenanceStream, position: int) -> Optional[dict]:
 
 
 def choose_method(loader, has_state: bool, bins_resolvable: bool = True) -> str:
-    """``seek``, ``checkpoint`` or ``replay`` (see the module docstring); ``bins_resolvable``:
+    """``seek``, ``checkpoint``, ``window`` or ``replay`` (see the module docstring); ``bins_resolvable``:
     every open best-fit bin of the state says where its pieces came from (``piece_origins``)."""
     config = loader.config
     # Online transforms and online chat rendering change documents (drop them, change their

@@ -224,7 +224,7 @@ def test_a_changed_cache_file_is_rebuilt_not_used(windowed, tmp_path, monkeypatc
     cache = tmp_path / "windows"
     monkeypatch.setenv("ZEPHON_WINDOW_CACHE", str(cache))
     config = windowed()
-    first = audit_step(config, 11)
+    first = audit_step(config, 11, sequence=0)  # one lane: one cache file
     files = sorted(cache.glob("*.json"))
     assert files
     for path in files:  # one more output in every window: a seek from these counts would be wrong
@@ -232,7 +232,7 @@ def test_a_changed_cache_file_is_rebuilt_not_used(windowed, tmp_path, monkeypatc
         data["windows"] = [entry[:3] + [entry[3] + 1] for entry in data["windows"]]
         path.write_text(json.dumps(data))
     with caplog.at_level("WARNING"):
-        again = audit_step(config, 11)
+        again = audit_step(config, 11, sequence=0)
     assert "does not match its key or checksum" in caplog.text
     assert any("counted the windows" in note for note in again.notes)
     assert _pieces(again) == _pieces(first)
