@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from loader.order.balance import CostModel, balanced_assignment, default_assignment, imbalance
+from loader.order.ordering import TopologyError
 from loader.stages.features import FEATURES, NO_FEATURES
 from loader.stages.packing import PackedSequence
 from loader.stages.producer import Item
@@ -183,13 +184,13 @@ class DistributedExchange:
                                       "use it with text sources, or simulate the ranks in one process")
         group_size = dist.get_world_size(loader.dp_group)
         if group_size != loader.topology.world_size:
-            raise ValueError(f"balance = \"attention\": the process group has {group_size} ranks but the loader "
+            raise TopologyError(f"balance = \"attention\": the process group has {group_size} ranks but the loader "
                              f"serves world_size={loader.topology.world_size}; build the loader with the "
                              "data-parallel group's rank and size (dp_rank/dp_world_size or device_mesh)")
         self.group = loader.dp_group
         if dist.get_backend(self.group) != "gloo":  # NCCL: the rows are CPU tensors, as the end-of-data flag is
             if self.group is not None:
-                raise ValueError("balance = \"attention\" with a non-gloo data-parallel group from a DeviceMesh: "
+                raise TopologyError("balance = \"attention\" with a non-gloo data-parallel group from a DeviceMesh: "
                                  "its rows travel as CPU tensors; give the loader a gloo DP group (a mesh built "
                                  "with backend \"cpu:gloo,cuda:nccl\")")
             self.group = dist.new_group(backend="gloo")  # every rank builds the loader: a collective call

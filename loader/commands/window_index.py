@@ -31,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from loader.io.integrity import LaneDataError
 from loader.io.lane_reader import EmptyLaneError
 from loader.order.packing_windows import window_outputs
 
@@ -121,8 +122,9 @@ class WindowIndex:
             bounds = np.cumsum(wrapped)
             first = int(np.searchsorted(bounds, offset, side="right")) if offset else 0
             if offset and (first == 0 or int(bounds[first - 1]) != offset):
-                raise ValueError(f"window start {(epoch, block, offset)} is not a document start of lane "
-                                 f"{self.stream.lane_id} of source {self.stream.source_name!r}")
+                raise LaneDataError(f"window start {(epoch, block, offset)} is not a document start of lane "
+                                    f"{self.stream.lane_id} of source {self.stream.source_name!r}: the lane files "
+                                    f"changed since the window counts were made; delete {self.path} and audit again")
             k = first
             while k < len(wrapped):
                 take = min(self.window - pending_docs, len(wrapped) - k)
