@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from loader.commands.fingerprints import collect_fingerprints, sequence_bytes
+from loader.commands.diff import config_differences
+from loader.commands.fingerprints import collect_fingerprints, command as fingerprints_command, sequence_bytes
 from loader.config import ConfigError, LoaderConfig
-from loader.order.balance import CostModel, balanced_assignment, default_assignment, imbalance
+from loader.order.balance import CostModel, balanced_assignment, default_assignment
 from loader.pipeline import ZephonLoader
 from tests.dataset_factory import write_dataset
 from tests.rank_launcher import launch_ranks
@@ -178,11 +179,9 @@ def test_real_gloo_ranks_agree_with_simulated_ranks(long_tailed, tmp_path, world
 
 
 def test_zephon_fingerprints_notes_the_rank_costs(long_tailed, tmp_path, capsys):
-    from loader.commands.fingerprints import command
-
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(long_tailed(balance="attention").to_dict()))
-    assert command([str(config_path), "--steps", "0:3", "--world-size", "2"]) == 0
+    assert fingerprints_command([str(config_path), "--steps", "0:3", "--world-size", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len([line for line in out if not line.startswith("#")]) == 3
     note = [line for line in out if line.startswith("# balance attention W=2")]
@@ -190,8 +189,6 @@ def test_zephon_fingerprints_notes_the_rank_costs(long_tailed, tmp_path, capsys)
 
 
 def test_zephon_diff_counts_balance_as_runtime_and_a_window_as_stream(long_tailed):
-    from loader.commands.diff import config_differences
-
     plain = long_tailed()
     assert config_differences(plain, long_tailed(balance="attention")) == [
         {"field": "balance", "kind": "runtime", "a": None, "b": "attention"}]

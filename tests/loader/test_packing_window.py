@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from loader.checkpoint.state import StateError
+from loader.checkpoint.state import StateError, merge_rank_states
 from loader.commands.audit import audit_step
 from loader.commands.fingerprints import collect_fingerprints
 from loader.config import ConfigError, LoaderConfig
 from loader.order.packing_windows import best_fit_decreasing, document_pieces, window_outputs
 from loader.pipeline import ZephonLoader
-from tests.resume_harness import check_resume, loader_runs
+from loader.stages.window_packing import WindowedBestFitPacker
+from tests.resume_harness import StageRun, check_resume, digest_sequences, loader_runs
 
-from tests.loader.settings import SEQ_LEN
+from tests.loader.settings import SEQ_LEN, eos_id_of, expected_lane_documents, make_stream
 
 WINDOW = 6  # documents: windows end every few sequences of the suite's corpus (~2.6 documents a sequence)
 
@@ -108,8 +108,6 @@ def test_stream_is_the_same_on_every_topology(windowed, make_config, pretokenize
 def test_packer_emits_each_windows_best_fit_decreasing_bins(corpus, tokenizer):
     """Lane 0's documents (computed from the hashes and the tokenizer, not by the loader) cut into
     windows of WINDOW, each packed by the pure function: the packer's rows, in order, to the end."""
-    from loader.stages.window_packing import WindowedBestFitPacker
-    from tests.loader.settings import eos_id_of, expected_lane_documents, make_stream
 
     documents = expected_lane_documents(corpus.texts, corpus.keys, tokenizer, num_lanes=corpus.num_lanes,
                                         seed=corpus.seed)[0]
@@ -192,8 +190,6 @@ def test_window_seek_equals_the_audit_from_a_saved_state(windowed, tmp_path, mon
         saved = loader.state_dict()
     finally:
         loader.close()
-    from loader.checkpoint.state import merge_rank_states
-
     state = merge_rank_states([saved])
     seeked = audit_step(config, step)
     assert seeked.method == "window"
@@ -244,9 +240,6 @@ def test_packer_resumes_at_any_output_to_the_end_of_the_data(corpus, tokenizer, 
     """The windowed packer alone, through the shared harness: a text lane of two epochs cut at
     random outputs (mid-window, at window ends, repeated), saved as JSON and restored from its
     cursors, gives the uninterrupted outputs to the end of the data."""
-    from loader.stages.window_packing import WindowedBestFitPacker
-    from tests.loader.settings import eos_id_of, make_stream
-    from tests.resume_harness import StageRun, digest_sequences
 
     def make(_k):
         packer = WindowedBestFitPacker(make_stream(corpus.text_path, tokenizer, 5, max_epochs=2), SEQ_LEN,
