@@ -146,15 +146,20 @@ def test_resume_text_lanes_mid_window(windowed):
     check_resume(make, steps=12, cut_points=[1, 5, 5, 9], expected=_lines(config, 1, 12))
 
 
-def test_a_state_past_its_window_is_refused(windowed):
-    config = windowed()
+def _state_after(config, steps: int) -> dict:
+    """The W=1 state after ``steps`` steps of a fresh loader."""
     loader = ZephonLoader(config, rank=0, world_size=1)
     try:
-        for _ in range(loader.topology.micro_steps_per_step * 3):
+        for _ in range(loader.topology.micro_steps_per_step * steps):
             next(loader)
-        state = loader.state_dict()
+        return loader.state_dict()
     finally:
         loader.close()
+
+
+def test_a_state_past_its_window_is_refused(windowed):
+    config = windowed()
+    state = _state_after(config, 3)
     (source,) = state["lanes"]["00000"]["sources"].values()
     source["packer"]["window"]["emitted"] = 10_000
     restored = ZephonLoader(config, rank=0, world_size=1)
@@ -183,14 +188,7 @@ def test_window_seek_equals_the_audit_from_a_saved_state(windowed, tmp_path, mon
     monkeypatch.setenv("ZEPHON_WINDOW_CACHE", str(tmp_path / "windows"))
     config = windowed()
     step = 17
-    loader = ZephonLoader(config, rank=0, world_size=1)
-    try:
-        for _ in range(loader.topology.micro_steps_per_step * 9):
-            next(loader)
-        saved = loader.state_dict()
-    finally:
-        loader.close()
-    state = merge_rank_states([saved])
+    state = merge_rank_states([_state_after(config, 9)])
     seeked = audit_step(config, step)
     assert seeked.method == "window"
     assert any("counted the windows" in note for note in seeked.notes)
