@@ -26,6 +26,7 @@ from loader.vision.options import ImagesConfig, ImagesTable
 
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
+BALANCE_MODES = ("attention",)  # loader.order.balance: how a global batch is spread over ranks
 EXHAUSTION_POLICIES = ("repeat", "stop")
 # Per-token tensors a micro-batch can hold. ``input_ids`` is always there; the rest cost the
 # batch builder a pass over the batch each, so a trainer that derives them itself (or does
@@ -108,6 +109,12 @@ class LoaderConfig:
     tokenizer: str
     packing: str = "concat"
     best_fit_open_bins: int = 8
+    # Best fit per window of this many documents of a lane and source (loader.stages.window_packing):
+    # seekable, state of cursors only. None: unbounded best fit with best_fit_open_bins.
+    packing_window: Optional[int] = None
+    # "attention": each global batch's sequences spread over ranks and micro-batches by cost
+    # (loader.order.balance); None: rank r gets global indices i = r mod W.
+    balance: Optional[str] = None
     add_bos: bool = False
     add_eos: bool = True
     eos_token: Optional[str] = None
@@ -147,6 +154,8 @@ class LoaderConfig:
         "tokenizer": FilePath(),
         "packing": Text(choices=PACKING_MODES),
         "best_fit_open_bins": Integer(minimum=1),
+        "packing_window": OrAbsent(Integer(minimum=1, hint="docs/guides/packing-window-and-balance.md recommends 256")),
+        "balance": OrAbsent(Text(choices=BALANCE_MODES)),
         "add_bos": Boolean(),
         "add_eos": Boolean(),
         "eos_token": OrAbsent(Text()),
@@ -198,6 +207,7 @@ class LoaderConfig:
             problems.append(
                 "concat packing needs a document separator: set add_eos = true (recommended) or add_bos = true"
             )
+        problems.extend(self._window_problems())
         names = [d.name for d in self.datasets if d.name is not None]
         if len(names) != len(set(names)):
             problems.append(f"datasets: source names must be unique (got {names})")
@@ -208,6 +218,25 @@ class LoaderConfig:
             if entry.step <= last:
                 problems.append(f"schedule: steps must be strictly increasing (got {entry.step} after {last})")
             last = entry.step
+        return problems
+
+    def _window_problems(self) -> list[str]:
+        """What ``packing_window`` cannot be combined with (loader.stages.window_packing)."""
+        if self.packing_window is None:
+            return []
+        problems = []
+        if self.packing != "best_fit":
+            problems.append(f"packing_window = {self.packing_window} needs packing = \"best_fit\" (got packing = "
+                            f"{self.packing!r}; concat packing is seekable already): set packing = \"best_fit\" "
+                            "or remove packing_window")
+        if self.mixing_unit == "token" and len(self.datasets) > 1:
+            problems.append(f"packing_window = {self.packing_window} with mixing_unit = \"token\": a window of "
+                            "one source's documents is not defined under token mixing; use mixing_unit = "
+                            "\"sequence\" or remove packing_window")
+        if self.images is not None and self.images.max_images_per_sequence is not None:
+            problems.append(f"packing_window = {self.packing_window} with images.max_images_per_sequence = "
+                            f"{self.images.max_images_per_sequence}: a window's bins are a function of lengths "
+                            "alone, an image cap would make them depend on image counts; remove one of the two")
         return problems
 
     # -- construction ------------------------------------------------------------------
@@ -273,6 +302,9 @@ class LoaderConfig:
             "add_bos": self.add_bos,
             "add_eos": self.add_eos,
             "mixing_unit": self.mixing_unit if len(self.datasets) > 1 else None,
+            # New options enter only when set, so configs without them keep their fingerprints.
+            **({"packing_window": self.packing_window} if self.packing_window is not None else {}),
+            **({"balance": self.balance} if self.balance is not None else {}),
         }
 
     def source_transforms(self, index: int) -> tuple[TransformSpec, ...]:

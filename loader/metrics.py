@@ -25,7 +25,9 @@ cache_hits/misses      lane-file cache (``cache_dir``, remote files) opens serve
 
 plus ``restores``, ``restore_s`` (seconds of the last ``load_state_dict``),
 ``first_batch_after_restore_s`` (the wait for the first micro-batch after it) and
-``dataset_rejected`` (per source and reason, from the manifests). I/O counters are per
+``dataset_rejected`` (per source and reason, from the manifests), and with ``balance`` set
+``balance`` (:meth:`loader.balanced.Balancer.stats`: the last step's max/mean rank cost, balanced
+and as the default layout had it, their means, the exchange's seconds). I/O counters are per
 process: two loaders in one process (simulated ranks) see each other's reads.
 
 Cost: per micro-batch two clock reads and one pass over its sequences (source id and padding
@@ -136,6 +138,8 @@ class LoaderMetrics:
     restore_s: float = 0.0
     first_batch_after_restore_s: float = 0.0
     dataset_rejected: dict[str, dict[str, int]] = field(default_factory=dict)
+    # balance = "attention" (loader.balanced.Balancer.stats): max/mean rank cost, balanced and not
+    balance: dict[str, float] = field(default_factory=dict)
 
     def flat(self, prefix: str = "zephon/") -> dict[str, float]:
         """Scalars for a framework logger: ``zephon/total/tokens/web``, ``zephon/last_step/wait_s``, ..."""
@@ -149,6 +153,8 @@ class LoaderMetrics:
                     out[f"{prefix}{scope}/{name}"] = float(value)
         out[f"{prefix}restore_s"] = self.restore_s
         out[f"{prefix}first_batch_after_restore_s"] = self.first_batch_after_restore_s
+        for name, value in self.balance.items():
+            out[f"{prefix}balance/{name}"] = float(value)
         return out
 
     def line(self) -> str:
@@ -166,6 +172,9 @@ class LoaderMetrics:
             text += " rejected " + " ".join(f"{k}={v}" for k, v in total.rejected.items())
         if self.restores:
             text += f", last restore {self.restore_s:.2f} s"
+        if self.balance:
+            text += (f", rank cost max/mean {self.balance['max_over_mean']:.3f} (unbalanced "
+                     f"{self.balance['max_over_mean_unbalanced']:.3f})")
         return text
 
 

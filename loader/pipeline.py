@@ -37,6 +37,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from loader.balanced import make_balancer
 from loader.checkpoint import migrations as checkpoint_migrations, schema as checkpoint_schema, state as state_mod
 from loader.chat.block import check_chat_sources
 from loader.config import ConfigError, LoaderConfig
@@ -187,6 +188,7 @@ class ZephonLoader:
             read_ahead_threads=config.read_ahead_threads,
             features=self.features,
             images=image_options,
+            packing_window=config.packing_window,
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far
@@ -222,6 +224,8 @@ class ZephonLoader:
             # Started now, so that the workers import and map their memory while the trainer
             # builds its model; they serve every run (and restore) of this loader.
             self._start_pool()
+        # balance = "attention" (loader.balanced): micro-batches chosen from the whole step by cost.
+        self._balancer = make_balancer(self)
 
     def _resolved_transforms(self) -> list[tuple]:
         resolved = []
@@ -402,11 +406,16 @@ class ZephonLoader:
         at_boundary = position % self.topology.per_rank_batch == 0
         self._step_states.reset(position // self.topology.per_rank_batch if at_boundary else None, lanes)
         self._lanes_in_step = set()
+        if self._balancer is not None:
+            self._balancer.restored(state)
         self._metrics.restored(time.perf_counter() - started)
 
     def metrics(self) -> LoaderMetrics:
         """Counters since the loader was built and for the last whole step (:mod:`loader.metrics`)."""
-        return self._metrics.metrics(self.step)
+        metrics = self._metrics.metrics(self.step)
+        if self._balancer is not None:
+            metrics.balance = self._balancer.stats()
+        return metrics
 
     def _checked_lane_states(self, state: Any) -> tuple[int, int, dict[int, dict]]:
         """``(rank position, next global index, this rank's lane states)`` of a state whose every
@@ -519,7 +528,17 @@ class ZephonLoader:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        if self._balancer is not None:
+            return self._balancer.next_batch()
         started = time.perf_counter()  # the trainer's wait (loader.metrics)
+        items = self._next_items()
+        batch = self._collate(items)
+        self._metrics.count(items, batch, time.perf_counter() - started, self.rank_position)
+        return batch
+
+    def _next_items(self) -> list[Item]:
+        """The rank's next micro-batch of items in global index order, their lane states recorded
+        (what ``__next__`` collates; a balancer takes a step of them at once)."""
         self._start_run()
         if self.finite:
             at_boundary = self.rank_position % self.topology.per_rank_batch == 0
@@ -547,9 +566,7 @@ class ZephonLoader:
             self._record_step_boundary()
         if self._metrics.copies_token_sources:  # not batched: copied before collation frees worker slots
             self._metrics.keep_token_sources(items)
-        batch = self._collate(items)
-        self._metrics.count(items, batch, time.perf_counter() - started, self.rank_position)
-        return batch
+        return items
 
     def _record_step_boundary(self) -> None:
         """The last micro-batch of a step is being handed out: keep the lanes' states as of now."""
@@ -628,7 +645,8 @@ class ZephonLoader:
                     warm.close_lanes()
 
     def _start_pool(self) -> None:
-        items_held = self.topology.per_rank_batch if self.finite else self.config.micro_batch_size
+        # Finite data and balance hold a whole step of items (a worker must never wait for those slots).
+        items_held = self.topology.per_rank_batch if self.finite or self.config.balance else self.config.micro_batch_size
         per_message = items_per_message(self.config.seq_len, tokenizes=self.spec.tokenizer_json is not None,
                                         images=self.image_options is not None)
         pool = WorkerPool(
@@ -651,10 +669,10 @@ class ZephonLoader:
             self._finalizer.detach()
             self._finalizer = None
 
-    def _collate(self, items: list[Item]) -> dict[str, Any]:
+    def _collate(self, items: list[Item], rank_position: Optional[int] = None) -> dict[str, Any]:
         """The micro-batch of ``items``: NumPy arrays (loader.stages.collate), as torch tensors unless
-        ``output="numpy"``."""
-        batch = self._collator.collate(items, self.rank_position)
+        ``output="numpy"``; ``rank_position``: sequences handed out with these (default: the rank's)."""
+        batch = self._collator.collate(items, self.rank_position if rank_position is None else rank_position)
         if self._pinned is not None:
             return self._pinned.to_torch(batch)
         return batch if self.output == "numpy" else to_torch(batch)
@@ -693,6 +711,8 @@ class ZephonLoader:
         """End the run and every worker process (also done on garbage collection and at exit)."""
         self._end_run()
         self._stop_pool()
+        if getattr(self, "_balancer", None) is not None:
+            self._balancer.close()
 
     def _end_run(self) -> None:
         """Drop the current run (in-process lanes, workers' items); worker processes stay."""

@@ -30,7 +30,9 @@ State shapes (``L`` lanes, ``S`` sources; see the stage modules for their meanin
              next_global_index [, rank, world_size, rank_position] [, transforms{sources{name: [{function,
              args, version, stage}]}, changes[{step, sources}]}], lanes{"00017": lane}
     lane     {outputs, sources: {name: {packer, stopped}}}   or, token mixing, {outputs, mixed: packer}
-    packer   concat {stream}   best_fit {stream, bins[{serial, tokens, piece_starts, doc_starts
+    packer   concat {stream}   best_fit with packing_window {stream, window{version, index, emitted}}
+             (loader.stages.window_packing: the cursor of the window's first document; the record's own
+             version, WINDOW_VERSIONS)   best_fit {stream, bins[{serial, tokens, piece_starts, doc_starts
              [, token_sources] [, loss_mask ...] [, piece_origins]}], serial}   (each lane-file feature of
              loader.stages.features, one value per token, in its range; which ones a bin must hold is
              checked on restore; piece_origins, version 2: [epoch, block, offset] per piece, the cursor
@@ -53,6 +55,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from loader.stages.features import BIN_STATE_FEATURES, FEATURES
+from loader.stages.window_packing import WINDOW_STATE_VERSION
 from loader.checkpoint.state import STATE_FORMAT, STATE_VERSION, StateError
 
 MAX_REPORTED = 20  # bad fields listed in one error; the count of the rest is given
@@ -60,6 +63,10 @@ MAX_REPORTED = 20  # bad fields listed in one error; the count of the rest is gi
 EXHAUSTION_POLICIES = ("repeat", "stop")
 DOCUMENT_KEYS = ("index", "token_start", "char_start")  # a text cursor's document (version 3)
 PACKINGS = ("concat", "best_fit")
+# Versions of a windowed best-fit packer's ``window`` record this Zephon reads (each version reads as
+# the packer's current one; a new version adds its migration here).
+WINDOW_VERSIONS = tuple(range(1, WINDOW_STATE_VERSION + 1))
+WINDOW_KEYS = ("version", "index", "emitted")
 _LANE_KEY = re.compile(r"\d{5,}")
 _WEIGHT = re.compile(r"\d+(/\d+)?")
 
@@ -282,11 +289,22 @@ class Bin:
 
 
 @dataclass(frozen=True)
+class WindowPosition:
+    """Where a windowed best-fit packer stands (loader.stages.window_packing): windows done, bins
+    of the current one handed out."""
+
+    version: int
+    index: int
+    emitted: int
+
+
+@dataclass(frozen=True)
 class PackerState:
     packing: str
     stream: Union[Cursor, MixedStream]
     bins: tuple[Bin, ...] = ()  # best_fit only
     serial: int = 0  # best_fit only
+    window: Optional[WindowPosition] = None  # best_fit with packing_window only (then no bins)
 
 
 @dataclass(frozen=True)
@@ -489,6 +507,8 @@ def _parse_lane(raw: Any, path: str, header: Header, names: list[str], problems:
 def _parse_packer(raw: Any, path: str, header: Header, mixed_sources: int, problems: Problems) -> Optional[PackerState]:
     """``mixed_sources``: the source count of a token-mixing packer (its stream and bins differ), else 0."""
     packing = header.packing
+    if header.config.get("packing_window") is not None:
+        return _parse_window_packer(raw, path, packing, problems)
     keys = ("stream",) if packing == "concat" else ("stream", "bins", "serial")
     entry = _fields(raw, path, keys, problems)
     if entry is None:
@@ -526,6 +546,28 @@ def _parse_packer(raw: Any, path: str, header: Header, mixed_sources: int, probl
         if problems.count > before:
             return None
     return PackerState(packing, stream, tuple(bins), serial)
+
+
+def _parse_window_packer(raw: Any, path: str, packing: str, problems: Problems) -> Optional[PackerState]:
+    """A windowed best-fit packer: ``{stream, window: {version, index, emitted}}``; ``emitted`` is
+    checked against the window's outputs when the restore reads it (it needs the data)."""
+    entry = _fields(raw, path, ("stream", "window"), problems)
+    if entry is None:
+        return None
+    stream = _parse_cursor(entry["stream"], f"{path}.stream", problems)
+    window = _fields(entry["window"], f"{path}.window", WINDOW_KEYS, problems)
+    if window is None:
+        return None
+    version = _int(window["version"], f"{path}.window.version", problems)
+    if version is not None and version not in WINDOW_VERSIONS:
+        problems.add(f"{path}.window.version", f"must be one of {list(WINDOW_VERSIONS)}, the window record versions "
+                     f"this Zephon reads (got {version}): the checkpoint is from a newer Zephon")
+        return None
+    index = _int(window["index"], f"{path}.window.index", problems)
+    emitted = _int(window["emitted"], f"{path}.window.emitted", problems)
+    if stream is None or None in (version, index, emitted):
+        return None
+    return PackerState(packing, stream, window=WindowPosition(version, index, emitted))
 
 
 def _parse_cursor(raw: Any, path: str, problems: Problems) -> Optional[Cursor]:

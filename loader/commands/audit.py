@@ -11,7 +11,7 @@ a checkpoint can place the lanes (``replay``, with a notice). The lanes of step 
 :class:`~loader.io.provenance.ProvenanceStream` streams, which read document *lengths*
 (``num_tokens``, 4 bytes a document) and carry each token's document and offset as
 audit-only per-token features, and are brought to their state before step ``N`` like a
-resume, by one of three methods (the report names the one used):
+resume, by one of four methods (the report names the one used):
 
 ``seek`` (concat packing, endless sources, sequence mixing or one source)
     Each output of a concat lane takes exactly ``seq_len`` tokens, and which source a lane's
@@ -32,6 +32,13 @@ resume, by one of three methods (the report names the one used):
     pass through. A version-1 state has no origins: the audit replays instead (under the
     adopted schedule) and its notes say so. ``--load-state DIR`` takes the newest state at or
     before ``N`` of a directory (:mod:`loader.checkpoint.files`; e.g. a Trainer output_dir).
+``window`` (best fit with ``packing_window``, endless sources, no checkpoint)
+    A windowed lane's state before a source's ``m``-th output is the start of the window
+    holding it and the bins of that window already emitted; the windows' output counts are a
+    function of document lengths (:mod:`loader.commands.window_index`), counted once and cached,
+    so the audit packs only the window of step ``N`` per lane and source. Cost with the counts
+    cached: the same at every ``N``; the first audit of a dataset pays one pass over the lengths
+    of the documents before ``N`` (the report's notes say how many it counted).
 ``replay`` (no usable checkpoint, and best fit, token mixing, sources that stop or have ``max_epochs``)
     A seek is impossible: which open bin a document joins depends on every earlier document
     of the lane (token mixing: the next document's source on the tokens drawn before; a
@@ -62,11 +69,13 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from loader.commands.seek_index import POINT_EVERY, SeekIndex, run_key
+from loader.commands.window_index import WindowIndex, cache_dir
 from loader.config import LoaderConfig
 from loader.errors import ZephonError
 from loader.io.provenance import AUDIT_FEATURES, EPOCH_SHIFT, ROW_MASK, ProvenanceStream, ReadLog
+from loader.stages.window_packing import window_packer_state
 
-METHODS = ("seek", "checkpoint", "replay")
+METHODS = ("seek", "checkpoint", "replay", "window")
 
 
 class AuditError(ZephonError, ValueError):
@@ -204,7 +213,7 @@ def concat_cursor(stream: ProvenanceStream, position: int) -> Optional[dict]:
 
 
 def choose_method(loader, has_state: bool, bins_resolvable: bool = True) -> str:
-    """``seek``, ``checkpoint`` or ``replay`` (see the module docstring); ``bins_resolvable``:
+    """``seek``, ``checkpoint``, ``window`` or ``replay`` (see the module docstring); ``bins_resolvable``:
     every open best-fit bin of the state says where its pieces came from (``piece_origins``)."""
     config = loader.config
     # Online transforms and online chat rendering change documents (drop them, change their
@@ -231,6 +240,8 @@ def choose_method(loader, has_state: bool, bins_resolvable: bool = True) -> str:
             "version 2), or re-shard the sources pre-tokenized (`zephon shard ... --tokenizer FILE`)")
     if config.packing == "concat" and not finite and not token_mixing:
         return "seek"
+    if config.packing_window is not None and not finite:
+        return "window"
     return "replay"
 
 
@@ -301,7 +312,7 @@ def replay_notice(loader, step: int, lane_ids: Sequence[int]) -> str:
     config = loader.config
     token_mixing = config.mixing_unit == "token" and len(loader.source_names) > 1
     reasons = []
-    if config.packing == "best_fit":
+    if config.packing == "best_fit" and config.packing_window is None:
         reasons.append("best-fit packing: which open bin a document joins, and when a bin is emitted, depends on every "
                        "earlier document of the lane, so the open bins before a step cannot be computed from the step "
                        "number")
@@ -400,6 +411,16 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
             counts = source_counts_before(spec.schedule, len(spec.sources), B, L, step)
             for lane_id, lane in lanes.items():
                 lane.set_state(_seek_state(lane, counts[lane_id], config.seq_len, step * B))
+        elif method == "window":
+            counts = source_counts_before(spec.schedule, len(spec.sources), B, L, step)
+            scanned = 0
+            for lane_id, lane in lanes.items():
+                state, counted = _window_state(lane, counts[lane_id], loader, step * B)
+                lane.set_state(state)
+                scanned += counted
+            notes.append(f"packing_window: lane states from window counts ({cache_dir(config.cache_dir)}); "
+                         + (f"counted the windows of {scanned:,} documents now (kept for later audits)" if scanned
+                            else "every count was cached"))
         else:
             from loader.commands import audit_replay
 
@@ -481,6 +502,22 @@ def _seek_state(lane, counts: np.ndarray, seq_len: int, step_index: int) -> dict
             raise AuditError(f"source {source.name!r} has no data left in lane {lane.lane_id}")
         sources[source.name] = {"packer": {"stream": cursor}, "stopped": False}
     return {"outputs": _lane_outputs_before(step_index, lane.lane_id, lane.num_lanes), "sources": sources}
+
+
+def _window_state(lane, counts: np.ndarray, loader, step_index: int) -> tuple[dict, int]:
+    """The lane's state before global index ``step_index`` from its window counts, and how many
+    documents had to be counted for it (0: all cached)."""
+    config = loader.config
+    directory = cache_dir(config.cache_dir)
+    sources, scanned = {}, 0
+    for source, stream, manifest, count in zip(lane.spec.sources, lane.source_streams(), loader.manifests,
+                                               counts.tolist()):
+        index = WindowIndex(stream, seq_len=config.seq_len, window=config.packing_window, directory=directory,
+                            dataset_fingerprint=manifest.dataset_fingerprint or manifest.compute_fingerprint())
+        cursor, window, emitted = index.locate(count)
+        scanned += index.scanned
+        sources[source.name] = {"packer": window_packer_state(cursor, window, emitted), "stopped": False}
+    return {"outputs": _lane_outputs_before(step_index, lane.lane_id, lane.num_lanes), "sources": sources}, scanned
 
 
 def _sequence_audit(position: int, global_index: int, lane, source_id: int, packed) -> SequenceAudit:

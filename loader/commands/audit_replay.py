@@ -166,7 +166,8 @@ def replayed_lane_state(lane, first_output: int, end_output: int, *, start: Opti
     from loader.stages.lane import LaneExhausted
 
     spec = lane.spec
-    if lane.token_mixing or spec.packing != "best_fit" or (first_output != 0 and start is None):
+    if lane.token_mixing or spec.packing != "best_fit" or spec.packing_window is not None \
+            or (first_output != 0 and start is None):
         return None
     streams = lane.source_streams()
     if start is None:

@@ -50,6 +50,8 @@ RUNTIME_FIELDS = frozenset({
     "micro_batch_size", "num_workers", "prefetch", "cache_dir", "cache_max_bytes", "verify_checksums",
     "verify_local_files", "storage_endpoint", "storage", "worker_timeout_s", "read_ahead", "read_ahead_threads",
     "batch_fields", "step_states_kept", "metrics_log_every_steps",
+    # which rank trains on which of a step's sequences, not what the step holds (a resume keeps it, though)
+    "balance",
 })
 TEXT_SEQUENCES_SHOWN = 16  # the text report lists this many differing sequences; --json lists all
 
@@ -226,10 +228,12 @@ def config_differences(a: LoaderConfig, b: LoaderConfig) -> list[dict[str, Any]]
             continue
         if left == right:
             continue
-        if f.name in stream_a:
-            kind = "stream" if stream_a[f.name] != stream_b[f.name] else "runtime"
+        if f.name in RUNTIME_FIELDS:
+            kind = "runtime"
+        elif f.name in stream_a or f.name in stream_b:  # options that enter stream_fields only when set
+            kind = "stream" if stream_a.get(f.name) != stream_b.get(f.name) else "runtime"
         else:
-            kind = "runtime" if f.name in RUNTIME_FIELDS else "input"
+            kind = "input"
         out.append({"field": f.name, "kind": kind, "a": _plain(left), "b": _plain(right)})
     return out
 

@@ -110,12 +110,14 @@ def collect_fingerprints(
     save_state_step: Optional[int] = None,
     keep_sequences: bool = False,
     transform_counts: Optional[dict] = None,
+    balance_stats: Optional[dict] = None,
 ) -> tuple[list[StepFingerprint], Optional[dict]]:
     """Fingerprints of steps ``[start_step, end_step)`` and the merged state at ``save_state_step``.
 
     Without ``load_state`` the loaders start at step 0 and steps before ``start_step`` are
     consumed but not printed. ``transform_counts``: a dict filled with what the transforms did
-    by the end, summed over the ranks (``ZephonLoader.transform_counts``).
+    by the end, summed over the ranks (``ZephonLoader.transform_counts``). ``balance_stats``: a dict
+    filled with the balancer's max/mean rank costs (``balance`` set; ``LoaderMetrics.balance``).
     """
     from loader.pipeline import ZephonLoader  # torch: not for a config or state file that is refused first
 
@@ -179,6 +181,8 @@ def collect_fingerprints(
                 results.append(StepFingerprint(step, digest.hexdigest(), source_counts, sequences, supervised_counts))
         if save_state_step is not None and save_state_step == end_step:
             saved = merge_rank_states([loader.state_dict() for loader in loaders])
+        if balance_stats is not None:  # balance: every rank's balancer sees the whole step (rank 0's)
+            balance_stats.update(loaders[0].metrics().balance)
         if transform_counts is not None:
             for loader in loaders:  # each rank counts its own lanes
                 for source, per_transform in loader.transform_counts().items():
@@ -191,6 +195,13 @@ def collect_fingerprints(
         for loader in loaders:
             loader.close()
     return results, saved
+
+
+def balance_line(stats: dict, world_size: int) -> str:
+    """``# balance ...``: max/mean rank cost with ``balance`` and as the default layout had it."""
+    return (f"# balance attention W={world_size}: rank cost max/mean over {stats['steps']} steps: mean "
+            f"{stats['mean_max_over_mean']:.4f} (unbalanced {stats['mean_max_over_mean_unbalanced']:.4f}); last step "
+            f"{stats['max_over_mean']:.4f} (unbalanced {stats['max_over_mean_unbalanced']:.4f})")
 
 
 def transform_count_lines(transform_counts: dict) -> list[str]:
@@ -270,14 +281,18 @@ def command(argv: Sequence[str]) -> int:
         save_step = int(step_text)
     load_state = read_state_file(args.load_state) if args.load_state else None
     transform_counts: dict = {}
+    balance_stats: dict = {}
     results, saved = collect_fingerprints(
         config, world_size=args.world_size, start_step=start, end_step=end,
         load_state=load_state, save_state_step=save_step, transform_counts=transform_counts,
+        balance_stats=balance_stats,
     )
     for result in results:
         print(result.line())
     for line in transform_count_lines(transform_counts):
         print(line)
+    if balance_stats:
+        print(balance_line(balance_stats, args.world_size))
     if save_file is not None and saved is not None:
         with open(save_file, "w") as fh:
             fh.write(dumps(saved))

@@ -27,6 +27,7 @@ from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence, S
 from loader.checkpoint.state import StateError, lane_key
 from loader.io.storage import StorageOptions
 from loader.stages.token_mixing import MixedTokenStream
+from loader.stages.window_packing import WindowedBestFitPacker
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class LaneSpec:
     read_ahead_threads: int = 1
     features: tuple[str, ...] = ()  # per-token features every sequence carries (loader.stages.features)
     images: Optional[object] = None  # loader.vision.block.ImageOptions when some source holds images
+    packing_window: Optional[int] = None  # best fit per window of this many documents (loader.stages.window_packing)
 
     @property
     def source_names(self) -> tuple[str, ...]:
@@ -157,6 +159,9 @@ class Lane:
     def _packer(self, stream):
         if self.spec.packing == "concat":
             return ConcatPacker(stream, self.spec.seq_len, self.spec.pad_id, features=self.spec.features)
+        if self.spec.packing_window is not None:
+            return WindowedBestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.packing_window,
+                                         features=self.spec.features)
         cap = self.spec.images.max_images_per_sequence if self.spec.images is not None else None
         return BestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.best_fit_open_bins,
                              features=self.spec.features, max_images=cap)
