@@ -1,0 +1,68 @@
+"""The recipes of docs/guides/model-inputs.md, run as written: HF ``ZephonTrainer`` with
+``model_inputs`` passes each micro-batch whole and divides by the loader's step count (not its
+own), and a step's summed micro-batch losses are the global batch's mean token loss."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tokenizers import Tokenizer  # noqa: E402
+
+from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.config import LoaderConfig  # noqa: E402
+from loader.integrations.hf import HFIntegrationError, ZephonTrainer  # noqa: E402
+from loader.pipeline import ZephonLoader  # noqa: E402
+from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402
+from tests.integrations.hf_rank import training_arguments  # noqa: E402
+from tests.model_inputs.models import tiny_llama  # noqa: E402
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> LoaderConfig:
+    path = tmp_path_factory.mktemp("trainers") / "pre"
+    write_dataset(str(path), synthetic_texts(80, seed=3, max_words=5), num_lanes=4, seed=1,
+                  tokenizer=Tokenizer.from_file(default_tokenizer_path()))
+    return LoaderConfig(datasets=[{"path": str(path)}], seq_len=64, global_batch_size=4, micro_batch_size=2, seed=5,
+                        tokenizer=default_tokenizer_path(), model_inputs="causal_lm")
+
+
+def global_mean_loss(model, micro_batches: list[dict]) -> float:
+    packed = {k: torch.cat([b[k] for b in micro_batches]) for k in ("input_ids", "labels", "position_ids")}
+    with torch.no_grad():
+        logits = model(**packed, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             packed["labels"][:, 1:].reshape(-1), ignore_index=-100).item()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_hf_trainer_takes_the_loaders_count_and_the_batch_whole(config, tmp_path):
+    model = tiny_llama("sdpa")
+    with ZephonLoader(config) as loader:
+        expected = [next(loader) for _ in range(2)]  # step 0
+    reference = global_mean_loss(model, expected)
+    seen = []
+
+    def record(module, args, kwargs, output):
+        seen.append({"keys": sorted(kwargs), "num_items": int(kwargs["num_items_in_batch"]),
+                     "loss": output.loss.item(), "use_cache": kwargs["use_cache"]})
+
+    model.register_forward_hook(record, with_kwargs=True)
+    args = training_arguments(str(tmp_path), config, 1, max_steps=STEPS, save_steps=STEPS, learning_rate=0.0)
+    trainer = ZephonTrainer(model=model, args=args, zephon_loader=config)
+    trainer.train()
+    assert len(seen) == STEPS * 2
+    assert set(seen[0]["keys"]) == set(expected[0]) and seen[0]["use_cache"] is False
+    assert [s["num_items"] for s in seen[:2]] == [int(b["num_items_in_batch"]) for b in expected]
+    assert abs(seen[0]["loss"] + seen[1]["loss"] - reference) <= 1e-5 * reference
+
+
+def test_hf_trainer_refuses_picking_keys_of_a_laid_out_batch(config, tmp_path):
+    args = training_arguments(str(tmp_path), config, 1, max_steps=1, save_steps=1)
+    with pytest.raises(HFIntegrationError, match="already lays every micro-batch out"):
+        ZephonTrainer(model=tiny_llama("sdpa"), args=args, zephon_loader=config, model_inputs=("input_ids",))
