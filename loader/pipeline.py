@@ -317,6 +317,12 @@ class ZephonLoader:
         step is a :class:`~loader.checkpoint.state.StateError`.
         """
         if step is None:
+            if self.model_inputs is not None and self.rank_position % self.topology.per_rank_batch:
+                raise state_mod.StateError(
+                    f"state_dict() mid-step ({self.rank_position % self.topology.per_rank_batch} of "
+                    f"{self.topology.per_rank_batch} sequences of step {self.step} handed out): with model_inputs = "
+                    f"{self.config.model_inputs!r} a micro-batch carries the loss tokens of its whole step, so "
+                    "states are taken at step boundaries; pass step= the number of optimizer steps trained")
             lane_states, position = self._current_lane_states(), self.rank_position
         else:
             lane_states, position = self._boundary_lane_states(step), step * self.topology.per_rank_batch
@@ -773,9 +779,11 @@ class _Run:
         self.timeout_s = cfg.worker_timeout_s
         self.pool = pool
         self.in_process_lanes = None
-        # In-process lanes are read directly by state_dict() unless steps are looked ahead
-        # (finite data); then, as with workers, every item carries its lane state.
-        self.reads_lanes_directly = cfg.num_workers == 0 and not loader.looks_ahead and not warm_start
+        # In-process lanes are read directly by state_dict() unless steps are looked ahead for
+        # finite data; then, as with workers, every item carries its lane state. Looking ahead
+        # for model_inputs keeps the direct reads: its states are taken at step boundaries only,
+        # where the lanes have produced exactly the steps handed out.
+        self.reads_lanes_directly = cfg.num_workers == 0 and not loader.finite and not warm_start
         self.pending: dict[int, collections.deque] = {}
         self.ended_at: Optional[int] = None
         if pool is None or warm_start:

@@ -115,11 +115,35 @@ def test_resume_at_a_step_boundary_counts_the_same(dataset):
             next(loader)
 
 
-def test_mid_step_state_is_refused(dataset):
+def test_mid_step_states_are_refused(dataset):
     cfg = config(dataset, 2)
     with ZephonLoader(cfg, rank=0, world_size=1) as loader:
         next(loader)
-        state = loader.state_dict()
+        with pytest.raises(StateError, match="mid-step .*step boundaries"):
+            loader.state_dict()
+        assert loader.state_dict(step=0)["next_global_index"] == 0  # the boundary state is there
+    with ZephonLoader(cfg.replace(model_inputs=None), rank=0, world_size=1) as plain:
+        next(plain)
+        state = plain.state_dict()  # mid-step, from a loader without model_inputs
     with ZephonLoader(cfg, rank=0, world_size=1) as loader:
         with pytest.raises(StateError, match="mid-step .*step boundary"):
             loader.load_state_dict(state)
+
+
+def test_workers_and_finite_data_hand_out_the_same_counts(dataset):
+    """num_workers 2 (items from worker processes) and data that ends (max_epochs = 1, the
+    finite look-ahead): the same micro-batches and counts as in-process, to the last step."""
+    cfg = config(dataset, 2, datasets=[{"path": dataset, "max_epochs": 1}])
+    runs = []
+    for workers in (0, 2):
+        with ZephonLoader(cfg.replace(num_workers=workers), rank=0, world_size=1) as loader:
+            runs.append(list(loader))
+    assert len(runs[0]) == len(runs[1]) > 4
+    for a, b in zip(*runs):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and int(a["num_items_in_batch"]) == int(b["num_items_in_batch"])
+    with ZephonLoader(cfg.replace(model_inputs=None), rank=0, world_size=1) as plain:
+        expected = collections.Counter()
+        for batch in plain:
+            expected[batch["step"]] += int((batch["labels"][:, 1:] != -100).sum())
+    micro_steps = GLOBAL_BATCH // 2
+    assert [int(b["num_items_in_batch"]) for b in runs[0]] == [expected[k // micro_steps] for k in range(len(runs[0]))]
