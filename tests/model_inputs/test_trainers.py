@@ -66,3 +66,60 @@ def test_hf_trainer_refuses_picking_keys_of_a_laid_out_batch(config, tmp_path):
     args = training_arguments(str(tmp_path), config, 1, max_steps=1, save_steps=1)
     with pytest.raises(HFIntegrationError, match="already lays every micro-batch out"):
         ZephonTrainer(model=tiny_llama("sdpa"), args=args, zephon_loader=config, model_inputs=("input_ids",))
+
+
+class _LitLlama:
+    """The Lightning recipe of docs/guides/model-inputs.md around a tiny Llama; records the
+    gradients of the first optimizer step (learning rate 0: the weights stay as built)."""
+
+    @staticmethod
+    def build():
+        import lightning.pytorch as pl
+
+        class LitLlama(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = tiny_llama("sdpa")
+                self.grads = None
+                self.losses = []
+
+            def training_step(self, batch, batch_idx):
+                loss = self.model(**batch).loss
+                self.losses.append(loss.item())
+                # Lightning divides by accumulate_grad_batches, DDP averages over ranks; the loss
+                # is already normalised by the whole step's loss tokens
+                return loss * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+            def on_before_optimizer_step(self, optimizer):
+                if self.grads is None:
+                    self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        return LitLlama()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_lightning_recipe_gives_the_global_mean_loss_gradient(config, tmp_path):
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+
+    from loader.integrations.lightning import ZephonLightning
+
+    with ZephonLoader(config) as loader:
+        step0 = [next(loader) for _ in range(loader.topology.micro_steps_per_step)]
+    reference = tiny_llama("sdpa")
+    packed = {k: torch.cat([b[k] for b in step0]) for k in ("input_ids", "labels", "position_ids")}
+    logits = reference(**packed, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                      packed["labels"][:, 1:].reshape(-1), ignore_index=-100).backward()
+    module = _LitLlama.build()
+    zephon = ZephonLightning(config)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=zephon.micro_steps_per_step(1),
+                         callbacks=[zephon], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=zephon.train_dataloader())
+    assert len(module.losses) == len(step0)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(module.grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
