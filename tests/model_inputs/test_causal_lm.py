@@ -91,3 +91,12 @@ def test_unknown_layout_and_missing_fields_are_refused(datasets):
                                           r"'cu_seqlens'\]"):
         config(datasets["text"], batch_fields=("input_ids", "labels"))
     assert {"causal_lm", "qwen2_vl"} <= set(LAYOUTS)
+
+
+def test_fingerprints_of_a_model_inputs_config_are_the_streams(datasets):
+    from loader.commands.fingerprints import collect_fingerprints
+
+    laid_out = config(datasets["pretokenized"])
+    got, _ = collect_fingerprints(laid_out, world_size=2, end_step=3)
+    expected, _ = collect_fingerprints(laid_out.replace(model_inputs=None), world_size=1, end_step=3)
+    assert [r.line() for r in got] == [r.line() for r in expected]
