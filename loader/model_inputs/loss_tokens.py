@@ -63,7 +63,7 @@ class GlobalCounter:
     def count_next_step(self) -> Optional[int]:
         """The next step's count; None when the data ends before it."""
         if self._reader is None:
-            log.info("num_items_in_batch: world_size=%d without torch.distributed: this process counts every "
+            log.warning("num_items_in_batch: world_size=%d without torch.distributed: this process counts every "
                      "rank's loss tokens by reading all lanes (%dx the reading of one rank); initialise a process "
                      "group for one all_reduce per step instead", self.world_size, self.world_size)
             if self._state is not None and "rank" in self._state:

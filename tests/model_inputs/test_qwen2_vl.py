@@ -3,7 +3,8 @@ micro-batch as-is; every packed document's logits equal the document run alone, 
 positions equal ``get_rope_index`` of the document alone, and labels are -100 on its images.
 
 Caption pairs, two-image captions and interleaved documents (tests/vision/image_loader_data),
-and chat with images rendered by the Qwen2-VL template (tests/vision/test_image_chat). Without
+chat with images rendered by the Qwen2-VL template (tests/vision/test_image_chat), and image
+documents mixed with text documents. Without
 ``use_cache=False``, or with the plain 2-D positions (the loader's own batch), the documents
 differ: the equality is not vacuous.
 """
@@ -23,6 +24,7 @@ from image_loader_data import DYNAMIC, FIXED, IN_MEMORY, NUM_LANES, image_config
 from loader.model_inputs import ModelInputsError  # noqa: E402
 from loader.model_inputs.qwen2_vl import Qwen2VL  # noqa: E402
 from loader.pipeline import ZephonLoader  # noqa: E402
+from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402
 from tests.model_inputs.models import documents, tiny_qwen2_vl, worst_document_difference  # noqa: E402
 
 SEQ_LEN = 160
@@ -40,13 +42,16 @@ def data(tmp_path_factory):
     shard.run(["--input", str(chat_in / "chat.jsonl"), "--output", str(root / "chat"), "--messages-field", "messages",
                "--chat-template", str(TEMPLATE), "--image-policy", json.dumps(DYNAMIC), "--num-lanes", str(NUM_LANES),
                *IN_MEMORY])
+    write_dataset(str(root / "text"), synthetic_texts(40, seed=2, max_words=3), num_lanes=NUM_LANES, seed=1,
+                  source_name="text")  # tokenized online
     model, ids = tiny_qwen2_vl(tokenizer)
-    return {"tokenizer": tokenizer, "documents": documents_path, "chat": str(root / "chat"), "model": model,
-            "ids": ids, "root": root}
+    return {"tokenizer": tokenizer, "model": model, "ids": ids, "root": root,
+            "sources": {"documents": [{"path": documents_path}], "chat": [{"path": str(root / "chat")}],
+                        "mixed": [{"path": documents_path}, {"path": str(root / "text"), "weight": 2.0}]}}
 
 
 def batches(data, source: str, count: int) -> list[dict]:
-    config = image_config([{"path": data[source]}], data["tokenizer"], seq_len=SEQ_LEN, model_inputs="qwen2_vl")
+    config = image_config(data["sources"][source], data["tokenizer"], seq_len=SEQ_LEN, model_inputs="qwen2_vl")
     with ZephonLoader(config, rank=0, world_size=1) as loader:
         return [next(loader) for _ in range(count)]
 
@@ -69,7 +74,7 @@ def per_document_inputs(batch: dict, image_id: int):
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("source", ["documents", "chat"])
+@pytest.mark.parametrize("source", ["documents", "chat", "mixed"])
 def test_packed_image_documents_compute_as_alone(data, source):
     model, image_id = data["model"], data["ids"]["image_token_id"]
     images = 0
