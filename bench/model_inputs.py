@@ -7,12 +7,15 @@ Cases (each a fresh process, harness of bench/loader_throughput.py; medians of `
 * ``loader_{unset,causal_lm}_{2048,8192}``: tokens/s and peak RSS of ``ZephonLoader`` on
   pre-tokenized lanes (best-fit packing, 8 sequences per step, micro-batch 2, num_workers 0),
   ``model_inputs`` unset vs ``"causal_lm"`` (the step look-ahead, the loss-token count, the
-  layout). Every tensor of each micro-batch is touched, as a training loop does.
+  layout). Every tensor of each micro-batch is touched, as a training loop does. On a shared
+  machine tokens per CPU second is the steadier number.
 * ``attn_{positions,mask4d}_{2048,8192}``: one forward and backward of a small Llama (hidden 64,
   2 layers, sdpa, float32, CPU, one row) on one micro-batch of the loader: ``positions`` is the
   ``causal_lm`` batch (transformers builds the packed mask from ``position_ids``, in the
   model's dtype); ``mask4d`` replaces it by a block-diagonal 4-D float mask built from the
   segments (what a loader would have to ship), timed and sized separately.
+* ``mask_{sdpa,eager}_{2048,8192}``: what transformers' ``create_causal_mask`` builds from
+  packed ``position_ids`` (documents of 700, 1300, 500 tokens, one row): size, time, peak RSS.
 """
 
 from __future__ import annotations
@@ -117,7 +120,27 @@ def child_attention(dataset: str, seq_len: int, variant: str) -> dict:
             "peak_rss_mb": _peak_rss_mb(resource.RUSAGE_SELF), "rss_before_forward_mb": base_rss}
 
 
-CHILDREN = {"loader": child_loader, "attention": child_attention}
+def child_mask(seq_len: int, attn: str) -> dict:
+    import resource
+
+    import torch
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, attn_implementation=attn)
+    positions = torch.cat([torch.arange(n) for n in (700, 1300, 500) * (seq_len // 2500 + 1)])[:seq_len][None]
+    embeds = torch.zeros(1, seq_len, 64)
+    before = _peak_rss_mb(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                              position_ids=positions)
+    seconds = time.perf_counter() - started
+    return {"tokens": seq_len, "seconds": seconds, "mask_mb": mask.numel() * mask.element_size() / 2**20,
+            "dtype": str(mask.dtype), "peak_rss_mb": _peak_rss_mb(resource.RUSAGE_SELF),
+            "rss_added_mb": _peak_rss_mb(resource.RUSAGE_SELF) - before}
+
+
+CHILDREN = {"loader": child_loader, "attention": child_attention, "mask": child_mask}
 
 
 def plan(dataset: str) -> dict[str, dict]:
@@ -129,22 +152,29 @@ def plan(dataset: str) -> dict[str, dict]:
         for variant in ("positions", "mask4d"):
             cases[f"attn_{variant}_{seq_len}"] = {"kind": "attention", "dataset": dataset, "seq_len": seq_len,
                                                   "variant": variant}
+        for attn in ("sdpa", "eager"):
+            cases[f"mask_{attn}_{seq_len}"] = {"kind": "mask", "seq_len": seq_len, "attn": attn}
     return cases
 
 
 def report(results: dict[str, list[dict]]) -> list[str]:
-    lines = ["| case | tokens/s (median) | peak RSS MiB | extra |", "|---|---:|---:|---|"]
+    lines = ["| case | tokens/s (median) | tokens / CPU s | peak RSS MiB | extra |", "|---|---:|---:|---:|---|"]
     for name, runs in results.items():
         if not runs:
             continue
         rate = statistics.median(r["tokens"] / r["seconds"] for r in runs)
         rss = statistics.median(r["peak_rss_mb"] for r in runs)
         extra = ""
-        if "mask_mb" in runs[0]:
+        if "rss_added_mb" in runs[0]:
+            extra = (f"{runs[0]['dtype']} mask {runs[0]['mask_mb']:.0f} MiB in "
+                     f"{statistics.median(r['seconds'] for r in runs):.3f} s; peak RSS added "
+                     f"{statistics.median(r['rss_added_mb'] for r in runs):.0f} MiB")
+        elif "mask_mb" in runs[0]:
             extra = (f"fwd+bwd {statistics.median(r['seconds'] for r in runs):.3f} s; mask "
                      f"{runs[0]['mask_mb']:.0f} MiB built in {statistics.median(r['mask_build_s'] for r in runs):.3f} s; "
                      f"RSS before forward {statistics.median(r['rss_before_forward_mb'] for r in runs):.0f} MiB")
-        lines.append(f"| {name} | {rate:,.0f} | {rss:.0f} | {extra} |")
+        per_cpu = (f"{statistics.median(r['tokens'] / r['cpu_s'] for r in runs):,.0f}" if "cpu_s" in runs[0] else "")
+        lines.append(f"| {name} | {rate:,.0f} | {per_cpu} | {rss:.0f} | {extra} |")
     return lines
 
 

@@ -59,21 +59,22 @@ def rank_batches(cfg: LoaderConfig, world_size: int, steps: int) -> list[list[di
     return out
 
 
-def independent_counts(path: str, world_size: int, micro: int) -> list[int]:
+def independent_counts(path: str, world_size: int, micro: int, **overrides) -> list[int]:
     """Per step, ``labels[:, 1:] != -100`` over every rank's micro-batches of the loader's own batches."""
     counts: collections.Counter = collections.Counter()
-    for batches in rank_batches(config(path, micro, model_inputs=None), world_size, STEPS):
+    for batches in rank_batches(config(path, micro, model_inputs=None, **overrides), world_size, STEPS):
         for batch in batches:
             counts[batch["step"]] += int((batch["labels"][:, 1:] != -100).sum())
     return [counts[s] for s in range(STEPS)]
 
 
-@pytest.mark.parametrize("world_size,micro", TOPOLOGIES)
-def test_every_micro_batch_carries_the_steps_count_over_all_ranks(dataset, world_size, micro):
-    expected = independent_counts(dataset, world_size, micro)
+@pytest.mark.parametrize("world_size,micro,packing", [(w, m, "best_fit") for w, m in TOPOLOGIES] +
+                         [(2, 2, "concat"), (1, 4, "concat")])
+def test_every_micro_batch_carries_the_steps_count_over_all_ranks(dataset, world_size, micro, packing):
+    expected = independent_counts(dataset, world_size, micro, packing=packing)
     assert len(set(expected)) > 1  # steps differ: a per-step count, not a constant
     micro_steps = GLOBAL_BATCH // world_size // micro
-    for batches in rank_batches(config(dataset, micro), world_size, STEPS):
+    for batches in rank_batches(config(dataset, micro, packing=packing), world_size, STEPS):
         got = [int(b["num_items_in_batch"]) for b in batches]
         assert got == [expected[k // micro_steps] for k in range(len(got))]
 
