@@ -8,7 +8,7 @@ VOCAB = 8000  # the shipped test tokenizer's
 
 
 def tiny_llama(attn_implementation: str, vocab_size: int = VOCAB, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional: callers importorskip it
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -39,7 +39,7 @@ def tiny_qwen2_vl(tokenizer_path: str, attn_implementation: str = "sdpa", seed: 
     """A 2-layer Qwen2-VL with a 1-block vision tower (patch 14, merge 2, temporal patch 2: the
     loader's dynamic policy defaults), placeholder ids from ``tokenizer_path``."""
     from tokenizers import Tokenizer
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration  # optional: callers importorskip it
 
     tokenizer = Tokenizer.from_file(tokenizer_path)
     ids = {name: tokenizer.token_to_id(token) for name, token in (

@@ -14,8 +14,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.commands.fingerprints import collect_fingerprints  # noqa: E402
 from loader.config import ConfigError, LoaderConfig  # noqa: E402
 from loader.model_inputs import LAYOUTS  # noqa: E402
 from loader.model_inputs.causal_lm import CausalLM  # noqa: E402
@@ -94,9 +96,21 @@ def test_unknown_layout_and_missing_fields_are_refused(datasets):
 
 
 def test_fingerprints_of_a_model_inputs_config_are_the_streams(datasets):
-    from loader.commands.fingerprints import collect_fingerprints
-
     laid_out = config(datasets["pretokenized"])
     got, _ = collect_fingerprints(laid_out, world_size=2, end_step=3)
     expected, _ = collect_fingerprints(laid_out.replace(model_inputs=None), world_size=1, end_step=3)
     assert [r.line() for r in got] == [r.line() for r in expected]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_gpt2_takes_the_same_batch(datasets, attn):
+    """Not only Llama: GPT-2 (learned absolute positions) computes each packed document as alone."""
+    batch = first_batch(config(datasets["pretokenized"]))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=SEQ_LEN, vocab_size=8000,
+                                       bos_token_id=None, eos_token_id=None, attn_implementation=attn)).eval()
+    with torch.no_grad():
+        out = model(**batch)
+        alone = lambda r, a, b: model(input_ids=batch["input_ids"][r : r + 1, a:b]).logits[0]  # noqa: E731
+        assert worst_document_difference(out.logits, alone, documents(batch["position_ids"])) <= 1e-4

@@ -4,6 +4,9 @@ own), and a step's summed micro-batch losses are the global batch's mean token l
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,8 +20,11 @@ from loader.config import LoaderConfig  # noqa: E402
 from loader.integrations.hf import HFIntegrationError, ZephonTrainer  # noqa: E402
 from loader.pipeline import ZephonLoader  # noqa: E402
 from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402
+from tests.integrations import hf_rank  # noqa: E402
 from tests.integrations.hf_rank import training_arguments  # noqa: E402
+from tests.model_inputs import hf_trainer_rank  # noqa: E402
 from tests.model_inputs.models import tiny_llama  # noqa: E402
+from tests.rank_launcher import launch_ranks  # noqa: E402
 
 STEPS = 2
 
@@ -74,7 +80,7 @@ class _LitLlama:
 
     @staticmethod
     def build():
-        import lightning.pytorch as pl
+        import lightning.pytorch as pl  # optional: the test skips without it
 
         class LitLlama(pl.LightningModule):
             def __init__(self) -> None:
@@ -102,10 +108,8 @@ class _LitLlama:
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_lightning_recipe_gives_the_global_mean_loss_gradient(config, tmp_path):
-    pytest.importorskip("lightning")
-    import lightning.pytorch as pl
-
-    from loader.integrations.lightning import ZephonLightning
+    pl = pytest.importorskip("lightning.pytorch")
+    from loader.integrations.lightning import ZephonLightning  # imports lightning: only when it is installed
 
     with ZephonLoader(config) as loader:
         step0 = [next(loader) for _ in range(loader.topology.micro_steps_per_step)]
@@ -123,3 +127,21 @@ def test_lightning_recipe_gives_the_global_mean_loss_gradient(config, tmp_path):
     assert len(module.losses) == len(step0)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(module.grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_hf_trainer_on_two_processes_trains_as_one(config, tmp_path):
+    """Two gloo ranks with the loader's count (no second count, no gather) train like one process:
+    the same summed losses step after step under plain SGD."""
+    steps = 4
+    config_path = tmp_path / "loader.json"
+    config_path.write_text(json.dumps(config.to_dict()))
+    out = tmp_path / "w2"
+    launch_ranks(2, "tests.model_inputs.hf_trainer_rank", [str(config_path), str(tmp_path / "run2"), str(out), str(steps)],
+                 timeout_s=200, preload=["transformers", "accelerate", "loader.integrations.hf"])
+    ranks = [{"forwards": json.loads(Path(f"{out}.rank{r}").read_text())} for r in range(2)]
+    one = [{"forwards": hf_trainer_rank.run(config, str(tmp_path / "run1"), 1, steps)}]
+    expected = hf_rank.step_losses(config, 1, one)
+    assert len(expected) == steps and expected[-1] < expected[0] - 0.05  # SGD moved the model
+    assert hf_rank.step_losses(config, 2, ranks) == pytest.approx(expected, rel=1e-5)
