@@ -626,6 +626,11 @@ class ZephonLoader:
         elif self.topology.world_size > 1 and counts and available:
             loss_tokens = self._peer_counter().count_next_step()
             available = loss_tokens is not None
+        if counts and available and loss_tokens == 0:
+            # HF losses would be 0 / 0 = NaN and poison the weights; 1 gives the step a zero loss.
+            log.warning("step %d has no loss tokens on any rank (every label is -100): num_items_in_batch = 1, "
+                        "so its loss is 0 instead of NaN", self.step)
+            loss_tokens = 1
         self._step_loss_tokens = loss_tokens
         return available
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loader.model_inputs.base import Layout, flash_varlen_kwargs, register
+from loader.model_inputs.base import Layout, ModelInputsError, flash_varlen_kwargs, register
 
 FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -29,6 +29,14 @@ class CausalLM(Layout):
 
     name = "causal_lm"
     keys = ("input_ids", "labels", "position_ids", "use_cache", *FLASH_KEYS, "num_items_in_batch")
+
+    def __init__(self, *, seq_len: int, image_options: Any = None) -> None:
+        super().__init__(seq_len=seq_len, image_options=image_options)
+        if image_options is not None:
+            # The layout has no pixels: the model would train on placeholder tokens that stand for nothing.
+            raise ModelInputsError("model_inputs = \"causal_lm\" has no image fields, but the loader's sources hold "
+                                   "images; use model_inputs = \"qwen2_vl\" (dynamic resolution) or leave "
+                                   "model_inputs unset and feed pixel_values yourself")
 
     def lay_out(self, batch: dict[str, Any]) -> dict[str, Any]:
         out = {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": batch["position_ids"],

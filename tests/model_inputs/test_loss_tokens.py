@@ -148,3 +148,17 @@ def test_workers_and_finite_data_hand_out_the_same_counts(dataset):
             expected[batch["step"]] += int((batch["labels"][:, 1:] != -100).sum())
     micro_steps = GLOBAL_BATCH // 2
     assert [int(b["num_items_in_batch"]) for b in runs[0]] == [expected[k // micro_steps] for k in range(len(runs[0]))]
+
+
+def test_a_step_without_loss_tokens_gets_a_zero_loss_not_nan(tmp_path, caplog):
+    texts = synthetic_texts(80, seed=2, max_words=3)
+    tokenizer = Tokenizer.from_file(default_tokenizer_path())
+    ids = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    write_dataset(str(tmp_path / "unsupervised"), texts, num_lanes=8, seed=4, tokenizer=tokenizer,
+                  loss_masks=[[0] * len(i) for i in ids])
+    with ZephonLoader(config(str(tmp_path / "unsupervised"), 2), rank=0, world_size=1) as loader:
+        batch = next(loader)
+    assert bool((batch["labels"] == -100).all()) and int(batch["num_items_in_batch"]) == 1
+    assert "no loss tokens" in caplog.text
+    with torch.no_grad():
+        assert tiny_llama("sdpa")(**batch).loss.item() == 0.0

@@ -109,3 +109,9 @@ def test_fixed_resolution_images_are_refused(data):
     config = image_config([{"path": path}], data["tokenizer"], seq_len=SEQ_LEN, model_inputs="qwen2_vl")
     with pytest.raises(ModelInputsError, match="needs the \"dynamic\" image policy"):
         ZephonLoader(config)
+
+
+def test_causal_lm_refuses_image_sources(data):
+    config = image_config(data["sources"]["documents"], data["tokenizer"], seq_len=SEQ_LEN, model_inputs="causal_lm")
+    with pytest.raises(ModelInputsError, match="sources hold images; use model_inputs = \"qwen2_vl\""):
+        ZephonLoader(config)
