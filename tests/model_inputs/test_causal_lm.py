@@ -84,6 +84,11 @@ def test_model_inputs_leave_the_stream_alone(datasets):
         assert torch.equal(plain[key], laid_out[key])
     assert torch.equal(laid_out["cu_seq_lens_q"].long(), plain["cu_seqlens"].long())
     assert "step" in plain and "step" not in laid_out  # only forward's arguments
+    with ZephonLoader(config(datasets["pretokenized"]), rank=0, world_size=1, output="numpy") as loader:
+        as_numpy = next(loader)  # the same layout, as NumPy arrays
+    assert set(as_numpy) == set(laid_out)
+    for key, value in laid_out.items():
+        assert (value == as_numpy[key]) if not torch.is_tensor(value) else bool((value.numpy() == as_numpy[key]).all())
 
 
 def test_unknown_layout_and_missing_fields_are_refused(datasets):
