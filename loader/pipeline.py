@@ -46,7 +46,7 @@ from loader.io.blocks import TokenFormat
 from loader.io.manifest import Manifest, ManifestError, read_manifest
 from loader.metrics import LoaderMetrics, MetricsRecorder
 from loader.model_inputs import build_layout
-from loader.model_inputs.loss_tokens import GlobalCounter, sum_over_ranks
+from loader.model_inputs.loss_tokens import GlobalCounter, data_parallel_share, sum_over_ranks
 from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.stages.collate import OUTPUTS, Collator, to_torch
 from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
@@ -623,6 +623,8 @@ class ZephonLoader:
             # One collective for both: ranks that cannot finish the step, and the loss tokens.
             missing, loss_tokens = sum_over_ranks([0 if available else 1, loss_tokens], self._end_group)
             available = missing == 0
+            if counts:
+                loss_tokens = data_parallel_share(loss_tokens, dist.get_world_size(), self.topology.world_size)
         elif self.topology.world_size > 1 and counts and available:
             loss_tokens = self._peer_counter().count_next_step()
             available = loss_tokens is not None

@@ -19,7 +19,11 @@ ahead on its own lanes, as it does for finite data):
 * ranks simulated in one process (``world_size > 1`` without a process group, as
   ``zephon fingerprints`` and tests build them): no communication; the rank counts the whole
   global batch itself with a world-size-1 reader of every lane (:class:`GlobalCounter`),
-  which costs W times the reading of one rank and is logged once.
+  which costs W times the reading of one rank and is warned about once.
+
+Under tensor or pipeline parallelism the collective runs over every process, and the peers of
+one data-parallel rank hold the same micro-batches: the sum counts each data-parallel rank
+once per peer, and :func:`data_parallel_share` divides that out.
 """
 
 from __future__ import annotations
@@ -85,6 +89,18 @@ class GlobalCounter:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+
+
+def data_parallel_share(total: int, processes: int, dp_world_size: int) -> int:
+    """``total`` summed over ``processes`` that are ``dp_world_size`` data-parallel ranks times
+    ``processes // dp_world_size`` peers with identical batches: each rank's count once."""
+    peers, rest = divmod(processes, dp_world_size)
+    if rest or total % peers:
+        raise StateError(
+            f"num_items_in_batch: {processes} processes serve {dp_world_size} data-parallel ranks, but the loss "
+            f"tokens summed over them ({total}) are not {peers} identical copies per rank: the tensor/pipeline "
+            "peers of a data-parallel rank must build the loader with the same dp_rank (or device_mesh)")
+    return total // peers
 
 
 def sum_over_ranks(values: Iterable[int], group: Any) -> list[int]:

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
 from loader.checkpoint.state import StateError, merge_rank_states  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
+from loader.model_inputs.loss_tokens import data_parallel_share  # noqa: E402
 from loader.pipeline import ZephonLoader  # noqa: E402
 from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402
 from tests.model_inputs.models import tiny_llama  # noqa: E402
@@ -162,3 +163,10 @@ def test_a_step_without_loss_tokens_gets_a_zero_loss_not_nan(tmp_path, caplog):
     assert "no loss tokens" in caplog.text
     with torch.no_grad():
         assert tiny_llama("sdpa")(**batch).loss.item() == 0.0
+
+
+def test_tensor_parallel_peers_are_counted_once():
+    assert data_parallel_share(3 * 2 * 100, 6, 3) == 300  # 3 DP ranks x 2 TP peers, each DP count twice
+    assert data_parallel_share(300, 3, 3) == 300
+    with pytest.raises(StateError, match="same dp_rank"):
+        data_parallel_share(301, 6, 3)  # peers that did not get the same batches
