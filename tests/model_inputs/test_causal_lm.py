@@ -83,6 +83,7 @@ def test_model_inputs_leave_the_stream_alone(datasets):
     for key in ("input_ids", "labels", "position_ids"):
         assert torch.equal(plain[key], laid_out[key])
     assert torch.equal(laid_out["cu_seq_lens_q"].long(), plain["cu_seqlens"].long())
+    assert laid_out["max_length_q"] == int(torch.diff(plain["cu_seqlens"]).max())  # flash varlen kwargs
     assert "step" in plain and "step" not in laid_out  # only forward's arguments
     with ZephonLoader(config(datasets["pretokenized"]), rank=0, world_size=1, output="numpy") as loader:
         as_numpy = next(loader)  # the same layout, as NumPy arrays
