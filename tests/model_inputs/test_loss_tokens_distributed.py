@@ -25,6 +25,7 @@ STEPS = 3
 WORLD = 2
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_gloo_ranks_count_and_train_like_the_global_batch(tmp_path):

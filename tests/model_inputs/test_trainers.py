@@ -129,6 +129,7 @@ def test_lightning_recipe_gives_the_global_mean_loss_gradient(config, tmp_path):
         torch.testing.assert_close(module.grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_hf_trainer_on_two_processes_trains_as_one(config, tmp_path):
