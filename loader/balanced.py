@@ -95,7 +95,7 @@ class Balancer:
         self._position += len(items)
         batch = loader._collate(items, self._position)  # its micro_step from the position handed out
         loader._metrics.count(items, batch, time.perf_counter() - started, self._position)
-        return batch
+        return loader._handed_out(batch)
 
     def _produce_step(self) -> None:
         loader = self.loader

@@ -20,6 +20,7 @@ from loader.validation import (
 
 from loader.errors import ZephonError
 from loader.io.backends import is_remote
+from loader.model_inputs import LayoutName, missing_fields
 from loader.stages.features import BATCH_FEATURE_FIELDS
 from loader.transforms.spec import TransformSpec
 from loader.vision.options import ImagesConfig, ImagesTable
@@ -144,6 +145,10 @@ class LoaderConfig:
     transforms_from_step: Optional[int] = None
     # Image sources: policy, placeholder tokens, overflow, images per sequence (README, ``images``).
     images: Optional[ImagesConfig] = None
+    # The model family micro-batches are laid out for (loader.model_inputs: "causal_lm",
+    # "qwen2_vl"): only that forward's arguments, per-document attention, M-RoPE positions and
+    # num_items_in_batch (docs/guides/model-inputs.md). None: the batch_fields as they are.
+    model_inputs: Optional[str] = None
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
         "datasets": ListOf(Record(SourceConfig), min_items=1, example='datasets = [{path = "data/web"}]'),
@@ -183,6 +188,7 @@ class LoaderConfig:
                                                            'args = {pattern = "lorem"}}]'),
         "transforms_from_step": OrAbsent(Integer(minimum=0)),
         "images": ImagesTable(),
+        "model_inputs": LayoutName(),
     }
 
     def __post_init__(self) -> None:
@@ -213,6 +219,10 @@ class LoaderConfig:
             problems.append(f"datasets: source names must be unique (got {names})")
         if sum(d.weight for d in self.datasets) <= 0:
             problems.append("datasets: at least one weight must be > 0")
+        missing = missing_fields(self.model_inputs, self.batch_fields)
+        if missing:
+            problems.append(f"model_inputs = {self.model_inputs!r} reads batch fields {missing}, which batch_fields "
+                            f"{list(self.batch_fields)} leaves out; add them (or leave batch_fields at its default)")
         last = -1
         for entry in self.schedule:
             if entry.step <= last:

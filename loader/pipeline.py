@@ -46,6 +46,8 @@ from loader.stages.lane import LaneSpec, SourceSpec
 from loader.io.blocks import TokenFormat
 from loader.io.manifest import Manifest, ManifestError, read_manifest
 from loader.metrics import LoaderMetrics, MetricsRecorder
+from loader.model_inputs import build_layout
+from loader.model_inputs.loss_tokens import GlobalCounter, data_parallel_share, sum_over_ranks
 from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.stages.collate import OUTPUTS, Collator, to_torch
 from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
@@ -195,6 +197,12 @@ class ZephonLoader:
         # With finite data a rank must not start a step that another rank cannot finish, so
         # each step is produced whole before its first micro-batch is handed out.
         self.finite = any(d.exhaustion == "stop" or d.max_epochs is not None for d in config.datasets)
+        # model_inputs (loader.model_inputs): micro-batches laid out for a model family, each with
+        # the loss tokens of its whole step, so the step is produced (and counted) ahead as well.
+        self.model_inputs = build_layout(config.model_inputs, seq_len=config.seq_len, image_options=image_options)
+        self.looks_ahead = self.finite or self.model_inputs is not None
+        self._step_loss_tokens = 0
+        self._global_counter: Optional[GlobalCounter] = None
         self._step_items: Optional[collections.deque] = None
         self._step_complete = True
         self._end_group = None
@@ -313,6 +321,12 @@ class ZephonLoader:
         step is a :class:`~loader.checkpoint.state.StateError`.
         """
         if step is None:
+            if self.model_inputs is not None and self.rank_position % self.topology.per_rank_batch:
+                raise state_mod.StateError(
+                    f"state_dict() mid-step ({self.rank_position % self.topology.per_rank_batch} of "
+                    f"{self.topology.per_rank_batch} sequences of step {self.step} handed out): with model_inputs = "
+                    f"{self.config.model_inputs!r} a micro-batch carries the loss tokens of its whole step, so "
+                    "states are taken at step boundaries; pass step= the number of optimizer steps trained")
             lane_states, position = self._current_lane_states(), self.rank_position
         else:
             lane_states, position = self._boundary_lane_states(step), step * self.topology.per_rank_batch
@@ -399,6 +413,15 @@ class ZephonLoader:
         started = time.perf_counter()
         state = checkpoint_migrations.upgrade(state)  # an older version's state, read as the current one
         position, next_index, lanes = self._checked_lane_states(state)
+        if self.model_inputs is not None and position % self.topology.per_rank_batch:
+            raise state_mod.StateError(
+                f"the state is mid-step ({position % self.topology.per_rank_batch} of {self.topology.per_rank_batch} "
+                f"sequences of step {position // self.topology.per_rank_batch} handed out on this rank): with "
+                f"model_inputs = {self.config.model_inputs!r} every micro-batch carries the loss tokens of its whole "
+                "step, which include the micro-batches already trained; resume from a step boundary "
+                "(state_dict(step=t) or global_state_dict(step=t))")
+        if self._global_counter is not None or (self.model_inputs is not None and self.topology.world_size > 1):
+            self._peer_counter().load_state(state)
         self._adopt_schedule(state["schedule"], next_index // self.config.global_batch_size)
         self._end_run()
         self.lane_states = lanes
@@ -534,13 +557,13 @@ class ZephonLoader:
         items = self._next_items()
         batch = self._collate(items)
         self._metrics.count(items, batch, time.perf_counter() - started, self.rank_position)
-        return batch
+        return self._handed_out(batch)
 
     def _next_items(self) -> list[Item]:
         """The rank's next micro-batch of items in global index order, their lane states recorded
         (what ``__next__`` collates; a balancer takes a step of them at once)."""
         self._start_run()
-        if self.finite:
+        if self.looks_ahead:
             at_boundary = self.rank_position % self.topology.per_rank_batch == 0
             if at_boundary and not self._all_ranks_have_step():
                 raise StopIteration
@@ -587,7 +610,7 @@ class ZephonLoader:
         finite data the step is produced ahead; ranks simulated in one process (as
         ``zephon fingerprints`` does) must all answer true before any of them is stepped.
         """
-        if not self.finite:
+        if not self.looks_ahead:
             return True
         if self._step_items is None:  # produce the rest of the current step
             self._start_run()
@@ -604,17 +627,40 @@ class ZephonLoader:
         return self._step_complete
 
     def _all_ranks_have_step(self) -> bool:
-        """This rank's answer, agreed with every rank through torch.distributed when it runs."""
+        """This rank's answer, agreed with every rank through torch.distributed when it runs; with
+        ``model_inputs``, also the step's loss tokens over all ranks (loader.model_inputs.loss_tokens)."""
         available = self.step_available()
+        counts = self.model_inputs is not None
+        loss_tokens = self._collator.loss_tokens(self._step_items) if counts and available else 0
         import torch.distributed as dist
 
         if self.topology.world_size > 1 and dist.is_available() and dist.is_initialized():
-            if self._end_group is None:  # gloo: a CPU flag works whatever the training backend
+            if self._end_group is None:  # gloo: CPU ints work whatever the training backend
                 self._end_group = dist.new_group(backend="gloo")
-            flag = torch.tensor([1 if available else 0], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._end_group)
-            available = bool(flag.item())
+            # One collective for both: ranks that cannot finish the step, and the loss tokens.
+            missing, loss_tokens = sum_over_ranks([0 if available else 1, loss_tokens], self._end_group)
+            available = missing == 0
+            if counts:
+                loss_tokens = data_parallel_share(loss_tokens, dist.get_world_size(), self.topology.world_size)
+        elif self.topology.world_size > 1 and counts and available:
+            loss_tokens = self._peer_counter().count_next_step()
+            available = loss_tokens is not None
+        if counts and available and loss_tokens == 0:
+            # HF losses would be 0 / 0 = NaN and poison the weights; 1 gives the step a zero loss.
+            log.warning("step %d has no loss tokens on any rank (every label is -100): num_items_in_batch = 1, "
+                        "so its loss is 0 instead of NaN", self.step)
+            loss_tokens = 1
+        self._step_loss_tokens = loss_tokens
         return available
+
+    def _peer_counter(self) -> GlobalCounter:
+        """Counts every rank's loss tokens in this process (ranks simulated without a process group)."""
+        if self._global_counter is None:
+            config = self.config.replace(model_inputs=None, num_workers=0, micro_batch_size=self.config.global_batch_size,
+                                         batch_fields=("input_ids", "labels"), metrics_log_every_steps=0)
+            self._global_counter = GlobalCounter(lambda: ZephonLoader(config, rank=0, world_size=1, output="numpy"),
+                                                 world_size=self.topology.world_size)
+        return self._global_counter
 
     def _start_run(self) -> None:
         """The run that produces the next items: workers, or in-process lanes.
@@ -645,8 +691,9 @@ class ZephonLoader:
                     warm.close_lanes()
 
     def _start_pool(self) -> None:
-        # Finite data and balance hold a whole step of items (a worker must never wait for those slots).
-        items_held = self.topology.per_rank_batch if self.finite or self.config.balance else self.config.micro_batch_size
+        # A loader that looks a step ahead, and balance, hold a whole step of items (a worker must
+        # never wait for those slots).
+        items_held = self.topology.per_rank_batch if self.looks_ahead or self.config.balance else self.config.micro_batch_size
         per_message = items_per_message(self.config.seq_len, tokenizes=self.spec.tokenizer_json is not None,
                                         images=self.image_options is not None)
         pool = WorkerPool(
@@ -670,9 +717,16 @@ class ZephonLoader:
             self._finalizer = None
 
     def _collate(self, items: list[Item], rank_position: Optional[int] = None) -> dict[str, Any]:
-        """The micro-batch of ``items``: NumPy arrays (loader.stages.collate), as torch tensors unless
-        ``output="numpy"``; ``rank_position``: sequences handed out with these (default: the rank's)."""
-        batch = self._collator.collate(items, self.rank_position if rank_position is None else rank_position)
+        """The micro-batch of ``items`` as NumPy arrays (loader.stages.collate); ``rank_position``:
+        sequences handed out with these (default: the rank's)."""
+        return self._collator.collate(items, self.rank_position if rank_position is None else rank_position)
+
+    def _handed_out(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A collated micro-batch (NumPy, loader.stages.collate) as the trainer gets it: laid out for
+        ``model_inputs`` when set, as torch tensors unless ``output="numpy"``."""
+        if self.model_inputs is not None:
+            batch = self.model_inputs.lay_out(batch)
+            batch["num_items_in_batch"] = np.array(self._step_loss_tokens, dtype=np.int64)
         if self._pinned is not None:
             return self._pinned.to_torch(batch)
         return batch if self.output == "numpy" else to_torch(batch)
@@ -713,6 +767,8 @@ class ZephonLoader:
         self._stop_pool()
         if getattr(self, "_balancer", None) is not None:
             self._balancer.close()
+        if self._global_counter is not None:
+            self._global_counter.close()
 
     def _end_run(self) -> None:
         """Drop the current run (in-process lanes, workers' items); worker processes stay."""
@@ -756,8 +812,10 @@ class _Run:
         self.timeout_s = cfg.worker_timeout_s
         self.pool = pool
         self.in_process_lanes = None
-        # In-process lanes are read directly by state_dict() unless steps are looked ahead
-        # (finite data); then, as with workers, every item carries its lane state.
+        # In-process lanes are read directly by state_dict() unless steps are looked ahead for
+        # finite data; then, as with workers, every item carries its lane state. Looking ahead
+        # for model_inputs keeps the direct reads: its states are taken at step boundaries only,
+        # where the lanes have produced exactly the steps handed out.
         self.reads_lanes_directly = cfg.num_workers == 0 and not loader.finite and not warm_start
         self.pending: dict[int, collections.deque] = {}
         self.ended_at: Optional[int] = None

@@ -363,7 +363,8 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
     B = config.global_batch_size
     if sequence is not None and not 0 <= sequence < B:
         raise AuditError(f"--sequence {sequence}: a position in the global batch, in [0, {B - 1}]")
-    loader = ZephonLoader(config.replace(num_workers=0, read_ahead=False), rank=0, world_size=1)
+    # model_inputs lays batches out for a model; the audit reads the loader's own batches (same stream)
+    loader = ZephonLoader(config.replace(num_workers=0, read_ahead=False, model_inputs=None), rank=0, world_size=1)
     try:
         start_step = 0
         if load_state is not None:

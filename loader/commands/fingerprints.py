@@ -126,6 +126,8 @@ def collect_fingerprints(
     missing = tuple(f for f in ("labels", "loss_mask", "token_source_ids") if f not in config.batch_fields)
     if missing:
         config = config.replace(batch_fields=config.batch_fields + missing)
+    if config.model_inputs is not None:  # the same stream, as the loader's own batches (step, global_indices)
+        config = config.replace(model_inputs=None)
     loaders = [ZephonLoader(config, rank=r, world_size=world_size) for r in range(world_size)]
     saved: Optional[dict] = None
     results: list[StepFingerprint] = []

@@ -38,6 +38,15 @@ What the subclass changes, and why (checked against transformers 5.24 / accelera
   (``skip_first_batches``) would skip the trained steps a second time, so ``ZephonTrainer``
   **switches it off** (``ignore_data_skip=True``, logged at construction) and refuses to
   train if it was switched back on.
+- **Model inputs and the loss count.** With ``LoaderConfig.model_inputs`` set
+  (:mod:`loader.model_inputs`) every micro-batch is already the model's arguments: it is passed
+  whole (``model_inputs`` must then be left at its default), and Trainer's own count of the
+  step's loss tokens (``_get_num_items_in_batch``: prefetched micro-batches, then an
+  ``accelerator.gather`` over ranks) is replaced by the loader's ``num_items_in_batch``, which
+  already covers every micro-batch of the step on every rank: no second count, no gather.
+  Trainer multiplies the loss by the world size when ``average_tokens_across_devices`` (the
+  default), cancelling DDP's gradient average; with it off the count is divided by the world
+  size instead, so the gradient is the same either way.
 - **Metrics.** Every training log (each ``logging_steps``) also holds the loader's
   ``loader.metrics()`` as ``zephon/...`` scalars (``log_zephon_metrics=False`` leaves them out).
 """
@@ -81,6 +90,9 @@ class ModelInputs(IterableDataset):
         self.keys = tuple(keys)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.loader.model_inputs is not None:  # laid out for the model already (loader.model_inputs)
+            yield from self.loader
+            return
         for batch in self.loader:
             yield {key: batch[key] for key in self.keys}
 
@@ -193,8 +205,14 @@ class ZephonTrainer(Trainer):
         self.model_inputs = tuple(model_inputs)
         self.log_zephon_metrics = log_zephon_metrics
         self._check_topology()
+        if zephon_loader.model_inputs is not None and self.model_inputs != DEFAULT_MODEL_INPUTS:
+            raise HFIntegrationError(
+                f"model_inputs={list(self.model_inputs)} picks batch keys, but the loader config's model_inputs = "
+                f"{zephon_loader.config.model_inputs!r} already lays every micro-batch out as the model's arguments; "
+                "leave ZephonTrainer's model_inputs at its default"
+            )
         missing = [k for k in self.model_inputs if k not in zephon_loader.config.batch_fields]
-        if missing:
+        if missing and zephon_loader.model_inputs is None:
             raise HFIntegrationError(
                 f"model_inputs {list(self.model_inputs)} name {missing}, which the loader does not produce "
                 f"(config batch_fields={list(zephon_loader.config.batch_fields)}); add them to batch_fields "
@@ -248,6 +266,24 @@ class ZephonTrainer(Trainer):
                 f"data-parallel ranks; set TrainingArguments(gradient_accumulation_steps="
                 f"{topology.micro_steps_per_step}), or change micro_batch_size in the loader config"
             )
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """The loader's count of the step's loss tokens (all micro-batches, all ranks) when it lays
+        batches out (``model_inputs``); Trainer's own count and gather otherwise."""
+        if self.zephon_loader.model_inputs is None or not batch_samples:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        counts = {int(b["num_items_in_batch"]) for b in batch_samples}
+        if len(counts) != 1:
+            raise HFIntegrationError(
+                f"the micro-batches Trainer grouped into one step carry different step counts {sorted(counts)}: "
+                "its accumulation is not aligned with the loader's steps (gradient_accumulation_steps must be "
+                f"{self.zephon_loader.topology.micro_steps_per_step} and training must resume at a step boundary)"
+            )
+        count = torch.tensor(counts.pop(), device=device)
+        if not self.args.average_tokens_across_devices and self.args.world_size > 1:
+            # Trainer leaves DDP's average over ranks in place: the per-rank share of the count
+            return count / self.args.world_size
+        return count
 
     # -- data ----------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:

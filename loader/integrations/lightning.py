@@ -216,6 +216,7 @@ class ZephonLightning(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        # A batch laid out for the model (model_inputs) holds no step keys to check.
         if not self.check_batches or not isinstance(batch, dict) or "step" not in batch:
             return
         k = trainer.accumulate_grad_batches
@@ -234,8 +235,13 @@ class ZephonLightning(Callback):
         """After the last micro-batch of each optimizer step: this rank's loader metrics
         (``zephon/...``) through ``LightningModule.log_dict``, so the trainer's loggers record
         them every ``log_every_n_steps``."""
-        if self.log_metrics and self._loader is not None and isinstance(batch, dict) \
-                and batch.get("micro_step") == trainer.accumulate_grad_batches - 1:
+        if not (self.log_metrics and self._loader is not None and isinstance(batch, dict)):
+            return
+        if "micro_step" in batch:
+            last_of_step = batch["micro_step"] == trainer.accumulate_grad_batches - 1
+        else:  # laid out for the model (model_inputs): no step keys; Lightning's own count of batches
+            last_of_step = trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
+        if last_of_step:
             pl_module.log_dict(self._loader.metrics().flat(), on_step=True, on_epoch=False)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

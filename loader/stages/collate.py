@@ -148,6 +148,27 @@ class Collator:
         return batch
 
 
+    def loss_tokens(self, items: Sequence) -> int:
+        """Tokens of ``items`` a causal-LM loss counts, ``labels[:, 1:] != -100`` of the labels
+        :meth:`collate` builds for them, without building the batch (the loader counts a whole
+        step before its first micro-batch: loader.model_inputs.loss_tokens)."""
+        total = 0
+        for item in items:
+            sequence = item.sequence
+            if type(sequence) is ConcatRow:  # labels = input ids but document starts and label rules
+                counted = np.ones(self.seq_len, dtype=bool)
+                counted[sequence.doc_starts] = False
+                for name in self.label_masks:
+                    values = sequence.features.get(name)
+                    if values is not None:
+                        counted &= values != 0
+                    elif FEATURES[name].default == 0:
+                        counted[:] = False
+            else:
+                counted = sequence.labels != IGNORE_INDEX
+            total += int(np.count_nonzero(counted[1:]))
+        return total
+
     def _rows(self, arrays: list, rows: int, seq_len: int) -> np.ndarray:
         """``arrays`` (one per row) as one int64 ``(rows, seq_len)`` array, in :attr:`empty`'s memory."""
         if self.empty is np.empty:  # ~4 us faster per batch than writing into a given array
