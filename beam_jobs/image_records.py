@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from beam_jobs.image_lanes import IMAGE_COLUMNS
 from beam_jobs.inputs import InputFile
 from beam_jobs.readers import RecordConverter, _InvalidUtf8, _json_type_name
-from loader.errors import ZephonError
+from loader.errors import ImageOptionError, ImagePolicyError
 from loader.vision.images import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_BYTES,
@@ -55,7 +55,7 @@ from loader.vision.images import (
     ImageLimits,
     inspect_image,
 )
-from loader.vision.policies import ImagePolicyError, parse_policy_spec, policy_from_dict
+from loader.vision.policies import parse_policy_spec, policy_from_dict
 from loader.vision.reasons import ImageRejected
 from loader.vision.record import ImagesRecord
 from loader.vision.segments import IMAGE, encode_segments
@@ -66,12 +66,6 @@ ImageTuple = tuple
 # The fifth element of an image document / lane row: (segments tuple[int, ...], tuple[ImageTuple, ...]).
 ImagePayload = tuple
 _MISSING = object()
-
-
-class ImageOptionError(ZephonError, ValueError):
-    """Image options of ``zephon shard`` that cannot work, named with the fix."""
-
-    exit_code = 2
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from loader.errors import ZephonError
+from loader.errors import InputError
 
 FORMATS = ("jsonl", "parquet", "text", "webdataset")  # webdataset: image jobs (beam_jobs.webdataset)
 COMPRESSIONS = ("none", "gzip", "zstd")
@@ -54,12 +54,6 @@ FORMAT_BY_SUFFIX = (
 COMPRESSION_BY_SUFFIX = ((".gz", "gzip"), (".zst", "zstd"), (".zstd", "zstd"))
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
-
-
-class InputError(ZephonError, ValueError):
-    """An ``--input`` pattern or file that the sharding job cannot use."""
-
-    exit_code = 2  # a usage error of `zephon shard`
 
 
 @dataclass(frozen=True, order=True)

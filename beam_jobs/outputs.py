@@ -24,7 +24,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import apache_beam as beam
 
-from loader.errors import ZephonError
+from loader.errors import OutputExistsError, ShardJobError
+from loader.errors import JOB_ERROR_PREFIX  # noqa: F401  (also importable from here)
 from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, ChatRecord, FileEntry, Manifest
 from loader.vision.record import ImagesRecord
 
@@ -32,23 +33,8 @@ logger = logging.getLogger(__name__)
 
 DEDUP_DIR = "_dedup"  # --dedup: the list of removed documents (beam_jobs.dedup)
 
-# Job-side failures carry this prefix so the launcher can find the message inside whatever
-# exception the runner wraps it in (the in-process runner re-raises it, the multi-process
-# runner embeds the remote traceback as text).
-JOB_ERROR_PREFIX = "zephon shard: "
 REJECTED_FILE_FORMAT = "rejected-{file_index:05d}.jsonl"
 INPROGRESS_SUFFIX = ".inprogress"
-
-
-class OutputExistsError(ZephonError, FileExistsError):
-    """``--output`` already holds a dataset (or part of one) and ``--overwrite`` was not given."""
-
-
-class ShardJobError(ZephonError, RuntimeError):
-    """A failure the job raises on purpose (reject fraction, empty input), with a clear message."""
-
-    def __init__(self, message: str):
-        super().__init__(JOB_ERROR_PREFIX + message)
 
 
 def is_local(path: str) -> bool:

@@ -62,7 +62,7 @@ from beam_jobs.image_records import (
     image_spec_from_args,
     resolve_image_job,
 )
-from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs, is_remote, most_documents
+from beam_jobs.inputs import FORMATS, InputFile, expand_inputs, is_remote, most_documents
 from beam_jobs.lane_files import (
     DEFAULT_TOKEN_COMPRESSION,
     RESERVED_COLUMNS,
@@ -72,17 +72,20 @@ from beam_jobs.lane_files import (
     files_per_lane_for,
     manifest_schema,
 )
-from beam_jobs.outputs import (
-    JOB_ERROR_PREFIX,
-    OutputExistsError,
-    WriteRejectedFn,
-    commit_manifest,
-    prepare_output,
-)
+from beam_jobs.outputs import WriteRejectedFn, commit_manifest, prepare_output
 from beam_jobs.progress import ShardSummary, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
-from loader.errors import ZephonError
-from loader.transforms.spec import TransformError, TransformSpec, parse_transform_arg
+from loader.errors import (
+    ChatTemplateError,
+    ConfigError,
+    InputError,
+    JOB_ERROR_PREFIX,
+    OutputExistsError,
+    ShardConfigError,
+    ShardError,
+    TransformError,
+)
+from loader.transforms.spec import TransformSpec, parse_transform_arg
 from loader.io.manifest import (
     DOCUMENT_REJECT_REASONS,
     IMAGE_DOCUMENT_REJECT_REASONS,
@@ -100,16 +103,6 @@ DEFAULT_TARGET_FILE_MB = 64.0
 DEFAULT_MAX_REJECT_FRACTION = 0.01
 DEFAULT_RUNNER_ARGS = ("--runner=FnApiRunner",)
 MAX_TARGET_FILE_MB = 1024.0  # Arrow string arrays hold < 2 GiB; a file is built in memory
-
-
-class ShardConfigError(ZephonError, ValueError):
-    """Job options that cannot work together, named with the fix."""
-
-    exit_code = 2  # a usage error of `zephon shard`
-
-
-class ShardError(ZephonError, RuntimeError):
-    """The job ran and failed (too many rejects, no records, a worker error)."""
 
 
 @dataclass(frozen=True)
@@ -370,8 +363,6 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
 
 
 def _transform_specs(values: Optional[Sequence[str]]) -> tuple[TransformSpec, ...]:
-    from loader.config import ConfigError
-
     try:
         return tuple(parse_transform_arg(value) for value in values or ())
     except ConfigError as exc:
@@ -587,7 +578,7 @@ def check_inputs_against_options(options: ShardOptions, input_files: Sequence[In
 def load_chat_spec(options: ShardOptions) -> ChatSpec:
     """The chat job's :class:`ChatSpec`, with the template and tokenizer loaded once here to
     refuse unusable ones before the job starts (the workers check they are still the same)."""
-    from loader.chat import ChatTemplateError, load_chat_template
+    from loader.chat import load_chat_template
     from loader.stages.tokenizer import describe, load_tokenizer
 
     try:

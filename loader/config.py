@@ -18,7 +18,7 @@ from loader.validation import (
     check_record, fail, validate_instance,
 )
 
-from loader.errors import ZephonError
+from loader.errors import ConfigError
 from loader.stages.features import BATCH_FEATURE_FIELDS
 from loader.transforms.spec import TransformSpec
 from loader.vision.options import ImagesConfig, ImagesTable
@@ -33,12 +33,6 @@ EXHAUSTION_POLICIES = ("repeat", "stop")
 # Then one field per per-token feature (loader.stages.features registry: token_source_ids,
 # loss_mask), present in a batch when the loader's sources carry the feature.
 BATCH_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens") + BATCH_FEATURE_FIELDS
-
-
-class ConfigError(ZephonError, ValueError):
-    """A loader configuration value that cannot work; the message names the field."""
-
-    exit_code = 2  # the CLI's usage-error status
 
 
 @dataclass(frozen=True)

@@ -37,13 +37,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from loader.errors import ConfigError, ManifestError, WorkerError
 from loader.checkpoint import migrations as checkpoint_migrations, schema as checkpoint_schema, state as state_mod
 from loader.chat.block import check_chat_sources
-from loader.config import ConfigError, LoaderConfig
+from loader.config import LoaderConfig
 from loader.order.data_parallel import resolve_data_parallel
 from loader.stages.lane import LaneSpec, SourceSpec
 from loader.io.blocks import TokenFormat
-from loader.io.manifest import Manifest, ManifestError, read_manifest
+from loader.io.manifest import Manifest, read_manifest
 from loader.metrics import LoaderMetrics, MetricsRecorder
 from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.stages.collate import OUTPUTS, Collator, to_torch
@@ -58,9 +59,7 @@ from loader.transforms import resume as transform_resume
 from loader.transforms.chain import TransformChain
 from loader.checkpoint.step_states import StepStateHistory
 from loader.workers.messages import items_per_message
-from loader.workers.pool import (  # noqa: F401 - WorkerError re-exported
-    WorkerError, WorkerPool,
-)
+from loader.workers.pool import WorkerPool
 from loader.stages.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,

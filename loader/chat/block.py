@@ -47,10 +47,10 @@ import numpy as np
 from loader.chat.conversations import ConversationRejected
 from loader.chat.encode import check_options, encode_conversations
 from loader.chat.template import ChatTemplate
-from loader.config import ConfigError
 from loader.io.blocks import Block, TokenFormat, wrap_documents
-from loader.io.integrity import LaneDataError
 from loader.stages.features import FEATURES, wrap_feature
+from loader.errors import ChatConfigError, LaneDataError
+from loader.errors import ConfigError  # noqa: F401  (also importable from here)
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,6 @@ MESSAGES_KEY, TOOLS_KEY = "messages", "tools"  # keys of the conversation JSON (
 _logged_reasons: set[str] = set()
 _logged_lock = threading.Lock()  # guards both
 _encoders: dict[tuple, "OnlineChat"] = {}  # OnlineChat.of_manifest: one per source and process
-
-
-class ChatConfigError(ConfigError):
-    """A chat source that cannot be used with this loader config (the message says the fix)."""
 
 
 def effective_max_tokens(max_tokens: Optional[int], *, seq_len: int, packing: str, wrap_tokens: int) -> Optional[int]:

@@ -32,9 +32,9 @@ import numpy as np
 
 from loader.chat.conversations import Conversation, ConversationRejected, parse_conversation
 from loader.chat.masks import TokenizedChat, covered_characters, encode_renders, tokenized_renders
-from loader.chat.spans import LOSS_ON_CHOICES, AssistantSpans, ChatOptionError, assistant_spans, check_choice
+from loader.chat.spans import LOSS_ON_CHOICES, AssistantSpans, assistant_spans, check_choice
 from loader.chat.template import ChatTemplate
-from loader.errors import ZephonError
+from loader.errors import ChatOptionError, ZephonError
 
 OVERFLOW_CHOICES = ("reject", "truncate")
 

@@ -51,7 +51,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import numpy as np
 
-from loader.errors import ZephonError
+from loader.errors import ChatTemplateError
 
 # transformers refuses older jinja2: they have known sandbox escapes, and templates are untrusted code.
 MIN_JINJA2_VERSION = (3, 1, 6)
@@ -67,12 +67,6 @@ RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
 # The regex render_jinja_template uses to decide whether a template has generation tags.
 _GENERATION_TAG_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
-
-
-class ChatTemplateError(ZephonError, ValueError):
-    """A chat template file or tokenizer config that cannot be used (the message names it and the fix)."""
-
-    exit_code = 2  # the CLI's usage-error status: the --chat-template named cannot be used
 
 
 @dataclass(frozen=True)

@@ -63,16 +63,10 @@ import numpy as np
 
 from loader.commands.seek_index import POINT_EVERY, SeekIndex, run_key
 from loader.config import LoaderConfig
-from loader.errors import ZephonError
+from loader.errors import AuditError, LaneExhausted
 from loader.io.provenance import AUDIT_FEATURES, EPOCH_SHIFT, ROW_MASK, ProvenanceStream, ReadLog
 
 METHODS = ("seek", "checkpoint", "replay")
-
-
-class AuditError(ZephonError, ValueError):
-    """A step ``zephon audit`` cannot reconstruct as asked; the message says what to do instead."""
-
-    exit_code = 2
 
 
 @dataclass
@@ -347,7 +341,6 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
     a best-fit replay keeps its lane states and starts from them (:mod:`loader.commands.seek_index`;
     not with ``load_state``, whose schedule may not be the config's)."""
     from loader.pipeline import ZephonLoader  # torch: after the arguments are checked
-    from loader.stages.lane import LaneExhausted
 
     B = config.global_batch_size
     if sequence is not None and not 0 <= sequence < B:

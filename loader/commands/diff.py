@@ -34,7 +34,7 @@ from fractions import Fraction
 from typing import Any, Optional, Sequence
 
 from loader.config import LoaderConfig
-from loader.errors import ZephonError
+from loader.errors import DiffError, ZephonError
 from loader.commands.fingerprints import SUPERVISED_MARKER, StepFingerprint, _parse_steps
 from loader.io.manifest import Manifest
 from loader.io.storage_options import SHA256_HEX
@@ -52,12 +52,6 @@ RUNTIME_FIELDS = frozenset({
     "batch_fields", "step_states_kept", "metrics_log_every_steps",
 })
 TEXT_SEQUENCES_SHOWN = 16  # the text report lists this many differing sequences; --json lists all
-
-
-class DiffError(ZephonError, ValueError):
-    """Something ``zephon diff`` was handed cannot be compared (exit status 2, never 1)."""
-
-    exit_code = TROUBLE_EXIT
 
 
 # -- fingerprint logs ----------------------------------------------------------------------

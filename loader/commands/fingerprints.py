@@ -30,9 +30,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.errors import StateError
 from loader.config import LoaderConfig
 from loader.stages.features import IGNORE_INDEX
-from loader.checkpoint.state import StateError, dumps, loads, merge_rank_states
+from loader.checkpoint.state import dumps, loads, merge_rank_states
 
 
 def sequence_bytes(input_ids, labels) -> bytes:

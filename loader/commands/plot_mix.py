@@ -21,8 +21,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from loader.config import ConfigError, LoaderConfig
-from loader.commands.diff import DiffError, parse_log, schedule_phases, weights_at
+from loader.errors import ConfigError, DiffError
+from loader.config import LoaderConfig
+from loader.commands.diff import parse_log, schedule_phases, weights_at
 from loader.commands.fingerprints import StepFingerprint
 from loader.commands.plotting import new_figure, save_figure
 

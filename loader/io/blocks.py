@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from loader.io.integrity import LaneDataError
+from loader.errors import LaneDataError
 from loader.stages.features import NO_FEATURES, Feature, wrap_feature
 
 

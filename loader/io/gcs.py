@@ -43,8 +43,9 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs_storage
 from google.cloud.storage import exceptions as gcs_exceptions
 
+from loader.errors import StorageError, StorageNotFoundError
 from loader.io import cache
-from loader.io.storage_options import CHECKSUM_ATTEMPTS, StorageError, StorageNotFoundError, StorageOptions
+from loader.io.storage_options import CHECKSUM_ATTEMPTS, StorageOptions
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -33,11 +33,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from loader.errors import ZephonError
+from loader.errors import EmptyLaneError, LaneDataError, StateError, ZephonError
 from loader.io import storage
 from loader.io.blocks import Block, Chunk, DocumentsView, TextBlock, TokenFormat, build_block
-from loader.io.integrity import (FIX, LaneDataError, check_footer, check_no_unlisted_files, check_row_group,
-                                 verify_local_file)
+from loader.io.integrity import FIX, check_footer, check_no_unlisted_files, check_row_group, verify_local_file
 from loader.io.manifest import CONVERSATION_COLUMN, MANIFEST_NAME, TOMBSTONE_COLUMN, FileEntry, Manifest
 from loader.io.read_ahead import READ_AHEAD_BLOCKS, ReadAheadQueue, prepare_later
 from loader.metrics import note_row_group_read
@@ -56,10 +55,6 @@ def _prepare_block(key: tuple[int, int], block: Block) -> None:
     prepare = type(block).prepare
     if not block.complete and prepare is not Block.prepare:
         prepare_later(prepare, block, key)  # the unbound method: the block itself is held weakly
-
-
-class EmptyLaneError(LaneDataError):
-    """A lane left without a token for a whole epoch: every document rejected or dropped."""
 
 
 # Set by ZephonLoader.load_state_dict in a restored cursor saved under other transforms
@@ -332,8 +327,6 @@ class LaneTokenStream:
 
     def _check_restored_cursor(self, epoch: int, block_index: int, block: Optional[Block] = None) -> None:
         """The checks of a restored cursor that need the data (see :meth:`set_state`)."""
-        from loader.checkpoint.state import StateError
-
         path = self._restored_path
         if (epoch, block_index) != (self.epoch, self.block_index):
             return
@@ -364,8 +357,6 @@ class LaneTokenStream:
         tokenized from it: the index names a document of the block whose text starts at
         ``char_start`` (which binds it to the data), and ``token_start`` leaves room for the
         documents before it (the schema checked it against the offset)."""
-        from loader.checkpoint.state import StateError
-
         index, token_start = document["index"], document["token_start"]
         extra = self.token_format.extra  # BOS/EOS: every document has at least these tokens
         field = "index"

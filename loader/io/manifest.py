@@ -89,7 +89,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from loader.chat.conversations import REJECT_REASONS as _CONVERSATION_REJECT_REASONS
-from loader.errors import ZephonError
+from loader.errors import ManifestError
 from loader.vision.reasons import IMAGE_REJECT_REASONS
 from loader.vision.record import ImagesRecord
 from loader.io import storage
@@ -124,10 +124,6 @@ CONVERSATION_COLUMN = "conversation"  # the lane-file column of conversations re
 # lane as a tombstone (key, empty text, no tokens) so that lane files hold the rows they would
 # hold without the transforms; the loader skips tombstones (README "Transforms").
 TOMBSTONE_COLUMN = "dropped_by"
-
-
-class ManifestError(ZephonError, ValueError):
-    """A manifest that is missing, malformed, or does not match what it is used with."""
 
 
 def lane_file_path(lane_id: int, part: int) -> str:

@@ -14,7 +14,8 @@ from typing import BinaryIO
 import pyarrow as pa
 
 # The options and errors of every backend; users import them from here.
-from loader.io.storage_options import StorageError, StorageNotFoundError, StorageOptions
+from loader.errors import StorageError, StorageNotFoundError
+from loader.io.storage_options import StorageOptions
 
 
 def is_gcs(path: str) -> bool:

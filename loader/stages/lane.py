@@ -24,9 +24,10 @@ from loader.io.read_ahead import read_ahead_depth
 from loader.order.mixing import MixingSchedule
 from loader.order.ordering import lane_outputs_before
 from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence, StateSnapshot, concat_state
-from loader.checkpoint.state import StateError, lane_key
+from loader.checkpoint.state import lane_key
 from loader.io.storage import StorageOptions
 from loader.stages.token_mixing import MixedTokenStream
+from loader.errors import LaneExhausted, StateError
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,6 @@ class LaneSpec:
     def token_mixing(self) -> bool:
         """Whether a lane mixes its sources token by token (one mixed stream and packer)."""
         return self.mixing_unit == "token" and len(self.sources) > 1
-
-
-class LaneExhausted(Exception):
-    """Every source of the lane has stopped: the lane produces nothing more."""
 
 
 def lane_state(source_names: tuple[str, ...], token_mixing: bool, outputs: int, parts: list, stopped) -> dict:

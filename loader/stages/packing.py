@@ -31,10 +31,10 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+from loader.errors import StateError
 from loader.stages.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order, lay_out, mask_labels
 from loader.io.blocks import Chunk
 from loader.io.lane_reader import LaneTokenStream
-from loader.checkpoint.state import StateError
 
 
 @dataclass

@@ -24,9 +24,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.errors import TransformError
 from loader.transforms.chain import UNCHANGED, TransformChain, TransformCounts
 from loader.transforms.document import RowFetcher
-from loader.transforms.spec import TransformError, TransformSpec
+from loader.transforms.spec import TransformSpec
 
 
 class RowsOf:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from loader.checkpoint.state import StateError, transform_differences
+from loader.errors import StateError
+from loader.checkpoint.state import transform_differences
 from loader.transforms.chain import TransformCounts
 from loader.transforms.spec import TransformSpec
 

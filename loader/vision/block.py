@@ -41,8 +41,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from loader.errors import LaneDataError
 from loader.io.blocks import Block, TokenFormat, wrap_documents
-from loader.io.integrity import LaneDataError
 from loader.stages.features import FEATURES, wrap_feature
 from loader.vision.segments import decode_segments
 
