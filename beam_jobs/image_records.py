@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from beam_jobs.image_lanes import IMAGE_COLUMNS
 from beam_jobs.inputs import InputFile
-from beam_jobs.readers import RecordConverter, _InvalidUtf8, _json_type_name
+from beam_jobs.records import IMAGE_RECORDS, RecordConverter, _InvalidUtf8, _json_type_name, register_converter
 from loader.errors import ImageOptionError, ImagePolicyError
 from loader.vision.images import (
     DEFAULT_MAX_ASPECT_RATIO,
@@ -263,6 +263,7 @@ def _described(reference: Any) -> str:
     return type(reference).__name__
 
 
+@register_converter(IMAGE_RECORDS)
 class ImageRecordConverter(RecordConverter):
     """A :class:`RecordConverter` for image jobs: a record becomes an image document or a rejection."""
 

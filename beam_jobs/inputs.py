@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from loader.errors import InputError
 
-FORMATS = ("jsonl", "parquet", "text", "webdataset")  # webdataset: image jobs (beam_jobs.webdataset)
+FORMATS = ("jsonl", "parquet", "text", "webdataset")  # webdataset: image jobs (beam_jobs.formats.webdataset)
 COMPRESSIONS = ("none", "gzip", "zstd")
 
 # Longest suffix first, so that ".jsonl.gz" wins over ".gz".

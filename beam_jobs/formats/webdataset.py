@@ -30,9 +30,12 @@ import json
 import tarfile
 from typing import Iterator, Union
 
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
 from beam_jobs.image_records import ImageRecordConverter, _MISSING, _Reject
 from beam_jobs.inputs import InputFile
-from beam_jobs.readers import _guarded, _ReadFailure, _unreadable
+from beam_jobs.records import _guarded, _ReadFailure, _unreadable, register_format
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 Sample = tuple  # (sample key, {extension: bytes}) in member order
@@ -131,11 +134,9 @@ def sample_record(key: str, members: dict[str, bytes], converter: ImageRecordCon
     return record, images[0], raw
 
 
+@register_format("webdataset", images_only=True)
 def read_webdataset(input_file: InputFile, converter: ImageRecordConverter) -> Iterator[tuple[bool, tuple]]:
     """Every sample of one shard as ``(True, document)`` or ``(False, rejection)``."""
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
     def samples() -> Iterator[Sample]:
         with FileSystems.open(input_file.path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
             yield from iter_samples(handle)
