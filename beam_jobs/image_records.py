@@ -47,6 +47,7 @@ from beam_jobs.image_lanes import IMAGE_COLUMNS
 from beam_jobs.inputs import InputFile
 from beam_jobs.records import IMAGE_RECORDS, RecordConverter, _InvalidUtf8, _json_type_name, register_converter
 from loader.errors import ImageOptionError, ImagePolicyError
+from loader.io import storage
 from loader.vision.images import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_BYTES,
@@ -349,8 +350,6 @@ def resolve_image_path(root: str, name: str) -> str:
 
 def read_image_file(path: str, limits: ImageLimits) -> bytes:
     """Read one image file (local, ``gs://`` through :mod:`loader.io.storage`, else Beam's FileSystems)."""
-    from loader.io import storage
-
     try:
         if "://" not in path:
             size = os.stat(path).st_size

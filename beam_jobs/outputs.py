@@ -24,9 +24,11 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import apache_beam as beam
 
+from beam_jobs.transform_steps import add_entry_counts
+from loader.chat.record import ChatRecord
 from loader.errors import OutputExistsError, ShardJobError
 from loader.errors import JOB_ERROR_PREFIX  # noqa: F401  (also importable from here)
-from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, ChatRecord, FileEntry, Manifest
+from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, FileEntry, Manifest
 from loader.vision.record import ImagesRecord
 
 logger = logging.getLogger(__name__)
@@ -239,8 +241,6 @@ def commit_manifest(
     curation = dict(curation or {})
     tombstones = sum(int(entry.get("tombstones", 0)) for entry in file_entries)  # --transform: dropped rows
     if "transforms" in curation:
-        from beam_jobs.transform_steps import add_entry_counts
-
         curation["transforms"] = [dict(t) for t in curation["transforms"]]
         add_entry_counts(curation["transforms"], file_entries)  # the tokens-stage counts, per file
         if tombstones != sum(t["dropped"] for t in curation["transforms"]):

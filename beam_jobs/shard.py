@@ -75,6 +75,8 @@ from beam_jobs.lane_files import (
 from beam_jobs.outputs import WriteRejectedFn, commit_manifest, prepare_output
 from beam_jobs.progress import ShardSummary, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
+from loader.chat import LOSS_ON_CHOICES, OVERFLOW_CHOICES, load_chat_template
+from loader.cli import run_command
 from loader.errors import (
     ChatTemplateError,
     ConfigError,
@@ -85,14 +87,11 @@ from loader.errors import (
     ShardError,
     TransformError,
 )
+from loader.io.manifest import DOCUMENT_REJECT_REASONS, Manifest, read_manifest
+from loader.kinds.chat import REJECT_REASONS
+from loader.kinds.image import IMAGE_DOCUMENT_REJECT_REASONS
+from loader.stages.tokenizer import describe, load_tokenizer
 from loader.transforms.spec import TransformSpec, parse_transform_arg
-from loader.io.manifest import (
-    DOCUMENT_REJECT_REASONS,
-    IMAGE_DOCUMENT_REJECT_REASONS,
-    REJECT_REASONS,
-    Manifest,
-    read_manifest,
-)
 from loader.vision.reasons import IMAGE_REJECT_REASONS
 
 logger = logging.getLogger(__name__)
@@ -180,8 +179,6 @@ class ShardOptions:
             raise ShardConfigError("; ".join(problems))
 
     def _chat_problems(self) -> list[str]:
-        from loader.chat import LOSS_ON_CHOICES, OVERFLOW_CHOICES
-
         problems = []
         if self.chat_loss_on not in LOSS_ON_CHOICES:
             problems.append(f"--chat-loss-on must be one of {', '.join(LOSS_ON_CHOICES)} (got {self.chat_loss_on!r})")
@@ -578,9 +575,6 @@ def check_inputs_against_options(options: ShardOptions, input_files: Sequence[In
 def load_chat_spec(options: ShardOptions) -> ChatSpec:
     """The chat job's :class:`ChatSpec`, with the template and tokenizer loaded once here to
     refuse unusable ones before the job starts (the workers check they are still the same)."""
-    from loader.chat import load_chat_template
-    from loader.stages.tokenizer import describe, load_tokenizer
-
     try:
         template = load_chat_template(options.chat_template)
     except (ChatTemplateError, OSError) as exc:
@@ -610,8 +604,6 @@ def preflight(options: ShardOptions) -> tuple[list[InputFile], Optional[dict]]:
     check_inputs_against_options(options, input_files)
     tokenizer_info = None
     if options.tokenizer is not None:
-        from loader.stages.tokenizer import describe, load_tokenizer
-
         tokenizer_info = describe(load_tokenizer(options.tokenizer)).to_dict()
     if not options.overwrite:
         prepare_output(options.output, overwrite=False)  # raises OutputExistsError naming what is there
@@ -634,7 +626,6 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
     chat = load_chat_spec(options) if options.chat else None
     chat_record = None
     if chat is not None:  # the manifest's "chat" entry (online: with the template the loader renders with)
-        from loader.chat import load_chat_template
 
         chat_record = chat.manifest_record(load_chat_template(chat.template_path)).to_dict()
     if options.overwrite:
@@ -680,8 +671,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Errors are reported by :func:`loader.cli.run_command`: ShardConfigError, InputError and
     TokenizerError exit 2; ShardError (the job ran and failed) and OutputExistsError exit 1.
     """
-    from loader.cli import run_command
-
     return run_command("shard", argv)
 
 

@@ -22,6 +22,7 @@ from loader.errors import ConfigError
 from loader.stages.features import BATCH_FEATURE_FIELDS
 from loader.transforms.spec import TransformSpec
 from loader.vision.options import ImagesConfig, ImagesTable
+from loader.io.storage import StorageOptions
 
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
@@ -79,8 +80,6 @@ STORAGE_TOP_LEVEL = {"cache_dir": "cache_dir", "cache_max_bytes": "cache_max_byt
 
 
 def _storage_options_class() -> type:
-    from loader.io.storage import StorageOptions  # pyarrow: only when a storage table is checked
-
     return StorageOptions
 
 
@@ -178,8 +177,6 @@ class LoaderConfig:
 
     def storage_options(self):
         """The :class:`loader.io.storage.StorageOptions` for every read (manifest, tokenizer, lanes)."""
-        from loader.io.storage import StorageOptions
-
         top_level = {name: getattr(self, ours) for name, ours in STORAGE_TOP_LEVEL.items()}
         top_level.update({name: getattr(self, name) for name in _storage_top_level() - set(STORAGE_TOP_LEVEL)})
         return StorageOptions(**top_level, **self.storage)

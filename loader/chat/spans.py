@@ -36,10 +36,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loader.chat.conversations import Conversation, ConversationRejected
+from loader.chat.record import LOSS_ON_CHOICES
 from loader.chat.template import ChatTemplate
 from loader.errors import ChatOptionError
 
-LOSS_ON_CHOICES = ("all", "last")
 MASK_SOURCES = ("generation_tags", "prefix_difference")
 
 

@@ -61,10 +61,20 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from loader.checkpoint.files import newest_state_at_or_before
+from loader.checkpoint.state import lane_key
+from loader.cli import run_command
+from loader.commands import audit_replay
+from loader.commands.fingerprints import read_state_file
 from loader.commands.seek_index import POINT_EVERY, SeekIndex, run_key
 from loader.config import LoaderConfig
 from loader.errors import AuditError, LaneExhausted
+from loader.io.manifest import Manifest
 from loader.io.provenance import AUDIT_FEATURES, EPOCH_SHIFT, ROW_MASK, ProvenanceStream, ReadLog
+from loader.order.mixing import batch_assignments
+from loader.order.ordering import lane_outputs_before
+from loader.stages.lane import Lane
+from loader.stages.tokenizer import load_tokenizer
 
 METHODS = ("seek", "checkpoint", "replay")
 
@@ -137,8 +147,6 @@ class StepAudit:
 # -- lane states ---------------------------------------------------------------------------
 def _lane_class():
     """``Lane`` on provenance streams (imported late: the lane pulls in pyarrow and tokenizers)."""
-    from loader.stages.lane import Lane
-
     return type("AuditLane", (Lane,), {"stream_class": ProvenanceStream})
 
 
@@ -146,8 +154,6 @@ def source_counts_before(schedule, num_sources: int, global_batch_size: int, num
                          step: int) -> np.ndarray:
     """``[lane, source]``: outputs of each source in each lane over steps ``0 .. step-1``, from the
     mixing decisions alone (no fallback: only valid while every source still has data)."""
-    from loader.order.mixing import batch_assignments
-
     counts = np.zeros((num_lanes, num_sources), dtype=np.int64)
     if num_sources == 1:
         for lane in range(num_lanes):
@@ -165,8 +171,6 @@ def source_counts_before(schedule, num_sources: int, global_batch_size: int, num
 
 
 def _lane_outputs_before(global_index: int, lane: int, num_lanes: int) -> int:
-    from loader.order.ordering import lane_outputs_before
-
     return lane_outputs_before(global_index, lane, num_lanes)
 
 
@@ -244,8 +248,6 @@ def _resolved_lane_state(lane, state: dict) -> dict:
     """A saved lane state for the audit's lane: each open bin's pieces become their documents'
     provenance (:meth:`ProvenanceStream.piece_features` of its ``piece_origins``; zeros for the
     tokens, as the audit's streams have), reading the lengths of those row groups only."""
-    from loader.checkpoint.state import lane_key
-
     streams = lane.source_streams()
     path = f"lanes.{lane_key(lane.lane_id)}"
     if "mixed" in state:
@@ -394,8 +396,6 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
             for lane_id, lane in lanes.items():
                 lane.set_state(_seek_state(lane, counts[lane_id], config.seq_len, step * B))
         else:
-            from loader.commands import audit_replay
-
             for lane_id, lane in lanes.items():  # produce the lane's outputs before the step
                 first = _lane_outputs_before(first_index, lane_id, L)
                 end = _lane_outputs_before(step * B, lane_id, L)
@@ -437,8 +437,6 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
                 sequences.append(_sequence_audit(global_index - step * B, global_index, lane, source_id, packed))
         tokenizer = None
         if text:
-            from loader.stages.tokenizer import load_tokenizer
-
             tokenizer = load_tokenizer(config.tokenizer, config.storage_options())
         log = ReadLog()
         for lane in lanes.values():
@@ -458,7 +456,6 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
 def _build(spec, lane_ids: list[int], loader) -> dict:
     from tokenizers import Tokenizer
 
-    from loader.io.manifest import Manifest
 
     tokenizer = Tokenizer.from_str(spec.tokenizer_json) if spec.tokenizer_json is not None else None
     manifests = [Manifest.from_json(s.manifest_json, s.dataset_path) for s in spec.sources]
@@ -564,8 +561,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from loader.cli import run_command
-
     return run_command("audit", argv)
 
 
@@ -578,12 +573,8 @@ def command(argv: Sequence[str]) -> int:
     load_state = None
     found = []
     if args.load_state:
-        from loader.commands.fingerprints import read_state_file
-
         path = args.load_state
         if os.path.isdir(path):
-            from loader.checkpoint.files import newest_state_at_or_before
-
             saved = newest_state_at_or_before(path, config.global_batch_size, args.step)
             if saved is None:
                 found.append(f"--load-state {path}: no checkpoint at or before step {args.step}, so none is used")

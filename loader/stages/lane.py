@@ -18,16 +18,18 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.chat.block import OnlineChat
+from loader.checkpoint.state import lane_key
+from loader.errors import LaneExhausted, StateError
 from loader.io.blocks import TokenFormat
 from loader.io.lane_reader import LaneTokenStream
 from loader.io.read_ahead import read_ahead_depth
+from loader.io.storage import StorageOptions
 from loader.order.mixing import MixingSchedule
 from loader.order.ordering import lane_outputs_before
 from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence, StateSnapshot, concat_state
-from loader.checkpoint.state import lane_key
-from loader.io.storage import StorageOptions
 from loader.stages.token_mixing import MixedTokenStream
-from loader.errors import LaneExhausted, StateError
+from loader.vision.resolve import ImageResolver
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +163,7 @@ class Lane:
     def _resolver(self, stream, manifest):
         if getattr(stream, "images", None) is None:
             return None
-        from loader.vision.images import ImageLimits
-        from loader.vision.resolve import ImageResolver
+        from loader.vision.images import ImageLimits  # Pillow (~0.2 s to import): only image lanes load it
 
         return ImageResolver(stream, self.spec.images, ImageLimits(**manifest.images.limits))
 
@@ -207,8 +208,6 @@ class Lane:
 
     def _online_chat(self, manifest, source: SourceSpec, tokenizer):
         """The encoder of an online chat source (loader.chat.block), bounded by this spec's seq_len."""
-        from loader.chat.block import OnlineChat
-
         return OnlineChat.of_manifest(manifest, tokenizer, source_name=source.name, seq_len=self.spec.seq_len,
                                       packing=self.spec.packing, wrap_tokens=self.spec.token_format.extra)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from loader.errors import TokenizerError
+from loader.io import storage
 
 # Tried in order when the config does not name the token explicitly.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]", "<|eot_id|>")
@@ -26,7 +27,6 @@ def load_tokenizer(path: str, storage_options=None):
     """
     from tokenizers import Tokenizer
 
-    from loader.io import storage
 
     hint = "pass the tokenizer.json saved by `tokenizer.save(...)` / `AutoTokenizer.save_pretrained(...)`"
     if not isinstance(path, str) or not path:

@@ -150,7 +150,7 @@ class _PolicyBase:
     def process(self, data: bytes, limits=None) -> PixelValues:
         """``pixel_values`` of encoded bytes, decoded by :func:`loader.vision.images.decode_rgb`
         (which raises :class:`ImageRejected` for bytes the job would have rejected)."""
-        from loader.vision.images import DEFAULT_LIMITS, decode_rgb
+        from loader.vision.images import DEFAULT_LIMITS, decode_rgb  # Pillow: only where pixels are decoded
 
         return self.pixel_values(decode_rgb(data, limits or DEFAULT_LIMITS))
 
@@ -162,7 +162,7 @@ class _PolicyBase:
 
     def process_compact(self, data: bytes, limits=None) -> PixelValues:
         """:meth:`compact` of encoded bytes (decoded as :meth:`process` does)."""
-        from loader.vision.images import DEFAULT_LIMITS, decode_rgb
+        from loader.vision.images import DEFAULT_LIMITS, decode_rgb  # Pillow: only where pixels are decoded
 
         return self.compact(decode_rgb(data, limits or DEFAULT_LIMITS))
 
