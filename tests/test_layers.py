@@ -62,7 +62,9 @@ DEFERRED_IMPORTS_ALLOWED = {
     "loader.commands.audit": {"loader.pipeline": "torch: only when a step is replayed"},
     "loader.commands.fingerprints": {"loader.pipeline": "torch: after the arguments are checked"},
     "loader.io.storage": {"loader.io.gcs": "google-cloud-storage: only for gs:// paths"},
-    "loader.stages.lane": {"loader.vision.images": "Pillow: only for image lanes"},
+    "loader.kinds.image": {"loader.vision.chat": "jinja2: only for image-chat lanes"},
+    "loader.stages.lane": {"loader.vision.images": "Pillow: only for image lanes",
+                           "loader.chat.block": "jinja2: only for online chat lanes"},
     "loader.vision.policies": {"loader.vision.images": "Pillow: only where pixels are decoded"},
 }
 

@@ -16,7 +16,6 @@ from loader.io.blocks import Block
 from loader.io.names import DOCUMENT_REJECT_REASONS
 from loader.kinds.base import BlockSource, LaneKind, ManifestEntry, register_kind, register_manifest_entry
 from loader.vision.block import METADATA_COLUMNS, VISUAL_TOKENS_COLUMN, BlockPlace, ImageBlock
-from loader.vision.chat import ImageChatBlock
 from loader.vision.reasons import IMAGE_REJECT_REASONS
 from loader.vision.record import ImagesRecord
 
@@ -48,6 +47,8 @@ class ImageChatKind(ImageKind):
         return images is not None and chat is not None
 
     def decode(self, source: BlockSource) -> Block:
+        from loader.vision.chat import ImageChatBlock  # jinja2 (~0.1 s to import): only image-chat lanes load it
+
         return ImageChatBlock(source.values.to_pylist(), dict(zip(source.column_names, source.columns)),
                               source.images, source.chat, source.token_format, source.where, source.row_group,
                               BlockPlace(source.epoch, source.block_of))

@@ -18,7 +18,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from loader.chat.block import OnlineChat
 from loader.checkpoint.state import lane_key
 from loader.errors import LaneExhausted, StateError
 from loader.io.blocks import TokenFormat
@@ -208,6 +207,8 @@ class Lane:
 
     def _online_chat(self, manifest, source: SourceSpec, tokenizer):
         """The encoder of an online chat source (loader.chat.block), bounded by this spec's seq_len."""
+        from loader.chat.block import OnlineChat  # jinja2 (~0.1 s to import): only online chat lanes load it
+
         return OnlineChat.of_manifest(manifest, tokenizer, source_name=source.name, seq_len=self.spec.seq_len,
                                       packing=self.spec.packing, wrap_tokens=self.spec.token_format.extra)
 
