@@ -22,11 +22,13 @@ from typing import Any, Union
 
 from beam_jobs.chat_records import TOOLS_FIELD, InvalidUtf8Record, _lone_surrogate, conversation_json
 from beam_jobs.image_records import ImageRecordConverter, _Reject
+from beam_jobs.records import IMAGE_CHAT_RECORDS, register_converter
 from loader.chat.conversations import ConversationRejected
 from loader.vision.chat import image_parts, parse_image_conversation, render_image_conversation
 from loader.vision.segments import IMAGE, encode_segments
 
 
+@register_converter(IMAGE_CHAT_RECORDS)
 class ChatImageRecordConverter(ImageRecordConverter):
     """A record of a chat-with-images job -> a document (module docstring) or a rejection."""
 

@@ -46,7 +46,8 @@ import numpy as np
 
 from loader.chat import encode_conversation, load_chat_template, parse_conversation
 from loader.chat.encode import render_conversation
-from loader.io.manifest import ChatRecord
+from loader.chat.record import ChatRecord
+from loader.stages.tokenizer import describe, load_tokenizer
 
 TOOLS_FIELD = "tools"  # the record-level tools list (JSON schemas), passed to the template
 EncodedTokens = tuple  # (input_ids as little-endian int32 bytes, loss_mask as one uint8 byte per id)
@@ -137,8 +138,6 @@ class ChatEncoder:
 
     @classmethod
     def load(cls, spec: ChatSpec) -> "ChatEncoder":
-        from loader.stages.tokenizer import describe, load_tokenizer
-
         template = load_chat_template(spec.template_path)
         tokenizer = load_tokenizer(spec.tokenizer_path) if spec.tokenized else None
         checks = [("--chat-template", spec.template_path, spec.template_fingerprint, template_fingerprint(template))]

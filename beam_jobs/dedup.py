@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 
 import apache_beam as beam
 
-from beam_jobs.outputs import DEDUP_DIR  # cleared by --overwrite with the rest of a dataset
+from beam_jobs.outputs import DEDUP_DIR, join_output, write_atomically
 
 DEDUP_MODES = ("exact",)
 NORMALIZATION = "nfkc-casefold-whitespace-v1"
@@ -95,8 +95,6 @@ class WriteRemovedListFn(beam.DoFn):
         self.output = output
 
     def process(self, element: tuple) -> Iterator[str]:
-        from beam_jobs.outputs import join_output, write_atomically
-
         bucket, removed = element
         lines = [json.dumps({"hash": digest, "kept": kept, "removed": key}, ensure_ascii=False)
                  for digest, kept, key in sorted(removed)]

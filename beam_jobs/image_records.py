@@ -46,8 +46,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 from beam_jobs.image_lanes import IMAGE_COLUMNS
 from beam_jobs.inputs import InputFile
 from beam_jobs.job_files import JOB_STORAGE_OPTIONS
-from beam_jobs.readers import RecordConverter, _InvalidUtf8, _json_type_name
-from loader.errors import ZephonError
+from beam_jobs.records import IMAGE_RECORDS, RecordConverter, _InvalidUtf8, _json_type_name, register_converter
+from loader.errors import ImageOptionError, ImagePolicyError
 from loader.io import storage
 from loader.io.backends import is_remote
 from loader.vision.images import (
@@ -58,7 +58,7 @@ from loader.vision.images import (
     ImageLimits,
     inspect_image,
 )
-from loader.vision.policies import ImagePolicyError, parse_policy_spec, policy_from_dict
+from loader.vision.policies import parse_policy_spec, policy_from_dict
 from loader.vision.reasons import ImageRejected
 from loader.vision.record import ImagesRecord
 from loader.vision.segments import IMAGE, encode_segments
@@ -69,12 +69,6 @@ ImageTuple = tuple
 # The fifth element of an image document / lane row: (segments tuple[int, ...], tuple[ImageTuple, ...]).
 ImagePayload = tuple
 _MISSING = object()
-
-
-class ImageOptionError(ZephonError, ValueError):
-    """Image options of ``zephon shard`` that cannot work, named with the fix."""
-
-    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -277,6 +271,7 @@ def _described(reference: Any) -> str:
     return type(reference).__name__
 
 
+@register_converter(IMAGE_RECORDS)
 class ImageRecordConverter(RecordConverter):
     """A :class:`RecordConverter` for image jobs: a record becomes an image document or a rejection."""
 

@@ -31,11 +31,11 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from loader.errors import ZephonError
+from loader.errors import InputError
 from loader.io import backends
 from loader.io.backends import UnsupportedSchemeError
 
-FORMATS = ("jsonl", "parquet", "text", "webdataset")  # webdataset: image jobs (beam_jobs.webdataset)
+FORMATS = ("jsonl", "parquet", "text", "webdataset")  # webdataset: image jobs (beam_jobs.formats.webdataset)
 COMPRESSIONS = ("none", "gzip", "zstd")
 
 # Longest suffix first, so that ".jsonl.gz" wins over ".gz".
@@ -56,12 +56,6 @@ FORMAT_BY_SUFFIX = (
 COMPRESSION_BY_SUFFIX = ((".gz", "gzip"), (".zst", "zstd"), (".zstd", "zstd"))
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
-
-
-class InputError(ZephonError, ValueError):
-    """An ``--input`` pattern or file that the sharding job cannot use."""
-
-    exit_code = 2  # a usage error of `zephon shard`
 
 
 @dataclass(frozen=True, order=True)

@@ -18,6 +18,9 @@ import statistics
 import sys
 from typing import Any, Optional, Sequence
 
+from beam_jobs.inspect_plot import dataset_figure, document_lengths
+from loader.cli import run_command
+from loader.commands.plotting import new_figure, save_figure
 from loader.io.manifest import Manifest, read_manifest
 
 PLOT_MAX_FILES = 64  # lane files read for the length histogram by default (a column each)
@@ -138,8 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``zephon inspect``: errors (a missing or tampered manifest) are reported by :func:`loader.cli.run_command`."""
-    from loader.cli import run_command
-
     return run_command("inspect", argv)
 
 
@@ -151,9 +152,6 @@ def command(argv: Sequence[str]) -> int:
     manifest = read_manifest(args.dataset)  # ManifestError / OSError: one line, exit 1
     summary = summarize(manifest, args.dataset)
     if args.plot is not None:
-        from beam_jobs.inspect_plot import dataset_figure, document_lengths
-        from loader.commands.plotting import new_figure, save_figure
-
         new_figure(1, 1)  # matplotlib missing: say so before reading any lane file
         lengths = document_lengths(args.dataset, manifest, args.plot_max_files)
         save_figure(dataset_figure(manifest, lengths, args.dataset), args.plot)

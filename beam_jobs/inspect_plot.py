@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from loader.commands.plotting import new_figure
 from loader.io.manifest import Manifest
+from loader.io.storage import open_lane_file
 
 LOG_BINS_ABOVE = 50  # max / min length ratio above which the histogram uses log-spaced bins
 HISTOGRAM_BINS = 40
@@ -46,7 +48,6 @@ def document_lengths(dataset: str, manifest: Manifest, max_files: int) -> Docume
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from loader.io.storage import open_lane_file
 
     column, unit = ("num_tokens", "tokens") if manifest.pretokenized else ("text", "characters")
     files = sampled_files(manifest, max_files)
@@ -89,8 +90,6 @@ def record_counts(manifest: Manifest) -> dict[str, int]:
 
 def dataset_figure(manifest: Manifest, lengths: DocumentLengths, dataset: str) -> Any:
     """The three-panel Figure (axes labelled ``lengths``, ``lanes``, ``records``)."""
-    from loader.commands.plotting import new_figure
-
     figure = new_figure(11, 8)
     axes = figure.subplot_mosaic([["lengths", "lengths"], ["lanes", "records"]], height_ratios=[1.1, 1])
     for name, ax in axes.items():

@@ -49,8 +49,11 @@ from beam_jobs.image_lanes import (
     image_fields,
     image_nbytes,
 )
-from loader.order.hashing import file_bucket, lane_of_key, order_key_of
+from beam_jobs.outputs import join_output, write_atomically
+from beam_jobs.transform_steps import TokenStage, ENTRY_COUNTS
 from loader.io.manifest import CONVERSATION_COLUMN, TOMBSTONE_COLUMN, FileEntry, lane_file_path
+from loader.order.hashing import file_bucket, lane_of_key, order_key_of
+from loader.stages.tokenizer import describe, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -391,12 +394,9 @@ class WriteLaneFileFn(beam.DoFn):
 
     def setup(self) -> None:
         if self.token_stage_args is not None:
-            from beam_jobs.transform_steps import TokenStage
-
             self.token_stage = TokenStage(**self.token_stage_args)
         if self.tokenizer_path is None:
             return
-        from loader.stages.tokenizer import describe, load_tokenizer
 
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         actual = describe(self.tokenizer).fingerprint
@@ -408,8 +408,6 @@ class WriteLaneFileFn(beam.DoFn):
             )
 
     def process(self, element: tuple) -> Iterator[dict]:
-        from beam_jobs.outputs import join_output, write_atomically
-
         (lane_id, part), rows = element
         sorted_rows = sort_rows(rows, bool(self.keep_fields))
         markers = None
@@ -425,8 +423,6 @@ class WriteLaneFileFn(beam.DoFn):
         if self.tombstones:  # summed by CommitManifest
             extra["tombstones"] = serialized.tombstones
             if self.token_stage is not None:
-                from beam_jobs.transform_steps import ENTRY_COUNTS
-
                 extra[ENTRY_COUNTS] = self.token_stage.entry_counts()
         relative_path = lane_file_path(lane_id, part)
         write_atomically(join_output(self.output, relative_path), serialized.data)

@@ -26,31 +26,19 @@ import apache_beam as beam
 
 from beam_jobs import job_files
 from beam_jobs.job_files import INPROGRESS_SUFFIX
-from loader.errors import ZephonError
+from beam_jobs.transform_steps import add_entry_counts
+from loader.chat.record import ChatRecord
+from loader.errors import OutputExistsError, ShardJobError
+from loader.errors import JOB_ERROR_PREFIX  # noqa: F401  (also importable from here)
 from loader.io.backends import is_remote
-from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, ChatRecord, FileEntry, Manifest
+from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, FileEntry, Manifest
 from loader.vision.record import ImagesRecord
 
 logger = logging.getLogger(__name__)
 
 DEDUP_DIR = "_dedup"  # --dedup: the list of removed documents (beam_jobs.dedup)
 
-# Job-side failures carry this prefix so the launcher can find the message inside whatever
-# exception the runner wraps it in (the in-process runner re-raises it, the multi-process
-# runner embeds the remote traceback as text).
-JOB_ERROR_PREFIX = "zephon shard: "
 REJECTED_FILE_FORMAT = "rejected-{file_index:05d}.jsonl"
-
-
-class OutputExistsError(ZephonError, FileExistsError):
-    """``--output`` already holds a dataset (or part of one) and ``--overwrite`` was not given."""
-
-
-class ShardJobError(ZephonError, RuntimeError):
-    """A failure the job raises on purpose (reject fraction, empty input), with a clear message."""
-
-    def __init__(self, message: str):
-        super().__init__(JOB_ERROR_PREFIX + message)
 
 
 def is_local(path: str) -> bool:
@@ -237,8 +225,6 @@ def commit_manifest(
     curation = dict(curation or {})
     tombstones = sum(int(entry.get("tombstones", 0)) for entry in file_entries)  # --transform: dropped rows
     if "transforms" in curation:
-        from beam_jobs.transform_steps import add_entry_counts
-
         curation["transforms"] = [dict(t) for t in curation["transforms"]]
         add_entry_counts(curation["transforms"], file_entries)  # the tokens-stage counts, per file
         if tombstones != sum(t["dropped"] for t in curation["transforms"]):

@@ -46,6 +46,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from loader.cli import run_command
 from loader.order.hashing import stable_hash64
 
 logger = logging.getLogger(__name__)
@@ -782,8 +783,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``zephon make-sample``: errors are reported by :func:`loader.cli.run_command`."""
-    from loader.cli import run_command
-
     return run_command("make-sample", argv)
 
 

@@ -62,7 +62,7 @@ from beam_jobs.image_records import (
     image_spec_from_args,
     resolve_image_job,
 )
-from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs, is_remote, most_documents
+from beam_jobs.inputs import FORMATS, InputFile, expand_inputs, is_remote, most_documents
 from beam_jobs.lane_files import (
     DEFAULT_TOKEN_COMPRESSION,
     RESERVED_COLUMNS,
@@ -72,25 +72,27 @@ from beam_jobs.lane_files import (
     files_per_lane_for,
     manifest_schema,
 )
-from beam_jobs.outputs import (
-    JOB_ERROR_PREFIX,
-    OutputExistsError,
-    WriteRejectedFn,
-    commit_manifest,
-    prepare_output,
-)
+from beam_jobs.outputs import WriteRejectedFn, commit_manifest, prepare_output
 from beam_jobs.progress import ShardSummary, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
-from loader.errors import ZephonError
-from loader.io.backends import UnsupportedSchemeError, backend_for
-from loader.transforms.spec import TransformError, TransformSpec, parse_transform_arg
-from loader.io.manifest import (
-    DOCUMENT_REJECT_REASONS,
-    IMAGE_DOCUMENT_REJECT_REASONS,
-    REJECT_REASONS,
-    Manifest,
-    read_manifest,
+from loader.chat import LOSS_ON_CHOICES, OVERFLOW_CHOICES, load_chat_template
+from loader.cli import run_command
+from loader.errors import (
+    ChatTemplateError,
+    ConfigError,
+    InputError,
+    JOB_ERROR_PREFIX,
+    OutputExistsError,
+    ShardConfigError,
+    ShardError,
+    TransformError,
 )
+from loader.io.backends import UnsupportedSchemeError, backend_for
+from loader.io.manifest import DOCUMENT_REJECT_REASONS, Manifest, read_manifest
+from loader.kinds.chat import REJECT_REASONS
+from loader.kinds.image import IMAGE_DOCUMENT_REJECT_REASONS
+from loader.stages.tokenizer import describe, load_tokenizer
+from loader.transforms.spec import TransformSpec, parse_transform_arg
 from loader.vision.reasons import IMAGE_REJECT_REASONS
 
 logger = logging.getLogger(__name__)
@@ -101,16 +103,6 @@ DEFAULT_TARGET_FILE_MB = 64.0
 DEFAULT_MAX_REJECT_FRACTION = 0.01
 DEFAULT_RUNNER_ARGS = ("--runner=FnApiRunner",)
 MAX_TARGET_FILE_MB = 1024.0  # Arrow string arrays hold < 2 GiB; a file is built in memory
-
-
-class ShardConfigError(ZephonError, ValueError):
-    """Job options that cannot work together, named with the fix."""
-
-    exit_code = 2  # a usage error of `zephon shard`
-
-
-class ShardError(ZephonError, RuntimeError):
-    """The job ran and failed (too many rejects, no records, a worker error)."""
 
 
 @dataclass(frozen=True)
@@ -188,8 +180,6 @@ class ShardOptions:
             raise ShardConfigError("; ".join(problems))
 
     def _chat_problems(self) -> list[str]:
-        from loader.chat import LOSS_ON_CHOICES, OVERFLOW_CHOICES
-
         problems = []
         if self.chat_loss_on not in LOSS_ON_CHOICES:
             problems.append(f"--chat-loss-on must be one of {', '.join(LOSS_ON_CHOICES)} (got {self.chat_loss_on!r})")
@@ -371,8 +361,6 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
 
 
 def _transform_specs(values: Optional[Sequence[str]]) -> tuple[TransformSpec, ...]:
-    from loader.config import ConfigError
-
     try:
         return tuple(parse_transform_arg(value) for value in values or ())
     except ConfigError as exc:
@@ -592,9 +580,6 @@ def check_inputs_against_options(options: ShardOptions, input_files: Sequence[In
 def load_chat_spec(options: ShardOptions) -> ChatSpec:
     """The chat job's :class:`ChatSpec`, with the template and tokenizer loaded once here to
     refuse unusable ones before the job starts (the workers check they are still the same)."""
-    from loader.chat import ChatTemplateError, load_chat_template
-    from loader.stages.tokenizer import describe, load_tokenizer
-
     try:
         template = load_chat_template(options.chat_template)
     except (ChatTemplateError, OSError) as exc:
@@ -624,8 +609,6 @@ def preflight(options: ShardOptions) -> tuple[list[InputFile], Optional[dict]]:
     check_inputs_against_options(options, input_files)
     tokenizer_info = None
     if options.tokenizer is not None:
-        from loader.stages.tokenizer import describe, load_tokenizer
-
         tokenizer_info = describe(load_tokenizer(options.tokenizer)).to_dict()
     if not options.overwrite:
         prepare_output(options.output, overwrite=False)  # raises OutputExistsError naming what is there
@@ -648,7 +631,6 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
     chat = load_chat_spec(options) if options.chat else None
     chat_record = None
     if chat is not None:  # the manifest's "chat" entry (online: with the template the loader renders with)
-        from loader.chat import load_chat_template
 
         chat_record = chat.manifest_record(load_chat_template(chat.template_path)).to_dict()
     if options.overwrite:
@@ -694,8 +676,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Errors are reported by :func:`loader.cli.run_command`: ShardConfigError, InputError and
     TokenizerError exit 2; ShardError (the job ran and failed) and OutputExistsError exit 1.
     """
-    from loader.cli import run_command
-
     return run_command("shard", argv)
 
 

@@ -31,6 +31,7 @@ import sys
 from typing import Iterable, Iterator, Optional, Sequence
 
 from beam_jobs import sample_data
+from loader.cli import run_command
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ PROG = "python -m beam_jobs.train_tokenizer"
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Not a ``zephon`` subcommand, but its errors are reported the same way (:func:`loader.cli.run_command`)."""
-    from loader.cli import run_command
-
     return run_command("beam_jobs.train_tokenizer", argv, prog=PROG)
 
 

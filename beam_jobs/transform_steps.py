@@ -29,6 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 import apache_beam as beam
 import numpy as np
 
+from beam_jobs.records import _encode_kept
 from loader.transforms.chain import TransformChain, TransformCounts
 from loader.transforms.document import Document
 from loader.transforms.spec import TransformSpec
@@ -53,12 +54,6 @@ def _emptied(value: Any) -> Any:
     if isinstance(value, bytes):
         return b""
     raise TypeError(f"internal error: no tombstone form for a document part of type {type(value).__name__}")
-
-
-def _encode_kept(value) -> Optional[str]:
-    from beam_jobs.readers import _encode_kept as encode
-
-    return encode(value)
 
 
 class TransformDocumentsFn(beam.DoFn):

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from loader.order.balance import CostModel, balanced_assignment, default_assignment, imbalance
-from loader.order.ordering import TopologyError
+from loader.errors import TopologyError
 from loader.stages.features import FEATURES, NO_FEATURES
 from loader.stages.packing import PackedSequence
 from loader.stages.producer import Item

@@ -18,12 +18,13 @@ from loader.validation import (
     check_record, fail, validate_instance,
 )
 
-from loader.errors import ZephonError
+from loader.errors import ConfigError
 from loader.io.backends import is_remote
 from loader.model_inputs import LayoutName, missing_fields
 from loader.stages.features import BATCH_FEATURE_FIELDS
 from loader.transforms.spec import TransformSpec
 from loader.vision.options import ImagesConfig, ImagesTable
+from loader.io.storage import StorageOptions
 
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
@@ -36,12 +37,6 @@ EXHAUSTION_POLICIES = ("repeat", "stop")
 # Then one field per per-token feature (loader.stages.features registry: token_source_ids,
 # loss_mask), present in a batch when the loader's sources carry the feature.
 BATCH_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens") + BATCH_FEATURE_FIELDS
-
-
-class ConfigError(ZephonError, ValueError):
-    """A loader configuration value that cannot work; the message names the field."""
-
-    exit_code = 2  # the CLI's usage-error status
 
 
 @dataclass(frozen=True)
@@ -88,8 +83,6 @@ STORAGE_TOP_LEVEL = {"cache_dir": "cache_dir", "cache_max_bytes": "cache_max_byt
 
 
 def _storage_options_class() -> type:
-    from loader.io.storage import StorageOptions  # pyarrow: only when a storage table is checked
-
     return StorageOptions
 
 
@@ -200,8 +193,6 @@ class LoaderConfig:
 
     def storage_options(self):
         """The :class:`loader.io.storage.StorageOptions` for every read (manifest, tokenizer, lanes)."""
-        from loader.io.storage import StorageOptions
-
         top_level = {name: getattr(self, ours) for name, ours in STORAGE_TOP_LEVEL.items()}
         top_level.update({name: getattr(self, name) for name in _storage_top_level() - set(STORAGE_TOP_LEVEL)})
         return StorageOptions(**top_level, **self.storage)

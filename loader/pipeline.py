@@ -38,32 +38,25 @@ import numpy as np
 import torch
 
 from loader.balanced import make_balancer
-from loader.checkpoint import migrations as checkpoint_migrations, schema as checkpoint_schema, state as state_mod
 from loader.chat.block import check_chat_sources
-from loader.config import ConfigError, LoaderConfig
-from loader.order.data_parallel import resolve_data_parallel
-from loader.stages.lane import LaneSpec, SourceSpec
+from loader.checkpoint import migrations as checkpoint_migrations, schema as checkpoint_schema, state as state_mod
+from loader.checkpoint.step_states import StepStateHistory
+from loader.config import LoaderConfig
+from loader.errors import ConfigError, ManifestError, WorkerError
 from loader.io.blocks import TokenFormat
-from loader.io.manifest import Manifest, ManifestError, read_manifest
+from loader.io.lane_reader import TRANSFORMS_CHANGED
+from loader.io.manifest import Manifest, read_manifest
 from loader.metrics import LoaderMetrics, MetricsRecorder
 from loader.model_inputs import build_layout
 from loader.model_inputs.loss_tokens import GlobalCounter, data_parallel_share, sum_over_ranks
+from loader.order.data_parallel import resolve_data_parallel
 from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
-from loader.stages.collate import OUTPUTS, Collator, to_torch
-from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
-from loader.stages.features import FEATURES
-from loader.vision.block import ONLINE_IMAGE_REJECT_REASONS
-from loader.vision.options import resolve_image_options
-from loader.vision.transfer import image_slot_bytes
 from loader.order.ordering import Topology, lanes_of_worker
+from loader.stages.collate import OUTPUTS, Collator, to_torch
+from loader.stages.features import FEATURES
+from loader.stages.lane import LaneSpec, SourceSpec
+from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
 from loader.stages.producer import End, Item, build_lanes, produce_one, start_reading
-from loader.transforms import resume as transform_resume
-from loader.transforms.chain import TransformChain
-from loader.checkpoint.step_states import StepStateHistory
-from loader.workers.messages import items_per_message
-from loader.workers.pool import (  # noqa: F401 - WorkerError re-exported
-    WorkerError, WorkerPool,
-)
 from loader.stages.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
@@ -71,6 +64,14 @@ from loader.stages.tokenizer import (
     resolve_special_token,
     tokenizer_fingerprint,
 )
+from loader.transforms import resume as transform_resume
+from loader.transforms.chain import TransformChain
+from loader.transforms.conversations import ChatTransforms
+from loader.vision.block import ONLINE_IMAGE_REJECT_REASONS
+from loader.vision.options import resolve_image_options
+from loader.vision.transfer import image_slot_bytes
+from loader.workers.messages import items_per_message
+from loader.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +242,6 @@ class ZephonLoader:
             online_chat = manifest.online_chat  # "any" functions take the tokens stage there (after the render)
             specs = tuple(spec.resolved(manifest.pretokenized or online_chat) for spec in self.config.source_transforms(k))
             if specs and online_chat:
-                from loader.transforms.conversations import ChatTransforms
-
                 ChatTransforms(specs, seed=self.config.seed, source=name)  # imports each function, checks its stage
             elif specs:
                 feature_names = [f for f in self.features if FEATURES[f].column in
@@ -482,7 +481,6 @@ class ZephonLoader:
                  for l in self.rank_lanes}
         self._transform_changes = list((state.get("transforms") or {}).get("changes", []))
         if change is not None:  # declared with transforms_from_step: recorded, cursors re-placed
-            from loader.io.lane_reader import TRANSFORMS_CHANGED
 
             log.info("transforms change at resume step %d for sources %s", change["step"], change["sources"])
             self._transform_changes.append(change)

@@ -2,7 +2,7 @@
 
 A chat dataset sharded without ``--tokenizer`` holds each validated conversation as JSON in
 its ``conversation`` column and records the template and options in the manifest's ``chat``
-entry (:class:`loader.io.manifest.ChatRecord`). Its lane streams read that column, and a row
+entry (:class:`loader.chat.record.ChatRecord`). Its lane streams read that column, and a row
 group becomes a :class:`ChatBlock`, the chat kind of text block::
 
     conversation JSON --json.loads--> record --encode_conversations (loader.chat.encode,
@@ -47,10 +47,12 @@ import numpy as np
 from loader.chat.conversations import ConversationRejected
 from loader.chat.encode import check_options, encode_conversations
 from loader.chat.template import ChatTemplate
-from loader.config import ConfigError
+from loader.errors import ChatConfigError, LaneDataError
+from loader.errors import ConfigError  # noqa: F401  (also importable from here)
 from loader.io.blocks import Block, TokenFormat, wrap_documents
-from loader.io.integrity import LaneDataError
+from loader.io.reject_tally import RejectTally  # noqa: F401  (also importable from here)
 from loader.stages.features import FEATURES, wrap_feature
+from loader.vision.reasons import IMAGE_CHAT_REJECT_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +64,6 @@ MESSAGES_KEY, TOOLS_KEY = "messages", "tools"  # keys of the conversation JSON (
 _logged_reasons: set[str] = set()
 _logged_lock = threading.Lock()  # guards both
 _encoders: dict[tuple, "OnlineChat"] = {}  # OnlineChat.of_manifest: one per source and process
-
-
-class ChatConfigError(ConfigError):
-    """A chat source that cannot be used with this loader config (the message says the fix)."""
 
 
 def effective_max_tokens(max_tokens: Optional[int], *, seq_len: int, packing: str, wrap_tokens: int) -> Optional[int]:
@@ -109,8 +107,6 @@ def check_chat_sources(manifests, source_names, tokenizer, *, seq_len: int, pack
             online = True
             image_chat = image_chat or getattr(manifest, "images", None) is not None
     if image_chat:  # conversations with image parts (loader.vision.chat) add their own reason
-        from loader.vision.chat import IMAGE_CHAT_REJECT_REASONS
-
         return ONLINE_REJECT_REASONS + IMAGE_CHAT_REJECT_REASONS
     return ONLINE_REJECT_REASONS if online else ()
 
@@ -289,43 +285,3 @@ class ChatBlock(Block):
                                                    fmt.bos_id is not None, fmt.eos_id is not None)}
         self.complete = True
         self._conversations = None
-
-
-class RejectTally:
-    """The online rejects of one stream, reported once per block (see the module docstring).
-
-    Not part of the stream's state: which blocks have been reported follows from the cursor
-    (``(epoch, block, offset)``, a block is entered once ``offset > 0`` or the cursor is past it),
-    both in a run and after :meth:`restore`. Holds the blocks read since the last report (the
-    current one and those read ahead), by ``(epoch, block)``.
-    """
-
-    def __init__(self) -> None:
-        self._reported = (0, -1)  # the last block whose rejects were reported: none yet
-        self._blocks: dict[tuple[int, int], ChatBlock] = {}
-        self._lock = threading.Lock()  # blocks are registered by read-ahead threads too
-
-    def register(self, key: tuple[int, int], block: Block) -> None:
-        """A block read (on any thread); the same key always holds the same conversations."""
-        if isinstance(block, ChatBlock) or hasattr(block, "reject_counts"):  # image blocks too (loader.vision.block)
-            with self._lock:
-                self._blocks[key] = block
-
-    def restore(self, epoch: int, block: int, offset: int) -> None:
-        self._reported = (epoch, block) if offset > 0 else (epoch, block - 1)
-
-    def take(self, epoch: int, block: int, offset: int) -> Optional[dict[str, int]]:
-        """The rejects of the blocks entered since the last call, or None when there are none."""
-        entered = (epoch, block) if offset > 0 else (epoch, block - 1)
-        if entered <= self._reported:
-            return None
-        with self._lock:
-            passed = [(key, self._blocks.pop(key)) for key in sorted(self._blocks) if key <= entered]
-        counts: Optional[dict[str, int]] = None
-        for key, chat_block in passed:
-            if key > self._reported:
-                for reason, count in chat_block.rejects().items():
-                    counts = {} if counts is None else counts
-                    counts[reason] = counts.get(reason, 0) + count
-        self._reported = entered
-        return counts

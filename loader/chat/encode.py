@@ -31,12 +31,11 @@ import jinja2.exceptions
 import numpy as np
 
 from loader.chat.conversations import Conversation, ConversationRejected, parse_conversation
+from loader.chat.record import OVERFLOW_CHOICES
 from loader.chat.masks import TokenizedChat, covered_characters, encode_renders, tokenized_renders
-from loader.chat.spans import LOSS_ON_CHOICES, AssistantSpans, ChatOptionError, assistant_spans, check_choice
+from loader.chat.spans import LOSS_ON_CHOICES, AssistantSpans, assistant_spans, check_choice
 from loader.chat.template import ChatTemplate
-from loader.errors import ZephonError
-
-OVERFLOW_CHOICES = ("reject", "truncate")
+from loader.errors import ChatOptionError, ZephonError
 
 # encode_conversations tokenizes its renders in parts of at least this many characters, each
 # on a helper thread while the records after it render: the tokenizer releases the GIL, so

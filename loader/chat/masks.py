@@ -42,8 +42,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.errors import TokenizerError
 from loader.chat.token_bytes import byte_lengths, char_byte_starts, utf8_length
-from loader.stages.tokenizer import TokenizerError
 
 
 @dataclass(frozen=True)

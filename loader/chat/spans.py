@@ -36,17 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loader.chat.conversations import Conversation, ConversationRejected
+from loader.chat.record import LOSS_ON_CHOICES
 from loader.chat.template import ChatTemplate
-from loader.errors import ZephonError
+from loader.errors import ChatOptionError
 
-LOSS_ON_CHOICES = ("all", "last")
 MASK_SOURCES = ("generation_tags", "prefix_difference")
-
-
-class ChatOptionError(ZephonError, ValueError):
-    """A chat encoding option with a value outside its choices (the message lists them)."""
-
-    exit_code = 2  # usage: the option as typed or configured is wrong
 
 
 def check_choice(option: str, value, choices: tuple) -> None:

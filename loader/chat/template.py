@@ -51,7 +51,8 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import numpy as np
 
-from loader.errors import ZephonError
+from loader.errors import ChatTemplateError
+from loader.io import storage
 
 # transformers refuses older jinja2: they have known sandbox escapes, and templates are untrusted code.
 MIN_JINJA2_VERSION = (3, 1, 6)
@@ -67,12 +68,6 @@ RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
 # The regex render_jinja_template uses to decide whether a template has generation tags.
 _GENERATION_TAG_RE = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
-
-
-class ChatTemplateError(ZephonError, ValueError):
-    """A chat template file or tokenizer config that cannot be used (the message names it and the fix)."""
-
-    exit_code = 2  # the CLI's usage-error status: the --chat-template named cannot be used
 
 
 @dataclass(frozen=True)
@@ -410,8 +405,6 @@ def load_chat_template(
     variables. Anything else is Jinja text (no special tokens then; give them with
     ``extra_variables``, e.g. ``{"bos_token": "<|begin_of_text|>"}``).
     """
-    from loader.io import storage
-
     text = _read_text(path, storage_options)
     options = dict(template_name=template_name, extra_variables=dict(extra_variables or {}))
     config = _json_object_or_none(text)
@@ -432,8 +425,6 @@ def load_chat_template(
 
 
 def _read_text(path: str, storage_options) -> str:
-    from loader.io import storage
-
     return storage.read_user_text(
         path, storage_options, error=ChatTemplateError, noun="chat template", named_by="option --chat-template",
         directory_hint="point at its tokenizer_config.json or chat_template.jinja",

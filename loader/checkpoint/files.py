@@ -22,7 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from loader.checkpoint.state import STATE_FORMAT, StateError
+from loader.errors import StateError
+from loader.checkpoint.state import STATE_FORMAT
 
 _FORMAT = re.compile(rb'"format"\s*:\s*"' + re.escape(STATE_FORMAT.encode()) + rb'"')
 _NEXT_INDEX = re.compile(rb'"next_global_index"\s*:\s*(\d+)')

@@ -1,6 +1,6 @@
 """Checkpoint migrations: a state of an older format version, read as the current one.
 
-Every format change bumps :data:`loader.checkpoint.state.STATE_VERSION` and adds one step
+Every format change bumps :data:`loader.checkpoint.version.STATE_VERSION` and adds one step
 here; :func:`upgrade` applies them in order, so a checkpoint saved by any released Zephon
 loads (``ZephonLoader.load_state_dict``, ``merge_rank_states``, ``state.loads``) and continues
 the identical stream. Versions:
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from loader.checkpoint.state import STATE_VERSION
+from loader.checkpoint.version import STATE_VERSION
 
 
 def _v1_to_v2(state: dict) -> dict:

@@ -54,9 +54,12 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from loader.checkpoint.migrations import MIGRATIONS
+from loader.checkpoint.version import STATE_FORMAT, STATE_VERSION
+from loader.errors import StateError
+from loader.order.ordering import lane_outputs_before
 from loader.stages.features import BIN_STATE_FEATURES, FEATURES
 from loader.stages.window_packing import WINDOW_STATE_VERSION
-from loader.checkpoint.state import STATE_FORMAT, STATE_VERSION, StateError
 
 MAX_REPORTED = 20  # bad fields listed in one error; the count of the rest is given
 
@@ -335,8 +338,6 @@ def check_format(state: Any) -> None:
         raise StateError(f"format: not a Zephon loader state (format={state.get('format')!r}, expected {STATE_FORMAT!r})")
     version = state.get("version")
     if type(version) is not int or version != STATE_VERSION:
-        from loader.checkpoint.migrations import MIGRATIONS
-
         older = f"; versions {sorted(MIGRATIONS)} are upgraded by loader.checkpoint.migrations.upgrade, which " \
             "load_state_dict applies" if type(version) is int and version in MIGRATIONS else ""
         raise StateError(f"version: loader state version {version!r} is not supported by this Zephon "
@@ -853,8 +854,6 @@ class StateLimits:
 def check_lanes(header: Header, lanes: dict[int, LaneState], limits: StateLimits,
                 next_index: int, problems: Problems) -> None:
     """Level 2 of every parsed lane; adds what is out of range to ``problems``."""
-    from loader.order.ordering import lane_outputs_before
-
     starts = [p.step for p in header.schedule]
     for lane_id, lane in lanes.items():
         path = f"lanes.{lane_id:05d}"

@@ -34,16 +34,10 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from loader.errors import ZephonError
-
-STATE_FORMAT = "zephon.loader_state"
-STATE_VERSION = 3  # 2: best-fit bins hold piece_origins; 3: text cursors their document (loader.checkpoint.migrations)
-
-
-class StateError(ZephonError, ValueError):
-    """A checkpoint that cannot be loaded here; the message names what differs."""
-
-    exit_code = 2  # the CLI's usage-error status: the state file given cannot be used
+from loader.checkpoint.migrations import upgrade
+from loader.checkpoint.schema import parse_header
+from loader.checkpoint.version import STATE_FORMAT, STATE_VERSION  # noqa: F401  (also importable from here)
+from loader.errors import StateError
 
 
 def lane_key(lane_id: int) -> str:
@@ -70,8 +64,6 @@ def to_jsonable(value: Any) -> Any:
 def check_header(state: Any) -> None:
     """Refuse a state whose top level is malformed, naming the JSON path of every bad field
     (:func:`loader.checkpoint.schema.parse_header`; lanes are checked on load)."""
-    from loader.checkpoint.schema import parse_header
-
     parse_header(state)
 
 
@@ -153,8 +145,6 @@ def compare_with(state: dict, expected: dict, allow_transform_change: bool = Fal
 
 def merge_rank_states(states: Iterable[dict]) -> dict:
     """Merge the rank-local states of one step into one global, topology-free state."""
-    from loader.checkpoint.migrations import upgrade
-
     states = [upgrade(s) for s in states]
     if not states:
         raise StateError("merge_rank_states needs at least one state")
@@ -228,8 +218,6 @@ def loads(text: str) -> dict:
         state = json.loads(text)
     except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, bytes that are not UTF-8
         raise StateError(f"a loader state must be JSON text ({exc.__class__.__name__}: {exc})") from None
-    from loader.checkpoint.migrations import upgrade
-
     state = upgrade(state)
     check_header(state)
     return state

@@ -68,20 +68,24 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from loader.checkpoint.files import newest_state_at_or_before
+from loader.checkpoint.state import lane_key
+from loader.cli import run_command
+from loader.commands import audit_replay
+from loader.commands.fingerprints import read_state_file
 from loader.commands.seek_index import POINT_EVERY, SeekIndex, run_key
 from loader.commands.window_index import WindowIndex, cache_dir
 from loader.config import LoaderConfig
-from loader.errors import ZephonError
+from loader.errors import AuditError, LaneExhausted
+from loader.io.manifest import Manifest
 from loader.io.provenance import AUDIT_FEATURES, EPOCH_SHIFT, ROW_MASK, ProvenanceStream, ReadLog
+from loader.order.mixing import batch_assignments
+from loader.order.ordering import lane_outputs_before
+from loader.stages.lane import Lane
+from loader.stages.tokenizer import load_tokenizer
 from loader.stages.window_packing import window_packer_state
 
 METHODS = ("seek", "checkpoint", "replay", "window")
-
-
-class AuditError(ZephonError, ValueError):
-    """A step ``zephon audit`` cannot reconstruct as asked; the message says what to do instead."""
-
-    exit_code = 2
 
 
 @dataclass
@@ -152,8 +156,6 @@ class StepAudit:
 # -- lane states ---------------------------------------------------------------------------
 def _lane_class():
     """``Lane`` on provenance streams (imported late: the lane pulls in pyarrow and tokenizers)."""
-    from loader.stages.lane import Lane
-
     return type("AuditLane", (Lane,), {"stream_class": ProvenanceStream})
 
 
@@ -161,8 +163,6 @@ def source_counts_before(schedule, num_sources: int, global_batch_size: int, num
                          step: int) -> np.ndarray:
     """``[lane, source]``: outputs of each source in each lane over steps ``0 .. step-1``, from the
     mixing decisions alone (no fallback: only valid while every source still has data)."""
-    from loader.order.mixing import batch_assignments
-
     counts = np.zeros((num_lanes, num_sources), dtype=np.int64)
     if num_sources == 1:
         for lane in range(num_lanes):
@@ -180,8 +180,6 @@ def source_counts_before(schedule, num_sources: int, global_batch_size: int, num
 
 
 def _lane_outputs_before(global_index: int, lane: int, num_lanes: int) -> int:
-    from loader.order.ordering import lane_outputs_before
-
     return lane_outputs_before(global_index, lane, num_lanes)
 
 
@@ -261,8 +259,6 @@ def _resolved_lane_state(lane, state: dict) -> dict:
     """A saved lane state for the audit's lane: each open bin's pieces become their documents'
     provenance (:meth:`ProvenanceStream.piece_features` of its ``piece_origins``; zeros for the
     tokens, as the audit's streams have), reading the lengths of those row groups only."""
-    from loader.checkpoint.state import lane_key
-
     streams = lane.source_streams()
     path = f"lanes.{lane_key(lane.lane_id)}"
     if "mixed" in state:
@@ -358,7 +354,6 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
     a best-fit replay keeps its lane states and starts from them (:mod:`loader.commands.seek_index`;
     not with ``load_state``, whose schedule may not be the config's)."""
     from loader.pipeline import ZephonLoader  # torch: after the arguments are checked
-    from loader.stages.lane import LaneExhausted
 
     B = config.global_batch_size
     if sequence is not None and not 0 <= sequence < B:
@@ -423,8 +418,6 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
                          + (f"counted the windows of {scanned:,} documents now (kept for later audits)" if scanned
                             else "every count was cached"))
         else:
-            from loader.commands import audit_replay
-
             for lane_id, lane in lanes.items():  # produce the lane's outputs before the step
                 first = _lane_outputs_before(first_index, lane_id, L)
                 end = _lane_outputs_before(step * B, lane_id, L)
@@ -466,8 +459,6 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
                 sequences.append(_sequence_audit(global_index - step * B, global_index, lane, source_id, packed))
         tokenizer = None
         if text:
-            from loader.stages.tokenizer import load_tokenizer
-
             tokenizer = load_tokenizer(config.tokenizer, config.storage_options())
         log = ReadLog()
         for lane in lanes.values():
@@ -487,7 +478,6 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
 def _build(spec, lane_ids: list[int], loader) -> dict:
     from tokenizers import Tokenizer
 
-    from loader.io.manifest import Manifest
 
     tokenizer = Tokenizer.from_str(spec.tokenizer_json) if spec.tokenizer_json is not None else None
     manifests = [Manifest.from_json(s.manifest_json, s.dataset_path) for s in spec.sources]
@@ -609,8 +599,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from loader.cli import run_command
-
     return run_command("audit", argv)
 
 
@@ -623,12 +611,8 @@ def command(argv: Sequence[str]) -> int:
     load_state = None
     found = []
     if args.load_state:
-        from loader.commands.fingerprints import read_state_file
-
         path = args.load_state
         if os.path.isdir(path):
-            from loader.checkpoint.files import newest_state_at_or_before
-
             saved = newest_state_at_or_before(path, config.global_batch_size, args.step)
             if saved is None:
                 found.append(f"--load-state {path}: no checkpoint at or before step {args.step}, so none is used")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import numpy as np
+from loader.errors import LaneExhausted
 
 
 class _Cursor:
@@ -163,8 +164,6 @@ def replayed_lane_state(lane, first_output: int, end_output: int, *, start: Opti
     ``start``: the :func:`compact_lane_state` the lane had after ``first_output`` outputs (a seek
     point); without it ``first_output`` must be 0. ``on_point(k, compact)`` is called whenever the
     lane has made ``k`` outputs, ``k`` a multiple of ``point_every``, with its compact state then."""
-    from loader.stages.lane import LaneExhausted
-
     spec = lane.spec
     if lane.token_mixing or spec.packing != "best_fit" or spec.packing_window is not None \
             or (first_output != 0 and start is None):

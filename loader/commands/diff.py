@@ -33,11 +33,13 @@ from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any, Optional, Sequence
 
+from loader.cli import run_command, USER_FILE_ERRORS
+from loader.commands.fingerprints import SUPERVISED_MARKER, StepFingerprint, _parse_steps, collect_fingerprints
 from loader.config import LoaderConfig
-from loader.errors import ZephonError
-from loader.commands.fingerprints import SUPERVISED_MARKER, StepFingerprint, _parse_steps
-from loader.io.manifest import Manifest
+from loader.errors import DiffError, ZephonError
+from loader.io.manifest import Manifest, read_manifest
 from loader.io.storage_options import SHA256_HEX
+from loader.order.mixing import exact_weights
 
 IDENTICAL_EXIT = 0
 DIFFERENT_EXIT = 1
@@ -54,12 +56,6 @@ RUNTIME_FIELDS = frozenset({
     "balance",
 })
 TEXT_SEQUENCES_SHOWN = 16  # the text report lists this many differing sequences; --json lists all
-
-
-class DiffError(ZephonError, ValueError):
-    """Something ``zephon diff`` was handed cannot be compared (exit status 2, never 1)."""
-
-    exit_code = TROUBLE_EXIT
 
 
 # -- fingerprint logs ----------------------------------------------------------------------
@@ -160,8 +156,6 @@ def load_side(label: str, path: str, steps: Optional[tuple[int, int]]) -> Side:
     if steps is None:
         raise DiffError(f"{path} is a loader config: pass --steps START:END to compare its fingerprints "
                         "(or compare two logs written by `zephon fingerprints`)")
-    from loader.commands.fingerprints import collect_fingerprints
-    from loader.io.manifest import read_manifest
 
     config = LoaderConfig.from_file(path)
     results, _ = collect_fingerprints(config, world_size=1, start_step=steps[0], end_step=steps[1],
@@ -242,8 +236,6 @@ def schedule_phases(config: LoaderConfig, names: Sequence[str]) -> list[tuple[in
     """The effective mixture, as the loader builds it: ``(first step, {source: exact weight})``
     per phase; a step-0 entry replaces the datasets' weights. A name missing from an entry
     counts as weight 0 (the loader refuses such a config before this is reached)."""
-    from loader.order.mixing import exact_weights
-
     phases = [(0, dict(zip(names, exact_weights([d.weight for d in config.datasets]))))]
     for entry in config.schedule:
         weights = dict(zip(names, exact_weights([entry.weights.get(n, 0) for n in names])))
@@ -468,14 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``zephon diff``: errors are reported by :func:`loader.cli.run_command` (exit 2)."""
-    from loader.cli import run_command
-
     return run_command("diff", argv)
 
 
 def command(argv: Sequence[str]) -> int:
-    from loader.cli import USER_FILE_ERRORS
-
     args = build_parser().parse_args(list(argv))
     try:
         a = load_side("A", args.a, args.steps)

@@ -30,9 +30,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.checkpoint.state import dumps, loads, merge_rank_states
+from loader.cli import run_command
 from loader.config import LoaderConfig
+from loader.errors import StateError
 from loader.stages.features import IGNORE_INDEX
-from loader.checkpoint.state import StateError, dumps, loads, merge_rank_states
 
 
 def sequence_bytes(input_ids, labels) -> bytes:
@@ -258,8 +260,6 @@ def read_state_file(path: str) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``zephon fingerprints``: errors are reported by :func:`loader.cli.run_command`."""
-    from loader.cli import run_command
-
     return run_command("fingerprints", argv)
 
 

@@ -21,10 +21,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from loader.config import ConfigError, LoaderConfig
-from loader.commands.diff import DiffError, parse_log, schedule_phases, weights_at
+from loader.cli import run_command
+from loader.commands.diff import parse_log, schedule_phases, weights_at
 from loader.commands.fingerprints import StepFingerprint
 from loader.commands.plotting import new_figure, save_figure
+from loader.config import LoaderConfig
+from loader.errors import ConfigError, DiffError
+from loader.io.manifest import read_manifest
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,6 @@ class MixSeries:
 
 def source_names(config: LoaderConfig) -> list[str]:
     """The sources' names as the loader names them (a dataset's ``name`` or its manifest's)."""
-    from loader.io.manifest import read_manifest
-
     return [d.name or read_manifest(d.path, config.storage_options()).source_name for d in config.datasets]
 
 
@@ -125,8 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``zephon plot-mix``: errors are reported by :func:`loader.cli.run_command`."""
-    from loader.cli import run_command
-
     return run_command("plot-mix", argv)
 
 

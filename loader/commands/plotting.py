@@ -11,16 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from loader.errors import ZephonError
+from loader.errors import PlotError
 
 INSTALL_HINT = "install the plots extra: pip install 'zephon[plots]' (or pip install matplotlib)"
 DPI = 120
-
-
-class PlotError(ZephonError, ValueError):
-    """A plot that cannot be drawn or written (matplotlib missing, an unknown file type)."""
-
-    exit_code = 2
 
 
 def new_figure(width: float, height: float) -> Any:

@@ -23,6 +23,12 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from loader.cli import run_command
+from beam_jobs import inspect_dataset, sample_data, shard
+from beam_jobs.progress import StageTimer
+from loader.config import LoaderConfig
+from loader.commands.fingerprints import collect_fingerprints
+
 
 def _say(message: str, timer=None, stage: str = "") -> None:
     """Start a stage: the previous stage's wall time, then this one's title."""
@@ -49,8 +55,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``zephon quickstart``: errors are reported by :func:`loader.cli.run_command`."""
-    from loader.cli import run_command
-
     return run_command("quickstart", argv)
 
 
@@ -60,10 +64,6 @@ def command(argv: Sequence[str]) -> int:
     for option, value, minimum in (("--docs", args.docs, 1), ("--steps", args.steps, 2), ("--num-lanes", args.num_lanes, 1)):
         if value < minimum:  # --steps: step 5 resumes from a checkpoint inside the run
             parser.error(f"{option} must be >= {minimum} (got {value})")
-    from beam_jobs import inspect_dataset, sample_data, shard
-    from beam_jobs.progress import StageTimer
-    from loader.config import LoaderConfig
-    from loader.commands.fingerprints import collect_fingerprints
 
     out = os.path.abspath(args.out)
     raw, datasets = os.path.join(out, "raw"), os.path.join(out, "datasets")

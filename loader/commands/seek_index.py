@@ -24,16 +24,10 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from loader.errors import ZephonError
+from loader.errors import SeekIndexError
 
 SEEK_INDEX_VERSION = 1
 POINT_EVERY = 1024  # lane outputs between two points: ~1-3 KB of JSON a point at 16 open bins
-
-
-class SeekIndexError(ZephonError, ValueError):
-    """A seek index file that cannot be used (the message names the file and the fix)."""
-
-    exit_code = 2
 
 
 def run_key(resume_header: dict) -> str:

@@ -31,8 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from loader.io.integrity import LaneDataError
-from loader.io.lane_reader import EmptyLaneError
+from loader.errors import EmptyLaneError, LaneDataError
 from loader.order.packing_windows import window_outputs
 
 log = logging.getLogger(__name__)

@@ -64,21 +64,15 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from loader.config import LoaderConfig
-from loader.errors import ZephonError
+from loader.errors import HFIntegrationError, StateError
 from loader.pipeline import ZephonLoader
-from loader.checkpoint.state import StateError, dumps, loads
+from loader.checkpoint.state import dumps, loads
 
 log = logging.getLogger(__name__)
 
 ZEPHON_STATE_NAME = "zephon_state.json"
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 DEFAULT_MODEL_INPUTS = ("input_ids", "labels", "position_ids")
-
-
-class HFIntegrationError(ZephonError, ValueError):
-    """Trainer arguments or a checkpoint that would make Trainer train on other data than Zephon's stream."""
-
-    exit_code = 2
 
 
 class ModelInputs(IterableDataset):

@@ -53,7 +53,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
 from loader.config import LoaderConfig
-from loader.errors import ZephonError
+from loader.errors import LightningIntegrationError
 from loader.pipeline import ZephonLoader
 from loader.checkpoint.state import dumps, loads
 
@@ -62,10 +62,6 @@ log = logging.getLogger(__name__)
 STATE_KIND = "zephon.lightning_train_iterable"
 _BATCH_PROGRESS = "epoch_loop.batch_progress"
 _EPOCH_LOOP_STATE = "epoch_loop.state_dict"
-
-
-class LightningIntegrationError(ZephonError, RuntimeError):
-    """Lightning is set up so that the model would not train on Zephon's steps; the message says the fix."""
 
 
 class ZephonTrainIterable:

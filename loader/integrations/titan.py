@@ -34,9 +34,9 @@ from typing import Any, Iterator, Optional
 
 from torch.distributed.checkpoint.stateful import Stateful
 
+from loader.errors import StateError
 from loader.config import LoaderConfig
 from loader.pipeline import ZephonLoader
-from loader.checkpoint.state import StateError
 from loader.integrations.torch_data import LoaderStateful
 
 log = logging.getLogger(__name__)

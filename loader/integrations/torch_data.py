@@ -23,9 +23,9 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import IterableDataset
 
-from loader.config import ConfigError
+from loader.errors import ConfigError, StateError
 from loader.pipeline import ZephonLoader
-from loader.checkpoint.state import StateError, lane_key
+from loader.checkpoint.state import lane_key
 
 
 class ZephonIterableDataset(IterableDataset):

@@ -33,8 +33,9 @@ from typing import Any, Iterable
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from loader.errors import StateError
 from loader.pipeline import ZephonLoader
-from loader.checkpoint.state import StateError, merge_rank_states
+from loader.checkpoint.state import merge_rank_states
 from loader.integrations.torch_data import ZephonIterableDataset
 
 # Keys of torchdata 0.11's single-process iterator state (stateful_dataloader.py).

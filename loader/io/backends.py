@@ -33,18 +33,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import BinaryIO, Optional
 
-from loader.io.storage_options import StorageError, StorageOptions
+from loader.errors import StorageError, UnsupportedSchemeError
+from loader.io.storage_options import StorageOptions
 
 LOCAL = ""  # the scheme of a path without one
 # scheme -> module whose import registers it (imported on first use, see the module docstring)
 BUILTIN_BACKENDS = {LOCAL: "loader.io.local", "gs": "loader.io.gcs", "s3": "loader.io.s3"}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-class UnsupportedSchemeError(StorageError, ValueError):
-    """A path whose ``scheme://`` no storage backend is registered for."""
-
-    exit_code = 2  # a path the user typed or configured
 
 
 @dataclass(frozen=True)

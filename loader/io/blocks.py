@@ -2,9 +2,8 @@
 
 A block holds every document of one row group as ``[bos] + ids + [eos]`` (as configured),
 back to back, with the offsets where documents start, plus the per-token feature arrays
-(:mod:`loader.stages.features`) aligned with the tokens. :func:`build_block` is the one
-place a row group's column values become a block: every kind of lane (pre-tokenized, text)
-plugs in there.
+(:mod:`loader.stages.features`) aligned with the tokens. A lane's kind
+(:mod:`loader.kinds`) turns a row group's column values into a block, with the types here.
 """
 
 from __future__ import annotations
@@ -12,13 +11,13 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from loader.io.integrity import LaneDataError
+from loader.errors import LaneDataError
 from loader.stages.features import NO_FEATURES, Feature, wrap_feature
 
 
@@ -420,36 +419,3 @@ def wrap_documents(flat_ids: np.ndarray, lengths: np.ndarray, fmt: TokenFormat) 
         is_document_token[out_starts[1:] - 1] = False
     out[is_document_token] = flat_ids
     return Block(tokens=out, doc_starts=out_starts)
-
-
-def build_block(values: pa.Array, feature_columns: Sequence[pa.Array], *, features: Sequence[Feature],
-                token_format: TokenFormat, tokenizer, where: str, row_group: int, chat=None, images=None) -> Block:
-    """The block of one row group's column values (rows in replay order).
-
-    ``values``: the ``input_ids`` column of a pre-tokenized lane, or the ``text`` column of a
-    text lane (``tokenizer`` set); ``feature_columns``: the lane-file feature columns, as
-    ``features``. Errors name ``where`` (the file) and ``row_group``. ``chat``: an online chat
-    lane's :class:`loader.chat.block.OnlineChat`; ``values`` is then its ``conversation`` column.
-    ``images``: an image lane's ``(ImageOptions, column names, BlockPlace)``; ``feature_columns``
-    are then those image columns (:mod:`loader.vision.block`).
-    """
-    if images is not None:  # text and image placeholders, loss_mask and image_ref (loader.vision.block)
-        from loader.vision.block import ImageBlock
-
-        options, names, place = images
-        if chat is not None:  # conversations with image parts (loader.vision.chat)
-            from loader.vision.chat import ImageChatBlock
-
-            return ImageChatBlock(values.to_pylist(), dict(zip(names, feature_columns)), options, chat, token_format,
-                                  where, row_group, place)
-        return ImageBlock(values.to_pylist(), dict(zip(names, feature_columns)), options, tokenizer, token_format,
-                          where, row_group, place)
-    if chat is not None:  # online chat: rendered, tokenized and masked by the block (loader.chat.block)
-        return chat.block(values.to_pylist(), token_format, where, row_group)
-    if tokenizer is not None:
-        return TextBlock(values.to_pylist(), tokenizer, token_format)
-    block = pretokenized_block(values, token_format, where, row_group)
-    if features:
-        block.features = {f.name: feature_values(c, f, block, token_format, where, row_group)
-                          for f, c in zip(features, feature_columns)}
-    return block

@@ -39,7 +39,8 @@ import secrets
 import time
 from typing import BinaryIO, Callable, Iterator, Optional
 
-from loader.io.storage_options import CHECKSUM_ATTEMPTS, SHA256_HEX, StorageError, sha256_of_file
+from loader.errors import StorageError
+from loader.io.storage_options import CHECKSUM_ATTEMPTS, SHA256_HEX, sha256_of_file
 from loader.metrics import IO
 
 log = logging.getLogger(__name__)

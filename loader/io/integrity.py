@@ -15,14 +15,9 @@ import re
 
 import pyarrow.parquet as pq
 
-from loader.errors import ZephonError
+from loader.errors import LaneDataError
 from loader.io import storage, storage_options
 from loader.io.manifest import MANIFEST_NAME, FileEntry, lane_file_path
-
-
-class LaneDataError(ZephonError, RuntimeError):
-    """A lane file whose content cannot be used; the message names the file and the fix."""
-
 
 
 FIX = "re-run the Beam job or restore the file from a good copy"

@@ -33,17 +33,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from loader.errors import ZephonError
+from loader.errors import EmptyLaneError, LaneDataError, StateError, ZephonError
 from loader.io import storage
-from loader.io.blocks import Block, Chunk, DocumentsView, TextBlock, TokenFormat, build_block
-from loader.io.integrity import (FIX, LaneDataError, check_footer, check_no_unlisted_files, check_row_group,
-                                 verify_local_file)
+from loader.io.blocks import Block, Chunk, DocumentsView, TextBlock, TokenFormat
+from loader.io.integrity import FIX, check_footer, check_no_unlisted_files, check_row_group, verify_local_file
 from loader.io.manifest import CONVERSATION_COLUMN, MANIFEST_NAME, TOMBSTONE_COLUMN, FileEntry, Manifest
 from loader.io.read_ahead import READ_AHEAD_BLOCKS, ReadAheadQueue, prepare_later
+from loader.io.reject_tally import RejectTally
+from loader.kinds.base import BlockSource, kind_for
 from loader.metrics import note_row_group_read
 from loader.order.epochs import epoch_blocks, row_order
 from loader.stages.features import Feature, column_features, slice_features
 from loader.transforms.chain import TransformCounts, chain_for
+from loader.transforms.conversations import chat_transforms_for
 from loader.transforms.rows import LazyColumns, apply_transforms, extra_columns, tombstone_rows, with_tombstones
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,6 @@ def _prepare_block(key: tuple[int, int], block: Block) -> None:
     prepare = type(block).prepare
     if not block.complete and prepare is not Block.prepare:
         prepare_later(prepare, block, key)  # the unbound method: the block itself is held weakly
-
-
-class EmptyLaneError(LaneDataError):
-    """A lane left without a token for a whole epoch: every document rejected or dropped."""
 
 
 # Set by ZephonLoader.load_state_dict in a restored cursor saved under other transforms
@@ -100,20 +98,14 @@ class LaneTokenStream:
         # Image lanes: text, segments and image sizes become tokens, loss_mask and image_ref in
         # the block (loader.vision.block); image bytes are read only to resolve refs.
         self.images = images
-        self._image_columns: tuple[str, ...] = ()
-        if images is not None:
-            from loader.vision.block import METADATA_COLUMNS, VISUAL_TOKENS_COLUMN
-
-            names = {c.get("name") for c in manifest.schema}
-            self._image_columns = METADATA_COLUMNS + ((VISUAL_TOKENS_COLUMN,) if VISUAL_TOKENS_COLUMN in names else ())
         # Online chat: the conversation column is rendered, tokenized and masked by its block
         # (loader.chat.block), whose rejects the tally reports once per block entered.
         self.chat = chat
-        self.chat_rejects = None  # also image blocks' online rejects (loader.vision.block)
-        if chat is not None or images is not None:
-            from loader.chat.block import RejectTally
-
-            self.chat_rejects = RejectTally()
+        # The lane's kind (loader.kinds) decodes its row groups and names the columns it adds.
+        self.kind = kind_for(pretokenized=manifest.pretokenized, chat=chat, images=images)
+        self._kind_columns = self.kind.lane_columns({c.get("name") for c in manifest.schema})
+        # Online rejects of chat and image blocks, reported once per block entered.
+        self.chat_rejects = RejectTally() if self.kind.rejects_online else None
         self.dataset_path = dataset_path
         self.source_name = source_name
         self.lane_id = lane_id
@@ -172,8 +164,6 @@ class LaneTokenStream:
         # counts of the blocks before the current one; a restored state's counts wait in
         # _restored_counts until the cursor's block is read again.
         if chat is not None:  # records before the render, tokens after (loader.transforms.conversations)
-            from loader.transforms.conversations import chat_transforms_for
-
             self.transforms = chat_transforms_for(transforms, seed=seed, source=source_name)
         else:
             self.transforms = chain_for(transforms, seed=seed, source=source_name, pretokenized=self.pretokenized,
@@ -332,8 +322,6 @@ class LaneTokenStream:
 
     def _check_restored_cursor(self, epoch: int, block_index: int, block: Optional[Block] = None) -> None:
         """The checks of a restored cursor that need the data (see :meth:`set_state`)."""
-        from loader.checkpoint.state import StateError
-
         path = self._restored_path
         if (epoch, block_index) != (self.epoch, self.block_index):
             return
@@ -364,8 +352,6 @@ class LaneTokenStream:
         tokenized from it: the index names a document of the block whose text starts at
         ``char_start`` (which binds it to the data), and ``token_start`` leaves room for the
         documents before it (the schema checked it against the offset)."""
-        from loader.checkpoint.state import StateError
-
         index, token_start = document["index"], document["token_start"]
         extra = self.token_format.extra  # BOS/EOS: every document has at least these tokens
         field = "index"
@@ -541,7 +527,7 @@ class LaneTokenStream:
             parquet = self._parquet(file_ordinal)
             # One column: pyarrow's thread pool parallelises across columns, so for us it is
             # only a hand-off (and more threads per worker process); ~8% less CPU without.
-            columns = [column] + [f.column for f in self.features] + list(self._image_columns) + (
+            columns = [column] + [f.column for f in self.features] + list(self._kind_columns) + (
                 [TOMBSTONE_COLUMN] if self.tombstone_transforms else [])  # last: popped below
             table = parquet.read_row_group(row_group, columns=columns, use_threads=False)
             note_row_group_read(parquet.metadata.row_group(row_group), columns)  # loader.metrics
@@ -574,10 +560,11 @@ class LaneTokenStream:
                 kept, counts = apply_transforms(self.transforms, transform_columns, texts=texts)
                 if kept is not texts:
                     values = pa.array(kept, pa.string())
-            block = build_block(values, feature_columns, features=self.features, token_format=self.token_format,
-                                tokenizer=None if self.pretokenized else self.tokenizer, where=path,
-                                row_group=row_group, chat=self.chat, images=self._image_place(epoch, file_ordinal,
-                                                                                              row_group))
+            block = self.kind.decode(BlockSource(
+                values=values, columns=feature_columns, column_names=self._kind_columns, features=self.features,
+                token_format=self.token_format, tokenizer=None if self.pretokenized else self.tokenizer, where=path,
+                row_group=row_group, chat=self.chat, images=self.images, epoch=epoch,
+                block_of=lambda: self.blocks_of_epoch(epoch).index((file_ordinal, row_group))))
             if self.chat is not None and self.transforms is not None:  # around the render (loader.chat.block)
                 block.transform(self.transforms, transform_columns)
                 counts = block.transform_counts
@@ -600,15 +587,6 @@ class LaneTokenStream:
         if self.counting:
             block.transform_counts = with_tombstones(tombstones, counts, self.transforms)
         return block
-
-    def _image_place(self, epoch: int, file_ordinal: int, row_group: int):
-        """``(ImageOptions, column names, BlockPlace)`` of an image lane's row group, else None."""
-        if self.images is None:
-            return None
-        from loader.vision.block import BlockPlace
-
-        blocks = lambda: self.blocks_of_epoch(epoch).index((file_ordinal, row_group))  # noqa: E731
-        return self.images, self._image_columns, BlockPlace(epoch, blocks)
 
     @staticmethod
     def _extra_columns(parquet: pq.ParquetFile, row_group: int, names, indices) -> dict:

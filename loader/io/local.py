@@ -15,7 +15,8 @@ from typing import BinaryIO
 import pyarrow as pa
 
 from loader.io.backends import LOCAL, ObjectInfo, StorageBackend, register_backend
-from loader.io.storage_options import StorageError, StorageNotFoundError, StorageOptions
+from loader.errors import StorageError, StorageNotFoundError
+from loader.io.storage_options import StorageOptions
 
 INPROGRESS_SUFFIX = ".inprogress"
 

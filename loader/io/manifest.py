@@ -70,7 +70,7 @@ number of images, the limits every image was checked against and the image-proce
 policy of ``image_visual_tokens`` with its fingerprint (or nulls). It is part of the dataset
 fingerprint; text datasets have no ``images`` entry and keep their manifests and fingerprints.
 
-Chat datasets (``--messages-field``) record ``chat`` in the manifest (:class:`ChatRecord`): the
+Chat datasets (``--messages-field``) record ``chat`` in the manifest (:class:`loader.chat.record.ChatRecord`): the
 messages field, whether the lanes are tokenized (``input_ids`` + ``loss_mask``) or hold
 conversations, ``loss_on``, ``max_tokens``, ``overflow``, the template's fingerprint and, for
 online data, the template itself (its Jinja sources, special tokens, variables, name), so that
@@ -88,12 +88,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from loader.chat.conversations import REJECT_REASONS as _CONVERSATION_REJECT_REASONS
-from loader.errors import ZephonError
-from loader.vision.reasons import IMAGE_REJECT_REASONS
-from loader.vision.record import ImagesRecord
+from loader.errors import ManifestError
 from loader.io import storage
+from loader.io.names import CONVERSATION_COLUMN, DOCUMENT_REJECT_REASONS, TOMBSTONE_COLUMN  # noqa: F401  (also importable from here)
 from loader.io.storage_options import SHA256_HEX
+from loader.kinds.base import manifest_entries
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -101,33 +100,6 @@ REJECTED_DIR = "_rejected"
 LANE_DIR_FORMAT = "lane={lane:05d}"
 PART_FORMAT = "part-{part:05d}.parquet"
 
-# The rejection reasons the Beam job can emit (manifest ``rejected`` keys). A text job records
-# the document reasons (each with its count, zeros included); a chat job (``--messages-field``)
-# records every reason, the chat reasons of ``loader.chat`` included. The manifest keeps
-# whatever keys it was written with, so older manifests load unchanged.
-DOCUMENT_REJECT_REASONS = (
-    "malformed_json",
-    "missing_text_field",
-    "non_string_text",
-    "invalid_utf8",
-    "empty_text",
-    "missing_id_field",
-    "unreadable_file",
-)
-CHAT_REJECT_REASONS = _CONVERSATION_REJECT_REASONS
-# An image job records the document reasons and the image reasons of loader.vision.reasons.
-IMAGE_DOCUMENT_REJECT_REASONS = DOCUMENT_REJECT_REASONS + IMAGE_REJECT_REASONS
-REJECT_REASONS = DOCUMENT_REJECT_REASONS + CHAT_REJECT_REASONS
-CONVERSATION_COLUMN = "conversation"  # the lane-file column of conversations rendered online
-# Datasets sharded with --transform: per row, the position (in the manifest's "transforms") of
-# the transform that dropped the document, -1 for a kept one. A dropped document stays in its
-# lane as a tombstone (key, empty text, no tokens) so that lane files hold the rows they would
-# hold without the transforms; the loader skips tombstones (README "Transforms").
-TOMBSTONE_COLUMN = "dropped_by"
-
-
-class ManifestError(ZephonError, ValueError):
-    """A manifest that is missing, malformed, or does not match what it is used with."""
 
 
 def lane_file_path(lane_id: int, part: int) -> str:
@@ -214,101 +186,6 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
-class ChatRecord:
-    """The manifest's ``chat`` entry: how the conversations of a chat dataset are encoded.
-
-    ``tokenized``: the lanes hold ``input_ids`` and ``loss_mask`` (the job encoded them);
-    otherwise they hold :data:`CONVERSATION_COLUMN` and ``template`` is set (``sources``,
-    ``special_tokens``, ``extra_variables``, ``template_name``: what
-    :class:`loader.chat.ChatTemplate` is built from). ``template_origin`` names the file the
-    job read (information only, not fingerprinted).
-    """
-
-    messages_field: str
-    tokenized: bool
-    loss_on: str
-    max_tokens: Optional[int]
-    overflow: str
-    template_fingerprint: str
-    template: Optional[dict[str, Any]] = None
-    template_origin: Optional[str] = None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        if self.template is None:
-            del data["template"]
-        return data
-
-    def fingerprint_content(self) -> dict[str, Any]:
-        content = self.to_dict()
-        content.pop("template_origin", None)
-        return content
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "chat") -> "ChatRecord":
-        """Parse the ``chat`` entry; every problem is reported at once, each naming its field."""
-        from loader.chat.encode import OVERFLOW_CHOICES
-        from loader.chat.spans import LOSS_ON_CHOICES
-
-        if not isinstance(data, dict):
-            raise ManifestError(f"{where}: expected an object, got {type(data).__name__}")
-        problems = []
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            problems.append(f"unknown fields {unknown} (known: {sorted(known)})")
-        for name, typ in (("messages_field", str), ("tokenized", bool), ("loss_on", str), ("overflow", str),
-                          ("template_fingerprint", str)):
-            if name not in data:
-                problems.append(f"missing field '{name}'")
-            elif not isinstance(data[name], typ):
-                problems.append(f"field '{name}' must be {typ.__name__} (got {data[name]!r:.80})")
-        if isinstance(data.get("loss_on"), str) and data["loss_on"] not in LOSS_ON_CHOICES:
-            problems.append(f"field 'loss_on' must be one of {LOSS_ON_CHOICES} (got {data['loss_on']!r})")
-        if isinstance(data.get("overflow"), str) and data["overflow"] not in OVERFLOW_CHOICES:
-            problems.append(f"field 'overflow' must be one of {OVERFLOW_CHOICES} (got {data['overflow']!r})")
-        max_tokens = data.get("max_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-            problems.append(f"field 'max_tokens' must be a positive int or null (got {max_tokens!r:.80})")
-        if isinstance(data.get("template_fingerprint"), str) and not SHA256_HEX.fullmatch(data["template_fingerprint"]):
-            problems.append(f"field 'template_fingerprint' must be 64 lowercase hex digits "
-                            f"(got {data['template_fingerprint']!r:.80})")
-        template = data.get("template")
-        if template is not None:
-            problems += [f"template.{p}" for p in _template_problems(template)]
-        elif data.get("tokenized") is False:
-            problems.append("field 'template' is missing: a dataset tokenized online needs the template it renders with")
-        origin = data.get("template_origin")
-        if origin is not None and not isinstance(origin, str):
-            problems.append(f"field 'template_origin' must be a string or null (got {origin!r:.80})")
-        if problems:
-            raise ManifestError(f"{where}: " + "; ".join(problems))
-        return cls(**{name: data.get(name) for name in known})
-
-
-def _template_problems(template: Any) -> list[str]:
-    if not isinstance(template, dict):
-        return [f"must be an object (got {type(template).__name__})"]
-    problems = []
-    sources = template.get("sources")
-    if not (isinstance(sources, dict) and sources and all(isinstance(k, str) and isinstance(v, str)
-                                                             for k, v in sources.items())):
-        problems.append("sources must be a non-empty object of template name -> Jinja text")
-    tokens = template.get("special_tokens", {})
-    if not (isinstance(tokens, dict) and all(isinstance(v, str) for v in tokens.values())):
-        problems.append("special_tokens must be an object of token name -> text")
-    if not isinstance(template.get("extra_variables", {}), dict):
-        problems.append("extra_variables must be an object")
-    name = template.get("template_name")
-    if name is not None and not isinstance(name, str):
-        problems.append(f"template_name must be a string or null (got {name!r:.80})")
-    unknown = sorted(set(template) - {"sources", "special_tokens", "extra_variables", "template_name"})
-    if unknown:
-        problems.append(f"unknown fields {unknown}")
-    return problems
-
-
-@dataclass(frozen=True)
 class Manifest:
     """Everything the loader needs to know about a dataset, and nothing machine-specific."""
 
@@ -323,8 +200,9 @@ class Manifest:
     files_per_lane: int = 1
     format_version: int = FORMAT_VERSION
     dataset_fingerprint: str = ""
-    chat: Optional[ChatRecord] = None  # chat datasets (``--messages-field``): see the module docstring
-    images: Optional[ImagesRecord] = None  # image datasets: see the module docstring
+    # Entries a kind adds (loader.kinds: parsed by the kind's registered ManifestEntry):
+    chat: Optional[Any] = None  # chat datasets: a loader.chat.record.ChatRecord (module docstring)
+    images: Optional[Any] = None  # image datasets: a loader.vision.record.ImagesRecord (module docstring)
     tombstones: int = 0  # rows of documents dropped by --transform (schema has TOMBSTONE_COLUMN)
     # The "transforms" entry (spec and counts per --transform) a tombstone's dropped_by points into;
     # kept (and written by to_dict) only for datasets with tombstones.
@@ -453,24 +331,18 @@ class Manifest:
         files_per_lane = data.get("files_per_lane", 1)
         if not isinstance(files_per_lane, int) or isinstance(files_per_lane, bool) or files_per_lane < 1:
             problems.append(f"field 'files_per_lane' must be an int >= 1 (got {files_per_lane!r:.80})")
-        chat = None
-        if data.get("chat") is not None:
-            try:
-                chat = ChatRecord.from_dict(data["chat"], "chat")
-            except ManifestError as exc:
-                problems.append(str(exc))
-        if chat is not None and isinstance(data.get("schema"), list):
-            columns = {c.get("name") for c in data["schema"] if isinstance(c, dict)}
-            if chat.tokenized != (data.get("tokenizer") is not None):
-                problems.append(f"chat.tokenized is {chat.tokenized} but the dataset is "
-                                f"{'' if data.get('tokenizer') is not None else 'not '}pre-tokenized ('tokenizer')")
-            if not chat.tokenized and CONVERSATION_COLUMN not in columns:
-                problems.append(f"chat.tokenized is false but the schema has no {CONVERSATION_COLUMN!r} column")
-        images = None
-        if data.get("images") is not None:
-            image_problems = ImagesRecord.problems_of(data["images"])
-            problems += [f"images: {p}" for p in image_problems]
-            images = None if image_problems else ImagesRecord.from_dict(data["images"])
+        # The entries a kind adds (chat's "chat", images' "images"): parsed by the kind that owns them.
+        entries: dict[str, Any] = {}
+        for entry in manifest_entries():
+            record = None
+            if data.get(entry.key) is not None:
+                try:
+                    record = entry.parse(data[entry.key])
+                except ManifestError as exc:
+                    problems.append(str(exc))
+                else:
+                    problems += entry.check(record, data) if entry.check is not None else []
+            entries[entry.key] = record
         if problems:
             raise ManifestError(f"{where}: " + "; ".join(problems))
         num_lanes = data["num_lanes"]
@@ -522,8 +394,7 @@ class Manifest:
                 files_per_lane=files_per_lane,
                 format_version=version,
                 dataset_fingerprint=data["dataset_fingerprint"],
-                chat=chat,
-                images=images,
+                **entries,
                 tombstones=tombstones,
                 transforms=tombstone_transforms,
             )

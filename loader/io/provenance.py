@@ -32,10 +32,10 @@ from typing import Optional
 
 import numpy as np
 
-from loader.errors import ZephonError
+from loader.errors import LaneDataError, OriginError
 from loader.io import storage
 from loader.io.blocks import Block
-from loader.io.integrity import FIX, LaneDataError, check_row_group
+from loader.io.integrity import FIX, check_row_group
 from loader.io.manifest import TOMBSTONE_COLUMN
 from loader.io.lane_reader import LaneTokenStream
 
@@ -184,7 +184,3 @@ class ProvenanceStream(LaneTokenStream):
             "of this dataset (or was edited); audit with the run's own checkpoint and datasets")
 
 
-class OriginError(ZephonError, ValueError):
-    """A checkpoint's best-fit piece origin that does not match the dataset."""
-
-    exit_code = 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import logging
 import math
 import os
 import threading
@@ -20,6 +21,8 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from fractions import Fraction
 from typing import Any, Callable, Hashable, Optional
+
+log = logging.getLogger(__name__)
 
 READ_AHEAD_BLOCKS = 2  # for a lane's only source: one is not enough when every lane changes block at once
 
@@ -103,7 +106,8 @@ class _Preparer:
             try:
                 prepare(item)
             except Exception:  # noqa: BLE001 - raised again, with its context, where the item is used
-                pass
+                log.debug("preparing a %s early failed; the error is raised where it is used", type(item).__name__,
+                          exc_info=True)
             del item
 
 
@@ -174,7 +178,8 @@ class ReadAheadQueue:
                 try:
                     self._prepare(key, result)
                 except Exception:  # noqa: BLE001 - optional work; the reads queued after it must still run
-                    pass
+                    log.debug("queuing the early decoding of block %r failed; it is decoded where it is used", key,
+                              exc_info=True)
 
     def wait(self) -> None:
         """Block until every queued read has finished (the results stay queued)."""

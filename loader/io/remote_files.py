@@ -23,7 +23,8 @@ from typing import BinaryIO, Callable, Optional, Protocol
 
 from loader.io import cache
 from loader.io.retries import RetryPolicy
-from loader.io.storage_options import CHECKSUM_ATTEMPTS, StorageError, StorageOptions
+from loader.errors import StorageError
+from loader.io.storage_options import CHECKSUM_ATTEMPTS, StorageOptions
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from loader.io.storage_options import StorageError, StorageOptions
+from loader.errors import StorageError
+from loader.io.storage_options import StorageOptions
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

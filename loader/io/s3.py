@@ -48,7 +48,8 @@ from loader.io.backends import ObjectInfo, StorageBackend, register_backend, spl
 from loader.io.clients import PerProcessClients
 from loader.io.remote_files import RangedReader
 from loader.io.retries import TRANSIENT_STATUS, RetryPolicy, TruncatedRead, run_with_retries
-from loader.io.storage_options import StorageError, StorageNotFoundError, StorageOptions
+from loader.errors import StorageError, StorageNotFoundError
+from loader.io.storage_options import StorageOptions
 
 T = TypeVar("T")
 SCHEME = "s3://"

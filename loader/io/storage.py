@@ -14,7 +14,8 @@ from typing import BinaryIO
 
 from loader.io.backends import UnsupportedSchemeError, backend_for, is_remote, scheme_of
 # The options and errors of every backend; users import them from here.
-from loader.io.storage_options import StorageError, StorageNotFoundError, StorageOptions
+from loader.errors import StorageError, StorageNotFoundError
+from loader.io.storage_options import StorageOptions
 
 __all__ = [
     "StorageError", "StorageNotFoundError", "StorageOptions", "UnsupportedSchemeError", "exists", "is_gcs",

@@ -14,19 +14,12 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 from loader import validation as rules
-from loader.errors import ZephonError
+from loader.errors import ConfigError
+from loader.errors import StorageError, StorageNotFoundError  # noqa: F401  (also importable from here)
 
 # The form of every SHA-256 a manifest records (lowercase hex).
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
-
-
-class StorageError(ZephonError, IOError):
-    """A lane file that cannot be read correctly; the message names the object."""
-
-
-class StorageNotFoundError(StorageError, FileNotFoundError):
-    """The object does not exist (``except FileNotFoundError`` catches it too)."""
 
 
 _MIB = 1024**2
@@ -83,8 +76,6 @@ class StorageOptions:
     }
 
     def __post_init__(self) -> None:
-        from loader.config import ConfigError
-
         rules.validate_instance(self, ConfigError, "StorageOptions")
 
 

@@ -27,16 +27,10 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 
-from loader.errors import ZephonError
+from loader.errors import ModelInputsError
 from loader.validation import Problems, Rule
 
 LAYOUTS: dict[str, type["Layout"]] = {}
-
-
-class ModelInputsError(ZephonError, ValueError):
-    """A ``model_inputs`` layout that cannot lay out this loader's batches; names the field and the fix."""
-
-    exit_code = 2
 
 
 def register(cls: type["Layout"]) -> type["Layout"]:

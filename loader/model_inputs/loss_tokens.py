@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from loader.checkpoint.state import StateError
+from loader.errors import StateError
 from loader.stages.features import IGNORE_INDEX
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
+from loader.errors import TopologyError
 
-from loader.order.ordering import TopologyError
 
 log = logging.getLogger(__name__)
 

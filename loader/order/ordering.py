@@ -23,13 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loader.errors import ZephonError
-
-
-class TopologyError(ZephonError, ValueError):
-    """A world size, batch size or micro-batch size that the lane layout cannot serve."""
-
-    exit_code = 2  # the CLI's usage-error status
+from loader.errors import TopologyError
 
 
 @dataclass(frozen=True)

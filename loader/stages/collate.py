@@ -24,6 +24,7 @@ import numpy as np
 
 from loader.stages.features import FEATURES, IGNORE_INDEX, batch_feature
 from loader.stages.packing import ConcatRow
+from loader.vision.policies import PixelValues
 
 OUTPUTS = ("torch", "numpy")
 
@@ -184,8 +185,6 @@ def image_fields(policy, sequences: Sequence) -> dict[str, np.ndarray]:
     ``image_grid_thw`` ``[n, 3]``, ``image_sequence_index`` ``[n]`` (the row of each image) and
     ``image_token_offsets`` ``[n]`` (the position of its first placeholder token in that row).
     The pixels are copied here (a worker's slot is given back after collation)."""
-    from loader.vision.policies import PixelValues
-
     images, rows, offsets = [], [], []
     for row, sequence in enumerate(sequences):
         found = sequence.images

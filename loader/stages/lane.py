@@ -18,16 +18,18 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.checkpoint.state import lane_key
+from loader.errors import LaneExhausted, StateError
 from loader.io.blocks import TokenFormat
 from loader.io.lane_reader import LaneTokenStream
 from loader.io.read_ahead import read_ahead_depth
+from loader.io.storage import StorageOptions
 from loader.order.mixing import MixingSchedule
 from loader.order.ordering import lane_outputs_before
 from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence, StateSnapshot, concat_state
-from loader.checkpoint.state import StateError, lane_key
-from loader.io.storage import StorageOptions
 from loader.stages.token_mixing import MixedTokenStream
 from loader.stages.window_packing import WindowedBestFitPacker
+from loader.vision.resolve import ImageResolver
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +76,6 @@ class LaneSpec:
     def token_mixing(self) -> bool:
         """Whether a lane mixes its sources token by token (one mixed stream and packer)."""
         return self.mixing_unit == "token" and len(self.sources) > 1
-
-
-class LaneExhausted(Exception):
-    """Every source of the lane has stopped: the lane produces nothing more."""
 
 
 def lane_state(source_names: tuple[str, ...], token_mixing: bool, outputs: int, parts: list, stopped) -> dict:
@@ -169,8 +167,7 @@ class Lane:
     def _resolver(self, stream, manifest):
         if getattr(stream, "images", None) is None:
             return None
-        from loader.vision.images import ImageLimits
-        from loader.vision.resolve import ImageResolver
+        from loader.vision.images import ImageLimits  # Pillow (~0.2 s to import): only image lanes load it
 
         return ImageResolver(stream, self.spec.images, ImageLimits(**manifest.images.limits))
 
@@ -215,7 +212,7 @@ class Lane:
 
     def _online_chat(self, manifest, source: SourceSpec, tokenizer):
         """The encoder of an online chat source (loader.chat.block), bounded by this spec's seq_len."""
-        from loader.chat.block import OnlineChat
+        from loader.chat.block import OnlineChat  # jinja2 (~0.1 s to import): only online chat lanes load it
 
         return OnlineChat.of_manifest(manifest, tokenizer, source_name=source.name, seq_len=self.spec.seq_len,
                                       packing=self.spec.packing, wrap_tokens=self.spec.token_format.extra)

@@ -31,10 +31,11 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from loader.stages.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order, lay_out, mask_labels
+from loader.errors import StateError
 from loader.io.blocks import Chunk
 from loader.io.lane_reader import LaneTokenStream
-from loader.checkpoint.state import StateError
+from loader.stages.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order, lay_out, mask_labels
+from loader.vision.resolve import images_in
 
 
 @dataclass
@@ -346,8 +347,6 @@ class BestFitPacker:
                            self.stream.last_origin if self._has_origins else None)
             fitting = [b for b in self.bins if self.seq_len - b.used >= size]
             if self.max_images is not None and fitting:
-                from loader.vision.resolve import images_in
-
                 images = images_in(piece)
                 if images:
                     fitting = [b for b in fitting if sum(map(images_in, b.pieces)) + images <= self.max_images]

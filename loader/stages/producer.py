@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from loader.stages.lane import Lane, LaneExhausted, LaneSpec
+from loader.errors import LaneExhausted
+from loader.stages.lane import Lane, LaneSpec
 from loader.io.manifest import Manifest
 from loader.stages.packing import PackedSequence, StateSnapshot
 

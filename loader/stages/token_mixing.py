@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.errors import StateError
 from loader.stages.features import FEATURES, in_order, lay_out
 from loader.io.blocks import Chunk
 from loader.io.lane_reader import LaneTokenStream
@@ -296,8 +297,6 @@ class MixedTokenStream:
         ``take_rows`` leave them). Checked at the first read after ``set_state``, as it
         reads the cursors' blocks; else a wrong ``current`` would silently continue a
         document that has ended, or choose anew inside one."""
-        from loader.checkpoint.state import StateError
-
         path, self._restored_path = self._restored_path, None
         for s, stream in enumerate(self.streams):
             at_start = stream.at_document_start()

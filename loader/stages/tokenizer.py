@@ -11,17 +11,12 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
-from loader.errors import ZephonError
+from loader.errors import TokenizerError
+from loader.io import storage
 
 # Tried in order when the config does not name the token explicitly.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]", "<|eot_id|>")
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]", "<|startoftext|>")
-
-
-class TokenizerError(ZephonError, ValueError):
-    """A tokenizer file that cannot be loaded or lacks a needed special token."""
-
-    exit_code = 2  # the CLI's usage-error status: the tokenizer named cannot be used
 
 
 def load_tokenizer(path: str, storage_options=None):
@@ -32,7 +27,6 @@ def load_tokenizer(path: str, storage_options=None):
     """
     from tokenizers import Tokenizer
 
-    from loader.io import storage
 
     hint = "pass the tokenizer.json saved by `tokenizer.save(...)` / `AutoTokenizer.save_pretrained(...)`"
     if not isinstance(path, str) or not path:

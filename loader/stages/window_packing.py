@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from loader.checkpoint.state import StateError
+from loader.errors import StateError
 from loader.order.packing_windows import best_fit_decreasing
 from loader.stages.packing import PackedSequence, _sequence_from_pieces
 

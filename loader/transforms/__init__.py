@@ -16,15 +16,10 @@ chat sources: records before the render, tokens after), :mod:`~loader.transforms
 (length, metadata, regex, truncation).
 """
 
+from loader.errors import TransformError
 from loader.transforms.chain import TransformChain, TransformCounts
 from loader.transforms.document import Document, document_seed
-from loader.transforms.spec import (
-    STAGES,
-    TransformError,
-    TransformSpec,
-    parse_transform_arg,
-    transform,
-)
+from loader.transforms.spec import STAGES, TransformSpec, parse_transform_arg, transform
 
 __all__ = [
     "Document", "STAGES", "TransformChain", "TransformCounts", "TransformError", "TransformSpec",

@@ -24,7 +24,7 @@ import re
 from typing import Any, Optional, Sequence
 
 from loader.transforms.document import Document
-from loader.transforms.spec import transform
+from loader.transforms.declare import transform
 
 
 def _bounds_ok(value: int, minimum: Optional[int], maximum: Optional[int]) -> bool:

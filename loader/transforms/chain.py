@@ -21,8 +21,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from loader.errors import TransformError
 from loader.transforms.document import Document, RowFetcher
-from loader.transforms.spec import TransformError, TransformSpec
+from loader.transforms.spec import TransformSpec
 
 CHECK_DOCUMENTS = 8  # documents per function and process checked for determinism (two calls each)
 UNCHANGED = object()  # apply_rows: the row's document came back as it was

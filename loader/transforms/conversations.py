@@ -24,9 +24,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.errors import TransformError
 from loader.transforms.chain import UNCHANGED, TransformChain, TransformCounts
-from loader.transforms.document import RowFetcher
-from loader.transforms.spec import TransformError, TransformSpec
+from loader.transforms.rows import fetcher  # the text and pre-tokenized lanes' own
+from loader.transforms.spec import TransformSpec
 
 
 class RowsOf:
@@ -42,12 +43,6 @@ class RowsOf:
             values = self._columns.values(name)
             self._lists[name] = [values[r] for r in self._rows]
         return self._lists[name]
-
-
-def _fetcher(columns, **fields) -> RowFetcher:
-    from loader.transforms.rows import fetcher  # the text and pre-tokenized lanes' own
-
-    return fetcher(columns, **fields)
 
 
 class ChatTransforms:
@@ -88,7 +83,7 @@ class ChatTransforms:
         if self.records is None:
             return records, rows
         stage = TransformCounts.zeros(len(self.records))
-        results = self.records.apply_rows(_fetcher(columns, records=records.__getitem__), len(records), stage)
+        results = self.records.apply_rows(fetcher(columns, records=records.__getitem__), len(records), stage)
         for position, (dropped, changed) in enumerate(stage.counts):
             counts.counts[position][0] += dropped
             counts.counts[position][1] += changed
@@ -109,7 +104,7 @@ class ChatTransforms:
         if self.tokens is None or not ids:
             return ids, masks
         stage = TransformCounts.zeros(len(self.tokens))
-        fetch = _fetcher(RowsOf(columns, rows), ids=lambda k: np.asarray(ids[k], dtype=np.int32),
+        fetch = fetcher(RowsOf(columns, rows), ids=lambda k: np.asarray(ids[k], dtype=np.int32),
                          features=lambda k: {"loss_mask": np.asarray(masks[k])})
         results = self.tokens.apply_rows(fetch, len(ids), stage)
         offset = len(self.specs) - len(self.tokens)

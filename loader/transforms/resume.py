@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from loader.checkpoint.state import StateError, transform_differences
+from loader.errors import StateError
+from loader.checkpoint.state import transform_differences, to_jsonable
 from loader.transforms.chain import TransformCounts
 from loader.transforms.spec import TransformSpec
 
@@ -110,6 +111,4 @@ def _streams_of(lane: dict, name: str, index: int) -> list[dict]:
 
 
 def as_plain(value: Any) -> Any:
-    from loader.checkpoint.state import to_jsonable
-
     return to_jsonable(value)

@@ -30,8 +30,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 import pyarrow as pa
 
+from loader.errors import LaneDataError
 from loader.io.blocks import wrap_documents  # the same wrapping as an untransformed block
-from loader.io.integrity import LaneDataError
 from loader.io.manifest import CONVERSATION_COLUMN, TOMBSTONE_COLUMN, Manifest
 from loader.stages.features import FEATURES, wrap_feature
 from loader.transforms.chain import UNCHANGED, TransformChain, TransformCounts

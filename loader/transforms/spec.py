@@ -29,46 +29,21 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
-from loader.errors import ZephonError
+from loader.errors import ConfigError, TransformError
+from loader.transforms.builtins import BUILTINS
+from loader.transforms.declare import ANY_STAGE, STAGES, transform  # noqa: F401  (transform: also importable from here)
 from loader.validation import JsonTable, OrAbsent, Rule, Text, fail, validate_instance
 
-STAGES = ("text", "tokens", "records")
-ANY_STAGE = "any"  # declared by functions that work on either (stage taken from the source)
 BUILTIN_MODULE = "loader.transforms.builtins"
-
-
-class TransformError(ZephonError, ValueError):
-    """A transform that cannot be used: not importable, not deterministic, or a bad result.
-
-    The message names the function (``module:function``), where it is configured and, for a
-    result, the document key.
-    """
-
-    exit_code = 2  # a usage error: the config (or --transform) names something unusable
-
-
-def transform(stage: str = "text", version: Optional[str] = None) -> Callable[[Callable], Callable]:
-    """Declare a transform function's stage (``"text"``, ``"tokens"`` or ``"any"``) and version."""
-    if stage not in STAGES + (ANY_STAGE,):
-        raise ValueError(f"transform(stage=...) must be one of {STAGES + (ANY_STAGE,)} (got {stage!r})")
-
-    def declare(function: Callable) -> Callable:
-        function.__zephon_stage__ = stage
-        function.__zephon_version__ = version
-        return function
-
-    return declare
 
 
 def _function_problem(name: str) -> Optional[str]:
     """Why ``name`` cannot name a function, or None."""
     if ":" not in name:
-        from loader.transforms import builtins
-
-        if name in builtins.BUILTINS:
+        if name in BUILTINS:
             return None
         return (f"function {name!r} is neither 'module:function' nor a built-in "
-                f"({', '.join(sorted(builtins.BUILTINS))})")
+                f"({', '.join(sorted(BUILTINS))})")
     module, _, function = name.partition(":")
     parts = module.split(".") + [function]
     if not all(p.isidentifier() for p in parts):
@@ -93,8 +68,6 @@ class TransformSpec:
     }
 
     def __post_init__(self) -> None:
-        from loader.config import ConfigError
-
         validate_instance(self, ConfigError, "transforms entry")
         problem = _function_problem(self.function)
         if problem:
@@ -146,8 +119,6 @@ class TransformSpec:
 
 def parse_transform_arg(text: str) -> TransformSpec:
     """``module:function[@version][:json-args]`` (or ``builtin[...]``) -> spec; a ConfigError names the flag."""
-    from loader.config import ConfigError
-
     where = f"--transform {text!r}"
     head, brace, tail = text.partition(":{")
     args: dict[str, Any] = {}

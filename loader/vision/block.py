@@ -41,9 +41,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from loader.errors import LaneDataError
 from loader.io.blocks import Block, TokenFormat, wrap_documents
-from loader.io.integrity import LaneDataError
 from loader.stages.features import FEATURES, wrap_feature
+from loader.vision.policies import policy_from_dict
+from loader.vision.reasons import ImageRejected
 from loader.vision.segments import decode_segments
 
 log = logging.getLogger(__name__)
@@ -91,8 +93,6 @@ class ImageOptions:
 
     @cached_property
     def policy(self):
-        from loader.vision.policies import policy_from_dict
-
         return policy_from_dict(self.policy_config, "images.policy")
 
     @property
@@ -236,8 +236,6 @@ class ImageBlock(Block):
         self._texts = self._columns = None
 
     def _visual_tokens(self, row: int, image: int, width: int, height: int, recorded: Optional[int]) -> int:
-        from loader.vision.reasons import ImageRejected
-
         try:
             tokens = self._options.policy.visual_tokens(width, height)
         except (ImageRejected, TypeError, ValueError) as exc:

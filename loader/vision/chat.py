@@ -12,7 +12,7 @@ visual tokens the image-processing policy gives it::
              (loader.vision.images: a bad image rejects the whole conversation, with its reason)
              --> lane row: conversation JSON with each image part reduced to {"type": "image"},
                  the images' bytes/size/counts in the image columns (k-th image part = image k)
-    loader (ImageChatBlock, the chat-and-images branch of build_block):
+    loader (ImageChatBlock, the decoder of the image-chat kind, loader.kinds.image):
       conversation --render + generation spans + tokenize (loader.chat, as text chat)--> ids, mask
         --each pad token of image k--> [pad] x n_k   loss_mask 0, image_ref = ref of image k
           (the image's start / end tokens beside it: loss_mask 0 too, even in an assistant turn)
@@ -49,12 +49,12 @@ from loader.chat.masks import tokenize_rendered_batch
 from loader.errors import RecordRejected
 from loader.io.blocks import wrap_documents
 from loader.stages.features import FEATURES, wrap_feature
+from loader.chat.block import log_first_reject
 from loader.vision.block import BLOCK_BITS, EPOCH_BITS, ROW_BITS, VISUAL_TOKENS_COLUMN, ImageBlock, encode_ref
+from loader.vision.reasons import IMAGE_CHAT_REJECT_REASONS
 
 IMAGE_PART_TYPE = "image"
 IMAGE_REFERENCE_KEYS = ("image", "url", "path")  # where an image part names its image, first found wins
-# Online rejects of chat with images beyond the chat guards (batch["chat_rejects"]).
-IMAGE_CHAT_REJECT_REASONS = ("image_placeholder_mismatch",)
 
 
 class ImageChatRejected(RecordRejected):
@@ -262,8 +262,6 @@ class ImageChatBlock(ImageBlock):
         return records, tokens
 
     def _encode(self) -> None:
-        from loader.chat.block import log_first_reject
-
         options, fmt, chat = self._options, self._format, self._chat
         records, visual_tokens = self._records_and_tokens()
         block_index, epoch = self._place.block_of(), self._place.epoch

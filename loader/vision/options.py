@@ -16,7 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional
 
+from loader.errors import ConfigError, ImagePolicyError
+from loader.stages.tokenizer import resolve_special_token
 from loader.validation import Integer, OrAbsent, Problems, Record, Rule, Text
+from loader.vision.block import ImageOptions
+from loader.vision.policies import parse_policy_spec, policy_from_dict
 
 OVERFLOW_MODES = ("reject", "truncate")  # images.overflow (loader.vision.block)
 FAMILY_TOKENS = {  # (start, image, end) per policy kind; None: no such token
@@ -32,8 +36,6 @@ class PolicyRule(Rule):
     expected = "\"fixed\", \"dynamic\", a JSON object string or a table with a 'kind'"
 
     def check(self, value: Any, path: str, problems: Problems) -> Any:
-        from loader.vision.policies import ImagePolicyError, parse_policy_spec, policy_from_dict
-
         if value is None:
             return None
         try:
@@ -103,11 +105,6 @@ def resolve_image_options(config, manifests, source_names, tokenizer) -> Optiona
     would split an image), transforms on them, a policy that disagrees with the counts an
     image dataset recorded, and placeholder tokens missing from the tokenizer.
     """
-    from loader.config import ConfigError
-    from loader.stages.tokenizer import resolve_special_token
-    from loader.vision.block import ImageOptions
-    from loader.vision.policies import policy_from_dict
-
     image_sources = [(name, m) for name, m in zip(source_names, manifests) if getattr(m, "images", None) is not None]
     if not image_sources:
         return None

@@ -59,7 +59,7 @@ from typing import Any, ClassVar, Mapping, Union
 
 import numpy as np
 
-from loader.errors import ZephonError
+from loader.errors import ImagePolicyError
 from loader.vision.reasons import ImageRejected
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -69,12 +69,6 @@ RESAMPLE_FILTERS = ("nearest", "bilinear", "bicubic", "lanczos", "box", "hamming
 DEFAULT_RESAMPLE = "bicubic"
 FIXED_MODES = ("resize", "pad")
 QWEN2_VL_MAX_ASPECT_RATIO = 200  # smart_resize refuses a longer side over 200 x the shorter
-
-
-class ImagePolicyError(ZephonError, ValueError):
-    """An image-processing policy config that cannot work; the message names the field."""
-
-    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -156,7 +150,7 @@ class _PolicyBase:
     def process(self, data: bytes, limits=None) -> PixelValues:
         """``pixel_values`` of encoded bytes, decoded by :func:`loader.vision.images.decode_rgb`
         (which raises :class:`ImageRejected` for bytes the job would have rejected)."""
-        from loader.vision.images import DEFAULT_LIMITS, decode_rgb
+        from loader.vision.images import DEFAULT_LIMITS, decode_rgb  # Pillow: only where pixels are decoded
 
         return self.pixel_values(decode_rgb(data, limits or DEFAULT_LIMITS))
 
@@ -168,7 +162,7 @@ class _PolicyBase:
 
     def process_compact(self, data: bytes, limits=None) -> PixelValues:
         """:meth:`compact` of encoded bytes (decoded as :meth:`process` does)."""
-        from loader.vision.images import DEFAULT_LIMITS, decode_rgb
+        from loader.vision.images import DEFAULT_LIMITS, decode_rgb  # Pillow: only where pixels are decoded
 
         return self.compact(decode_rgb(data, limits or DEFAULT_LIMITS))
 

@@ -48,6 +48,9 @@ IMAGE_REJECT_REASONS = (
     "too_many_images",
 )
 
+# Online rejects of chat with images beyond the chat guards (batch["chat_rejects"]).
+IMAGE_CHAT_REJECT_REASONS = ("image_placeholder_mismatch",)
+
 
 class ImageRejected(RecordRejected):
     """An image that cannot be used, with ``reason`` (one of :data:`IMAGE_REJECT_REASONS`) and ``detail``."""

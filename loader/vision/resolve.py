@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from loader.errors import LaneDataError
 from loader.io import storage
-from loader.io.integrity import LaneDataError
 from loader.vision.block import decode_ref
 from loader.vision.reasons import ImageRejected
 

@@ -26,7 +26,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Optional, Sequence
 
-from loader.errors import ZephonError
+from loader.errors import WorkerError
 from loader.workers.child import BOOTSTRAP
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
@@ -38,10 +38,6 @@ log = logging.getLogger(__name__)
 # How long shutdown waits for the workers at each step: the stop command, SIGTERM, SIGKILL.
 SHUTDOWN_GRACE_S = 2.0
 _POLL_S = 0.2
-
-
-class WorkerError(ZephonError, RuntimeError):
-    """A loader worker process failed; the message carries its traceback."""
 
 
 class WorkerProcess:

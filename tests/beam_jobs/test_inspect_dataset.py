@@ -8,7 +8,8 @@ import pytest
 
 from beam_jobs import inspect_dataset
 from loader import cli
-from loader.io.manifest import MANIFEST_NAME, REJECT_REASONS, FileEntry, Manifest
+from loader.io.manifest import MANIFEST_NAME, FileEntry, Manifest
+from loader.kinds.chat import REJECT_REASONS
 
 
 def _entry(lane: int, part: int, rows: int, tokens=None) -> FileEntry:

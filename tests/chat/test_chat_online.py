@@ -27,6 +27,7 @@ import pytest
 from beam_jobs import shard
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.chat import ConversationRejected, encode_conversation, load_chat_template
+from loader.chat import block as chat_block
 from loader.chat.block import ONLINE_REJECT_REASONS, ChatConfigError
 from loader.checkpoint.state import StateError
 from loader.pipeline import ZephonLoader
@@ -241,7 +242,9 @@ def _one_epoch(config) -> tuple[list[dict], Counter]:
 
 
 @pytest.mark.parametrize("source", ("a", "b"))
-def test_online_rejects_are_counted_per_reason_and_never_trained_on(rejecting, shards, source, caplog):
+def test_online_rejects_are_counted_per_reason_and_never_trained_on(rejecting, shards, source, caplog, monkeypatch):
+    # The first reject of each reason is logged once per process: forget those of earlier tests.
+    monkeypatch.setattr(chat_block, "_logged_reasons", set())
     config = _config([{"path": str(rejecting["base"] / source), "exhaustion": "stop"}], "best_fit",
                      global_batch_size=1, micro_batch_size=1)
     with caplog.at_level("WARNING", logger="loader.chat.block"):

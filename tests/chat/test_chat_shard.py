@@ -26,7 +26,8 @@ from beam_jobs import shard
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.chat import ConversationRejected, encode_conversation, load_chat_template
 from loader.config import LoaderConfig
-from loader.io.manifest import CHAT_REJECT_REASONS, DOCUMENT_REJECT_REASONS, REJECT_REASONS
+from loader.io.manifest import DOCUMENT_REJECT_REASONS
+from loader.kinds.chat import CHAT_REJECT_REASONS, REJECT_REASONS
 from loader.stages.tokenizer import load_tokenizer
 from tests.chat.chat_factory import TEMPLATES_DIR, make_records
 from tests.dataset_factory import synthetic_texts, write_dataset

@@ -15,7 +15,7 @@ from beam_jobs.image_records import ImageRecordConverter, ImageSpec, document_pa
 from beam_jobs.inputs import InputFile
 from beam_jobs.lane_files import lane_schema, serialize_lane_file, sort_rows
 from beam_jobs.readers import RecordSpec, read_records
-from beam_jobs.webdataset import iter_samples, split_member_name
+from beam_jobs.formats.webdataset import iter_samples, split_member_name
 from image_datasets import write_jsonl, write_parquet, write_tar
 from image_factory import image_bytes
 from loader.vision.images import ImageLimits

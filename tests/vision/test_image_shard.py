@@ -20,7 +20,8 @@ from beam_jobs import shard
 from beam_jobs.image_records import ImageOptionError
 from image_datasets import write_jsonl, write_parquet, write_tar
 from image_factory import FORMATS, drawn_image, encode, image_bytes
-from loader.io.manifest import IMAGE_DOCUMENT_REJECT_REASONS, Manifest, ManifestError, read_manifest
+from loader.io.manifest import Manifest, ManifestError, read_manifest
+from loader.kinds.image import IMAGE_DOCUMENT_REJECT_REASONS
 from loader.vision.policies import DynamicResolutionPolicy
 from loader.vision.reasons import IMAGE_REJECT_REASONS
 from loader.vision.documents import ImageDocument

@@ -33,7 +33,7 @@ from typing import Iterator, Union
 from beam_jobs import job_files
 from beam_jobs.image_records import ImageRecordConverter, _MISSING, _Reject
 from beam_jobs.inputs import InputFile
-from beam_jobs.readers import _guarded, _ReadFailure, _unreadable
+from beam_jobs.records import _guarded, _ReadFailure, _unreadable, register_format
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 Sample = tuple  # (sample key, {extension: bytes}) in member order
@@ -132,6 +132,7 @@ def sample_record(key: str, members: dict[str, bytes], converter: ImageRecordCon
     return record, images[0], raw
 
 
+@register_format("webdataset", images_only=True)
 def read_webdataset(input_file: InputFile, converter: ImageRecordConverter) -> Iterator[tuple[bool, tuple]]:
     """Every sample of one shard as ``(True, document)`` or ``(False, rejection)``."""
     def samples() -> Iterator[Sample]:

@@ -1,0 +1,130 @@
+"""Lane kinds: what a lane's rows hold, told to the core through one protocol and a registry.
+
+A *kind* is one sort of lane data: plain text, pre-tokenized ids, online chat, images, chat
+with images. The core (ordering, I/O, stages, checkpoint, the loader runtime) names no kind:
+it asks the registry for the kind of a lane (:func:`kind_for`) and the kind decodes the lane's
+row groups into blocks (:meth:`LaneKind.decode`), says which extra columns it reads
+(:meth:`LaneKind.lane_columns`) and whether its blocks reject documents online
+(:attr:`LaneKind.rejects_online`). A kind that adds an entry to the dataset manifest (chat's
+``chat``, images' ``images``) registers the entry's parser (:func:`register_manifest_entry`),
+which :meth:`loader.io.manifest.Manifest.from_dict` calls for that key.
+
+Each kind is a module that registers itself when imported; :mod:`loader.kinds` imports the
+built-in ones, so they are registered whenever this module is. A new kind is one more module:
+subclass :class:`LaneKind`, call :func:`register_kind` (see docs/DESIGN.md, "How to add a kind").
+
+This module imports nothing of the project beyond the error types and the block types the
+protocol names, so every layer may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional, Sequence
+
+from loader.io.blocks import Block, TokenFormat
+from loader.stages.features import Feature
+
+
+@dataclass(frozen=True)
+class BlockSource:
+    """One row group of a lane, as a kind's decoder receives it.
+
+    ``values``: the lane's value column (``input_ids``, ``text`` or ``conversation``);
+    ``columns``: the feature columns the lane reads, then the kind's own lane columns (named by
+    ``column_names``); ``chat`` / ``images``: the lane's online chat (``OnlineChat``) and image
+    options, None when the lane has none; ``epoch`` and ``block_of()`` (the row group's index in
+    the epoch's order, computed on first call) place the block in its stream.
+    """
+
+    values: Any  # a pyarrow Array
+    columns: Sequence[Any]
+    column_names: tuple[str, ...]
+    features: Sequence[Feature]
+    token_format: TokenFormat
+    tokenizer: Any
+    where: str
+    row_group: int
+    chat: Any
+    images: Any
+    epoch: int
+    block_of: Callable[[], int]
+
+
+class LaneKind:
+    """The protocol of a kind of lane data (module docstring). Subclasses set :attr:`name` and
+    implement :meth:`matches` and :meth:`decode`; the rest have defaults for kinds without them."""
+
+    name: ClassVar[str]
+    rejects_online: ClassVar[bool] = False  # its blocks count refused documents (``reject_counts``)
+
+    def matches(self, *, pretokenized: bool, chat: Any, images: Any) -> bool:
+        """Whether a lane of this description is of this kind (exactly one kind matches a lane)."""
+        raise NotImplementedError(f"{type(self).__name__}.matches")
+
+    def lane_columns(self, schema_names: set) -> tuple[str, ...]:
+        """The kind's own columns a lane reads beside its value and feature columns."""
+        return ()
+
+    def decode(self, source: BlockSource) -> Block:
+        """The block of one row group (rows in replay order): tokens, document starts, features."""
+        raise NotImplementedError(f"{type(self).__name__}.decode")
+
+    def __repr__(self) -> str:
+        return f"<lane kind {self.name!r}>"
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """A top-level manifest field that a kind adds: ``parse`` turns its JSON value into the
+    record (raising :class:`loader.errors.ManifestError` that names the field), ``check`` lists problems of
+    the record against the rest of the manifest's JSON (``data``)."""
+
+    key: str
+    parse: Callable[[Any], Any]
+    check: Optional[Callable[[Any, dict], list[str]]] = None
+
+
+_KINDS: dict[str, LaneKind] = {}
+_ENTRIES: dict[str, ManifestEntry] = {}
+
+
+def register_kind(kind: LaneKind) -> LaneKind:
+    """Add ``kind`` to the registry (its name must be new); returns it."""
+    if not isinstance(kind, LaneKind):
+        raise TypeError(f"register_kind takes a LaneKind instance (got {kind!r})")
+    if kind.name in _KINDS:
+        raise ValueError(f"lane kind {kind.name!r} is registered twice ({_KINDS[kind.name]!r}, {kind!r})")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def unregister_kind(name: str) -> None:
+    """Remove a kind (a test's own kind, once the test is done)."""
+    _KINDS.pop(name)
+
+
+def registered_kinds() -> tuple[LaneKind, ...]:
+    return tuple(_KINDS.values())
+
+
+def kind_for(*, pretokenized: bool, chat: Any = None, images: Any = None) -> LaneKind:
+    """The one registered kind that matches a lane of this description."""
+    found = [k for k in _KINDS.values() if k.matches(pretokenized=pretokenized, chat=chat, images=images)]
+    if len(found) != 1:
+        described = f"pretokenized={pretokenized}, chat={chat is not None}, images={images is not None}"
+        raise ValueError(f"{len(found)} lane kinds match a lane with {described} (registered: "
+                         f"{', '.join(_KINDS) or 'none'}); exactly one must")
+    return found[0]
+
+
+def register_manifest_entry(entry: ManifestEntry) -> ManifestEntry:
+    """Add a manifest entry parser (its key must be new); entries are parsed in registration order."""
+    if entry.key in _ENTRIES:
+        raise ValueError(f"manifest entry {entry.key!r} is registered twice")
+    _ENTRIES[entry.key] = entry
+    return entry
+
+
+def manifest_entries() -> tuple[ManifestEntry, ...]:
+    return tuple(_ENTRIES.values())
