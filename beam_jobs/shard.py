@@ -301,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: none, records are text documents)")
     chat.add_argument("--chat-template", default=None, metavar="FILE",
                       help="chat template (local or gs://): a Jinja file, or a tokenizer_config.json whose "
-                           "chat_template is used with its special tokens; rendered as transformers' "
+                           "chat_template is used with its special tokens, or the name of a template shipped "
+                           "with Zephon (chatml); rendered as transformers' "
                            "apply_chat_template does, {%% generation %%} tags marking assistant tokens "
                            "(default: none)")
     chat.add_argument("--chat-loss-on", choices=("all", "last"), default="all",

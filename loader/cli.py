@@ -30,6 +30,7 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
+import loader
 from loader.errors import ZephonError
 
 # subcommand -> (module, one-line help). Each module exposes ``command(argv) -> int``.
@@ -45,6 +46,7 @@ SUBCOMMANDS = {
 }
 
 DEBUG_FLAG = "--debug"
+VERSION_FLAGS = ("--version", "-V")
 DEBUG_ENV = "ZEPHON_DEBUG"
 USAGE_EXIT = 2  # argparse's code too
 FAILURE_EXIT = 1
@@ -102,7 +104,7 @@ def run_command(name: str, argv: Optional[Sequence[str]] = None, *, debug: Optio
 
 
 def _usage() -> str:
-    lines = [f"usage: zephon [{DEBUG_FLAG}] <command> [options]", "", "commands:"]
+    lines = [f"usage: zephon [{DEBUG_FLAG}] <command> [options]", "       zephon --version", "", "commands:"]
     for name, (_, help_text) in SUBCOMMANDS.items():
         lines.append(f"  {name:<14} {help_text}")
     lines.append("")
@@ -120,6 +122,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else USAGE_EXIT
+    if args[0] in VERSION_FLAGS:
+        print(f"zephon {loader.__version__} ({loader.DISTRIBUTION})")
+        return 0
     command, rest = args[0], args[1:]
     if command not in SUBCOMMANDS:
         print(f"zephon: error: unknown command {command!r}; commands: {', '.join(SUBCOMMANDS)} "

@@ -52,6 +52,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import numpy as np
 
 from loader.errors import ZephonError
+from loader.chat.shipped import resolve_template
 
 # transformers refuses older jinja2: they have known sandbox escapes, and templates are untrusted code.
 MIN_JINJA2_VERSION = (3, 1, 6)
@@ -403,7 +404,8 @@ def load_chat_template(
     extra_variables: Optional[Mapping[str, Any]] = None,
     storage_options=None,
 ) -> ChatTemplate:
-    """Load a chat template from a ``.jinja`` file or a ``tokenizer_config.json`` (local or ``gs://``).
+    """Load a chat template from a ``.jinja`` file or a ``tokenizer_config.json`` (local or ``gs://``),
+    or a template shipped with Zephon by its name (``"chatml"``: :mod:`loader.chat.shipped`).
 
     A file whose text parses as a JSON object is a tokenizer config: its ``chat_template`` is
     used (or the ``chat_template.jinja`` beside it) and its special tokens become template
@@ -412,6 +414,7 @@ def load_chat_template(
     """
     from loader.io import storage
 
+    path = resolve_template(path) or path
     text = _read_text(path, storage_options)
     options = dict(template_name=template_name, extra_variables=dict(extra_variables or {}))
     config = _json_object_or_none(text)
