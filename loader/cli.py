@@ -103,6 +103,19 @@ def run_command(name: str, argv: Optional[Sequence[str]] = None, *, debug: Optio
         return INTERRUPTED_EXIT
 
 
+# What a subcommand module calls the function that builds its argparse parser.
+PARSER_BUILDERS = ("build_parser", "build_arg_parser")
+
+
+def parser_of(name: str):
+    """Subcommand ``name``'s argparse parser (the command-line reference is generated from it)."""
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    for builder in PARSER_BUILDERS:
+        if hasattr(module, builder):
+            return getattr(module, builder)()
+    raise AttributeError(f"{module.__name__} defines none of {PARSER_BUILDERS}")
+
+
 def _usage() -> str:
     lines = [f"usage: zephon [{DEBUG_FLAG}] <command> [options]", "       zephon --version", "", "commands:"]
     for name, (_, help_text) in SUBCOMMANDS.items():

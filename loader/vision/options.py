@@ -71,7 +71,7 @@ class TokenText(Rule):
 
 @dataclass(frozen=True)
 class ImagesConfig:
-    """How image sources become tokens and pixels (README "Loader configuration", ``images``)."""
+    """How image sources become tokens and pixels (the loader config's ``images`` table)."""
 
     policy: Optional[dict] = None
     image_token: Optional[str] = None
@@ -87,6 +87,19 @@ class ImagesConfig:
         "image_end_token": OrAbsent(TokenText()),
         "overflow": Text(choices=OVERFLOW_MODES),
         "max_images_per_sequence": OrAbsent(Integer(minimum=1)),
+    }
+    FIELD_DOCS: ClassVar[dict[str, str]] = {
+        "policy": "`\"fixed\"`, `\"dynamic\"`, a JSON string or a table as `zephon shard --image-policy` takes it. "
+                  "Absent: the policy the datasets were sharded with.",
+        "image_token": "Placeholder token text repeated once per visual token. Default per family: dynamic "
+                       "`<|image_pad|>`, fixed `<image>`.",
+        "image_start_token": "Token before each image's placeholders (`\"\"`: none). Default: dynamic "
+                             "`<|vision_start|>`, fixed none.",
+        "image_end_token": "Token after each image's placeholders (`\"\"`: none). Default: dynamic `<|vision_end|>`, "
+                           "fixed none.",
+        "overflow": "A document with images longer than `seq_len`: `reject` drops it (counted), `truncate` cuts "
+                    "it before the image the cut would fall in.",
+        "max_images_per_sequence": "Most images in one packed sequence (absent: no cap).",
     }
 
     def stream_entry(self) -> dict:
