@@ -222,10 +222,24 @@ def generated_pages() -> dict[str, str]:
     return {page: globals()[function]() for page, function in PAGES.items()}
 
 
+# Files from outside docs/ that the site shows as they are, at the same relative place, so
+# their links work both on the site and in the repository: the benchmark pages and charts.
+SHOWN_AS_IS = ("bench/RESULTS.md", "bench/HISTORY.md", "bench/*.png")
+
+
+def shown_as_is() -> list[str]:
+    import glob
+
+    return sorted({os.path.relpath(path, ROOT) for pattern in SHOWN_AS_IS
+                   for path in glob.glob(os.path.join(ROOT, pattern))})
+
+
 # -- the MkDocs hook ------------------------------------------------------------------------
 def on_files(files, config):
     from mkdocs.structure.files import File
 
     for page, text in generated_pages().items():
         files.append(File.generated(config, page, content=text))
+    for path in shown_as_is():
+        files.append(File.generated(config, path, abs_src_path=os.path.join(ROOT, path)))
     return files
