@@ -9,8 +9,9 @@ format would be lost too.
 
 :func:`install` (run by ``import beam_jobs``, without importing Beam) puts a finder on
 ``sys.meta_path`` that answers only for the modules of :data:`NOISY_IMPORTS`: each is loaded
-by its own loader, with a handler in place (no implicit logging configuration) and a filter
-that drops exactly the listed messages. Anything else those imports log goes through.
+by its own loader, with a stderr handler of its own in place (so no logging configuration
+outlives the import) and a filter that drops exactly the listed messages. Anything else those
+imports log is printed as usual.
 """
 
 from __future__ import annotations
@@ -46,9 +47,12 @@ class _QuietLoader(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         root = logging.getLogger()
-        notices, placeholder = _DropNotices(self.prefixes), logging.NullHandler()
+        notices, placeholder = _DropNotices(self.prefixes), logging.StreamHandler()
+        # A handler of the import's own, so that logging.warning does not configure the root
+        # logger for good; other records print as that configuration would print them.
+        placeholder.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
         root.addFilter(notices)
-        root.addHandler(placeholder)  # so logging.warning does not configure the root logger
+        root.addHandler(placeholder)
         try:
             self.loader.exec_module(module)
         finally:

@@ -51,13 +51,20 @@ MOVED = {
 _IMPORT_MACHINERY = ("<frozen importlib", os.path.dirname(importlib.__file__))
 
 
+def _skipped_by_warnings(filename: str) -> bool:
+    """Frames ``warnings.warn`` itself leaves out of ``stacklevel`` (the import system's bootstrap)."""
+    return "importlib" in filename and "_bootstrap" in filename
+
+
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` that points the warning at the user's import statement, past the
     import system's frames and this module's own."""
     frame, level = sys._getframe(1), 1
     while frame is not None and (frame.f_code.co_filename.startswith(_IMPORT_MACHINERY)
                                  or frame.f_code.co_filename == __file__):
-        frame, level = frame.f_back, level + 1
+        frame = frame.f_back
+        if frame is not None and not _skipped_by_warnings(frame.f_code.co_filename):
+            level += 1
     return level
 
 

@@ -68,11 +68,11 @@ def _nested(rule: Any) -> Iterator[tuple[str, type, frozenset]]:
         yield "", rule.record, frozenset()
 
 
-def config_tables() -> list[Table]:
+def config_tables(root: type = LoaderConfig) -> list[Table]:
     """The loader config, then the tables nested in it, breadth first (each record once, under
     the shortest path that reaches it: ``transforms[]`` rather than ``datasets[].transforms[]``)."""
-    tables, seen = [], {LoaderConfig}
-    queue = [("", LoaderConfig, frozenset())]
+    tables, seen = [], {root}
+    queue = [("", root, frozenset())]
     while queue:
         path, record, excluded = queue.pop(0)
         names = tuple(f.name for f in dataclasses.fields(record) if f.name not in excluded)
@@ -113,7 +113,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def config_reference() -> str:
+def config_reference(root: type = LoaderConfig) -> str:
     lines = [
         "# Configuration reference",
         "",
@@ -126,8 +126,8 @@ def config_reference() -> str:
         "field by its path. See [The loader](../guides/loader.md) for a worked example.",
         "",
     ]
-    for table in config_tables():
-        title = "Top level (`LoaderConfig`)" if not table.path else f"`{table.path}` (`{table.record.__name__}`)"
+    for table in config_tables(root):
+        title = f"Top level (`{root.__name__}`)" if not table.path else f"`{table.path}` (`{table.record.__name__}`)"
         lines += [f"## {title}", ""]
         docstring = (table.record.__doc__ or "").strip().split("\n\n")[0]
         if docstring:
