@@ -79,7 +79,7 @@ from beam_jobs.outputs import (
     commit_manifest,
     prepare_output,
 )
-from beam_jobs.progress import ShardSummary, query_counters, reset_stages
+from beam_jobs.progress import ShardSummary, expect, expect_lane_files, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from loader.errors import ZephonError
 from loader.transforms.spec import TransformError, TransformSpec, parse_transform_arg
@@ -135,9 +135,9 @@ class ShardOptions:
     chat_loss_on: str = "all"
     chat_max_tokens: Optional[int] = None
     chat_overflow: str = "reject"
-    transforms: tuple[TransformSpec, ...] = ()  # --transform, in order (README "Transforms")
+    transforms: tuple[TransformSpec, ...] = ()  # --transform, in order (docs/guides/transforms.md)
     dedup: Optional[str] = None  # --dedup: None or "exact"
-    images: Optional[ImageSpec] = None  # an image job (--image-*, WebDataset input): README "Images"
+    images: Optional[ImageSpec] = None  # an image job (--image-*, WebDataset input): docs/guides/images.md
 
     @property
     def chat(self) -> bool:
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "_rejected/) or cut to its first N tokens (default: %(default)s)")
     curation = parser.add_argument_group(
         "transforms and deduplication", "applied to every valid document after reading, before lanes "
-        "(README \"Transforms\"); dropped and removed documents are counted in the manifest apart from rejects")
+        "(docs/guides/transforms.md); dropped and removed documents are counted in the manifest apart from rejects")
     curation.add_argument("--transform", dest="transforms", action="append", default=None,
                           metavar="MODULE:FUNCTION[@VERSION][:JSON-ARGS]",
                           help="a transform (the loader's, same seeds: seed from --seed and the key), e.g. "
@@ -381,7 +381,7 @@ def _transform_specs(values: Optional[Sequence[str]]) -> tuple[TransformSpec, ..
 
 def offline_transforms(options: ShardOptions) -> tuple[TransformSpec, ...]:
     """``--transform`` specs imported and resolved (stage, version). Text-stage ones run before
-    lanes; tokens-stage ones (README "Transforms") right after tokenization, so they need
+    lanes; tokens-stage ones (docs/guides/transforms.md) right after tokenization, so they need
     ``--tokenizer`` and must follow every text-stage one."""
     pretokenized = options.tokenizer is not None and not options.chat
     try:
@@ -473,6 +473,7 @@ class ShardDataset(beam.PTransform):
             | "TextBytes" >> beam.Map(itemgetter(2))
             | "TotalTextBytes" >> beam.CombineGlobally(sum)
             | "FilesPerLane" >> beam.Map(files_per_lane_for, opts.num_lanes, opts.target_file_bytes)
+            | "ExpectLaneFiles" >> beam.Map(expect_lane_files, opts.num_lanes)  # progress lines' total
         )
         file_entries = (
             documents
@@ -653,6 +654,7 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
 
     started = time.monotonic()
     reset_stages()
+    expect("ReadFiles", len(input_files))
     pipeline = beam.Pipeline(options=PipelineOptions(with_default_runner(pipeline_args)))
     _ = pipeline | "Shard" >> ShardDataset(options, input_files, tokenizer_info, chat=chat,
                                                   chat_record=chat_record)

@@ -6,7 +6,7 @@ torch or Beam. Each subcommand module exposes ``command(argv) -> int``, which ra
 ``main(argv) -> int``, which is ``run_command(<name>, argv)`` (so ``python -m
 beam_jobs.shard`` behaves as ``zephon shard``).
 
-Errors are reported here, once, for every subcommand (README "Command-line errors"):
+Errors are reported here, once, for every subcommand (docs/guides/reliability.md, "Command-line errors"):
 
 - a :class:`~loader.errors.ZephonError`, or an ``OSError`` about a file the user named
   (missing, a directory, permission denied, already exists), prints exactly one line

@@ -42,7 +42,7 @@ dropped_by     int16             only with ``--transform``: -1 for a document, e
 <kept field>   string            each ``--keep-fields`` value, JSON-encoded
 =============  ================  ==========================================================
 
-Image datasets (``--image-field``, or WebDataset input; README "Images (vision-language)")
+Image datasets (``--image-field``, or WebDataset input; docs/guides/images.md)
 add these columns after ``text`` (and before kept fields); ``text`` then holds the
 document's text segments concatenated, nothing inserted between them. Element ``k`` of each
 ``image_*`` list is the document's ``k``-th image:
@@ -122,7 +122,7 @@ CONVERSATION_COLUMN = "conversation"  # the lane-file column of conversations re
 # Datasets sharded with --transform: per row, the position (in the manifest's "transforms") of
 # the transform that dropped the document, -1 for a kept one. A dropped document stays in its
 # lane as a tombstone (key, empty text, no tokens) so that lane files hold the rows they would
-# hold without the transforms; the loader skips tombstones (README "Transforms").
+# hold without the transforms; the loader skips tombstones (docs/guides/transforms.md).
 TOMBSTONE_COLUMN = "dropped_by"
 
 

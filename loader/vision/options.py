@@ -1,6 +1,6 @@
 """The loader config's ``images`` table, and the :class:`~loader.vision.block.ImageOptions` it resolves to.
 
-Every field is documented in README.md ("Loader configuration", ``images``)::
+Every field is documented by ``FIELD_DOCS`` (the configuration reference, ``images`` table)::
 
     images = {policy = "dynamic", overflow = "truncate", max_images_per_sequence = 4}
 
