@@ -92,8 +92,8 @@ class ImageSpec:
 def add_image_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``images (vision-language)`` option group of ``zephon shard``."""
     group = parser.add_argument_group(
-        "images (vision-language)", "image-caption pairs and interleaved text/image documents (README "
-        "'Images (vision-language)'); WebDataset .tar input is always an image job")
+        "images (vision-language)", "image-caption pairs and interleaved text/image documents "
+        "(docs/guides/images.md); WebDataset .tar input is always an image job")
     group.add_argument("--image-field", default=None, metavar="FIELD",
                        help="field/column holding each record's image (a path, bytes or a {bytes, path} struct) "
                             "or list of images; makes the job an image job. In a WebDataset sample's .json: "

@@ -2,10 +2,12 @@
 
 While it runs: Beam metrics counters in namespace ``zephon.shard`` (shown live by the
 Dataflow UI and by ``PipelineResult.metrics()``) and, from every worker process, a
-``progress:`` log line at most every ``PROGRESS_INTERVAL_S`` seconds per stage::
+``progress:`` log line at most every ``PROGRESS_INTERVAL_S`` seconds per stage; where the
+process sees the whole stage (the local in-memory runner), with the total, the share done and
+the time left, from the files done::
 
-    progress: ReadFiles 12 input files, 34,000 documents, 310 rejected
-    progress: WriteLaneFiles 40 lane files, 31,880 rows, 9.1 MiB written
+    progress: ReadFiles 5 of 12 input files, 34,000 documents, 310 rejected (42%, about 14 s left)
+    progress: WriteLaneFiles 40 of at most 64 lane files, 31,880 rows, 9.1 MiB written (62%, about 6 s left)
 
 Counters: ``files_read``, ``documents_read``, ``records_rejected`` (ReadFiles),
 ``lane_files_written``, ``rows_written``, ``bytes_written``, ``tokens_written``
@@ -26,6 +28,7 @@ and the largest lane over the mean), e.g.::
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import threading
 import time
@@ -56,8 +59,16 @@ class StageProgress:
         self.name = name
         self.interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
         self.counts: dict[str, int] = {}
+        self.total_files: Optional[int] = None  # the job's total, where this process sees the whole stage
         self._lock = threading.Lock()
-        self._last_log = time.monotonic()
+        self._last_log = self._started = time.monotonic()
+
+    def expect(self, files: int) -> None:
+        """The stage's total of files (input files read, or at most the lane files written), for
+        the share done and the time left in its progress lines."""
+        with self._lock:
+            self.total_files = files
+            self._started = time.monotonic()
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -72,11 +83,25 @@ class StageProgress:
 
     def line(self) -> str:
         c = self.counts
+        files = f"{c.get('files', 0):,}"
+        if self.total_files:
+            files += f"{' of at most' if self.name != 'ReadFiles' else ' of'} {self.total_files:,}"
         if self.name == "ReadFiles":
-            text = f"progress: ReadFiles {c.get('files', 0):,} input files, {c.get('documents', 0):,} documents"
-            return text + (f", {c['rejected']:,} rejected" if c.get("rejected") else "")
-        return (f"progress: {self.name} {c.get('files', 0):,} lane files, {c.get('rows', 0):,} rows, "
-                f"{human_bytes(c.get('bytes', 0))} written")
+            text = f"progress: ReadFiles {files} input files, {c.get('documents', 0):,} documents"
+            text += f", {c['rejected']:,} rejected" if c.get("rejected") else ""
+        else:
+            text = (f"progress: {self.name} {files} lane files, {c.get('rows', 0):,} rows, "
+                    f"{human_bytes(c.get('bytes', 0))} written")
+        return text + self._share_and_eta()
+
+    def _share_and_eta(self) -> str:
+        """``(40%, about 1 min 20 s left)`` from the files done against the total, when known."""
+        done = self.counts.get("files", 0)
+        if not self.total_files or not done:
+            return ""
+        share = min(1.0, done / self.total_files)
+        left = (time.monotonic() - self._started) * (1 - share) / share
+        return f" ({share:.0%}, about {human_seconds(left)} left)"
 
 
 _stages: dict[str, StageProgress] = {}
@@ -91,11 +116,40 @@ def stage(name: str) -> StageProgress:
         return _stages[name]
 
 
+_launcher_pid: Optional[int] = None
+
+
 def reset_stages() -> None:
     """Forget this process's stage counts (a new job starts: the in-memory runner runs the
-    stages in the launching process, job after job)."""
+    stages in the launching process, job after job); this process is the job's launcher."""
+    global _launcher_pid
     with _stages_lock:
         _stages.clear()
+        _launcher_pid = os.getpid()
+
+
+def expect(name: str, files: int) -> None:
+    """Stage ``name`` of this job handles ``files`` files in all. Taken only in the launching
+    process: with the in-memory runner it runs every stage and sees the whole count; a worker
+    process of another runner sees only its share, so its lines show counts without a total."""
+    if os.getpid() == _launcher_pid:
+        stage(name).expect(files)
+
+
+def expect_lane_files(files_per_lane: int, num_lanes: int) -> int:
+    """``expect`` for WriteLaneFiles once the files per lane are known (a step of the pipeline:
+    parts that receive no document have no file, hence "at most")."""
+    expect("WriteLaneFiles", files_per_lane * num_lanes)
+    return files_per_lane
+
+
+def human_seconds(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, rest = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {rest} s"
+    return f"{minutes // 60} h {minutes % 60} min"
 
 
 def human_bytes(count: float) -> str:

@@ -73,7 +73,7 @@ from beam_jobs.lane_files import (
     manifest_schema,
 )
 from beam_jobs.outputs import WriteRejectedFn, commit_manifest, prepare_output
-from beam_jobs.progress import ShardSummary, query_counters, reset_stages
+from beam_jobs.progress import ShardSummary, expect, expect_lane_files, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from loader.chat import LOSS_ON_CHOICES, OVERFLOW_CHOICES, load_chat_template
 from loader.cli import run_command
@@ -128,9 +128,9 @@ class ShardOptions:
     chat_loss_on: str = "all"
     chat_max_tokens: Optional[int] = None
     chat_overflow: str = "reject"
-    transforms: tuple[TransformSpec, ...] = ()  # --transform, in order (README "Transforms")
+    transforms: tuple[TransformSpec, ...] = ()  # --transform, in order (docs/guides/transforms.md)
     dedup: Optional[str] = None  # --dedup: None or "exact"
-    images: Optional[ImageSpec] = None  # an image job (--image-*, WebDataset input): README "Images"
+    images: Optional[ImageSpec] = None  # an image job (--image-*, WebDataset input): docs/guides/images.md
 
     @property
     def chat(self) -> bool:
@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: none, records are text documents)")
     chat.add_argument("--chat-template", default=None, metavar="FILE",
                       help="chat template (local, gs:// or s3://): a Jinja file, or a tokenizer_config.json whose "
-                           "chat_template is used with its special tokens; rendered as transformers' "
+                           "chat_template is used with its special tokens, or the name of a template shipped "
+                           "with Zephon (chatml); rendered as transformers' "
                            "apply_chat_template does, {%% generation %%} tags marking assistant tokens "
                            "(default: none)")
     chat.add_argument("--chat-loss-on", choices=("all", "last"), default="all",
@@ -305,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "_rejected/) or cut to its first N tokens (default: %(default)s)")
     curation = parser.add_argument_group(
         "transforms and deduplication", "applied to every valid document after reading, before lanes "
-        "(README \"Transforms\"); dropped and removed documents are counted in the manifest apart from rejects")
+        "(docs/guides/transforms.md); dropped and removed documents are counted in the manifest apart from rejects")
     curation.add_argument("--transform", dest="transforms", action="append", default=None,
                           metavar="MODULE:FUNCTION[@VERSION][:JSON-ARGS]",
                           help="a transform (the loader's, same seeds: seed from --seed and the key), e.g. "
@@ -369,7 +370,7 @@ def _transform_specs(values: Optional[Sequence[str]]) -> tuple[TransformSpec, ..
 
 def offline_transforms(options: ShardOptions) -> tuple[TransformSpec, ...]:
     """``--transform`` specs imported and resolved (stage, version). Text-stage ones run before
-    lanes; tokens-stage ones (README "Transforms") right after tokenization, so they need
+    lanes; tokens-stage ones (docs/guides/transforms.md) right after tokenization, so they need
     ``--tokenizer`` and must follow every text-stage one."""
     pretokenized = options.tokenizer is not None and not options.chat
     try:
@@ -461,6 +462,7 @@ class ShardDataset(beam.PTransform):
             | "TextBytes" >> beam.Map(itemgetter(2))
             | "TotalTextBytes" >> beam.CombineGlobally(sum)
             | "FilesPerLane" >> beam.Map(files_per_lane_for, opts.num_lanes, opts.target_file_bytes)
+            | "ExpectLaneFiles" >> beam.Map(expect_lane_files, opts.num_lanes)  # progress lines' total
         )
         file_entries = (
             documents
@@ -639,6 +641,7 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
 
     started = time.monotonic()
     reset_stages()
+    expect("ReadFiles", len(input_files))
     pipeline = beam.Pipeline(options=PipelineOptions(with_default_runner(pipeline_args)))
     _ = pipeline | "Shard" >> ShardDataset(options, input_files, tokenizer_info, chat=chat,
                                                   chat_record=chat_record)

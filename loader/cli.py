@@ -6,7 +6,7 @@ torch or Beam. Each subcommand module exposes ``command(argv) -> int``, which ra
 ``main(argv) -> int``, which is ``run_command(<name>, argv)`` (so ``python -m
 beam_jobs.shard`` behaves as ``zephon shard``).
 
-Errors are reported here, once, for every subcommand (README "Command-line errors"):
+Errors are reported here, once, for every subcommand (docs/guides/reliability.md, "Command-line errors"):
 
 - a :class:`~loader.errors.ZephonError`, or an ``OSError`` about a file the user named
   (missing, a directory, permission denied, already exists), prints exactly one line
@@ -30,6 +30,7 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
+import loader
 from loader.errors import ZephonError
 
 # subcommand -> (module, one-line help). Each module exposes ``command(argv) -> int``.
@@ -45,6 +46,7 @@ SUBCOMMANDS = {
 }
 
 DEBUG_FLAG = "--debug"
+VERSION_FLAGS = ("--version", "-V")
 DEBUG_ENV = "ZEPHON_DEBUG"
 USAGE_EXIT = 2  # argparse's code too
 FAILURE_EXIT = 1
@@ -101,8 +103,21 @@ def run_command(name: str, argv: Optional[Sequence[str]] = None, *, debug: Optio
         return INTERRUPTED_EXIT
 
 
+# What a subcommand module calls the function that builds its argparse parser.
+PARSER_BUILDERS = ("build_parser", "build_arg_parser")
+
+
+def parser_of(name: str):
+    """Subcommand ``name``'s argparse parser (the command-line reference is generated from it)."""
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    for builder in PARSER_BUILDERS:
+        if hasattr(module, builder):
+            return getattr(module, builder)()
+    raise AttributeError(f"{module.__name__} defines none of {PARSER_BUILDERS}")
+
+
 def _usage() -> str:
-    lines = [f"usage: zephon [{DEBUG_FLAG}] <command> [options]", "", "commands:"]
+    lines = [f"usage: zephon [{DEBUG_FLAG}] <command> [options]", "       zephon --version", "", "commands:"]
     for name, (_, help_text) in SUBCOMMANDS.items():
         lines.append(f"  {name:<14} {help_text}")
     lines.append("")
@@ -120,6 +135,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else USAGE_EXIT
+    if args[0] in VERSION_FLAGS:
+        print(f"zephon {loader.__version__} ({loader.DISTRIBUTION})")
+        return 0
     command, rest = args[0], args[1:]
     if command not in SUBCOMMANDS:
         print(f"zephon: error: unknown command {command!r}; commands: {', '.join(SUBCOMMANDS)} "

@@ -1,7 +1,9 @@
 """Loader configuration: one dataclass, loadable from TOML or JSON or keyword arguments.
 
-Every field is documented in README.md ("Loader configuration"). Validation happens here,
-once, with messages that name the field, show the value and list the valid choices.
+Each record declares its fields' rules (``FIELD_RULES``, checked by :mod:`loader.validation`)
+and their meaning (``FIELD_DOCS``); the configuration reference of the docs site is generated
+from both. Validation happens here, once, with messages that name the field, show the value
+and list the valid choices.
 """
 
 from __future__ import annotations
@@ -41,14 +43,14 @@ BATCH_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens") + BATCH_FEA
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """One lane-sharded dataset in the mix."""
+    """One lane-sharded dataset in the mix (an entry of ``LoaderConfig.datasets``)."""
 
     path: str
     weight: float = 1.0
     name: Optional[str] = None  # defaults to the manifest's source_name
     exhaustion: str = "repeat"  # "repeat": next epoch (reshuffled); "stop": drop out of the mix
     max_epochs: Optional[int] = None  # with "repeat": stop after this many epochs
-    transforms: tuple[TransformSpec, ...] = ()  # this source's own, after the config's (README "Transforms")
+    transforms: tuple[TransformSpec, ...] = ()  # this source's own, after the config's
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
         "path": FilePath(),
@@ -57,6 +59,20 @@ class SourceConfig:
         "exhaustion": Text(choices=EXHAUSTION_POLICIES),
         "max_epochs": OrAbsent(Integer(minimum=1)),
         "transforms": ListOf(Record(TransformSpec)),
+    }
+
+    # One entry per field: what it means, for the configuration reference (docs/reference/config.md
+    # is generated from these, the rules and the defaults; a test checks every field has one).
+    FIELD_DOCS: ClassVar[dict[str, str]] = {
+        "path": "The dataset folder (the one holding `manifest.json`), local or `gs://`.",
+        "weight": "Share of the mix, normalised over the sources to exact fractions (at least one weight > 0).",
+        "name": "Source name in batches, logs and checkpoints; default: the manifest's `source_name`. Names must "
+                "be unique.",
+        "exhaustion": "At the end of a lane's data: `\"repeat\"` starts its next epoch in a new order, `\"stop\"` "
+                      "drops the source from that lane's mix (its share goes to the others).",
+        "max_epochs": "With `repeat`: stop after this many epochs.",
+        "transforms": "This source's own filters and maps, run after the config's `transforms` "
+                      "([Transforms](../guides/transforms.md)).",
     }
 
     def __post_init__(self) -> None:
@@ -71,6 +87,11 @@ class ScheduleEntry:
     weights: dict[str, float]
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {"step": Integer(minimum=0), "weights": Weights()}
+    FIELD_DOCS: ClassVar[dict[str, str]] = {
+        "step": "The global step from which these weights apply (steps strictly increasing; a step-0 entry "
+                "replaces the base weights).",
+        "weights": "A table naming every source with its weight (finite, >= 0, at least one > 0).",
+    }
 
     def __post_init__(self) -> None:
         validate_instance(self, ConfigError, "schedule entry")
@@ -93,7 +114,12 @@ def _storage_top_level() -> frozenset[str]:
 
 @dataclass(frozen=True)
 class LoaderConfig:
-    """What the loader produces. See README "Loader configuration" for every field."""
+    """What the loader produces: the datasets and their mix, sequences, batches, packing, workers.
+
+    Build it from a file (:meth:`from_file`, TOML or JSON), a mapping (:meth:`from_dict`) or
+    keyword arguments; every field is checked for type and range, and one :class:`ConfigError`
+    names every bad field. The fields are listed in the configuration reference.
+    """
 
     datasets: tuple[SourceConfig, ...]
     seq_len: int
@@ -121,7 +147,7 @@ class LoaderConfig:
     cache_dir: Optional[str] = None
     cache_max_bytes: int = 10 * 1024**3
     verify_checksums: bool = True
-    verify_local_files: bool = False  # issue 14: sha256 of local lane files (see README "Data integrity")
+    verify_local_files: bool = False  # sha256 of local lane files on first open
     storage_endpoint: Optional[str] = None
     storage: dict[str, Any] = field(default_factory=dict)  # advanced StorageOptions: retries, timeouts, read-ahead
     worker_timeout_s: float = 300.0
@@ -132,11 +158,11 @@ class LoaderConfig:
     step_states_kept: int = 4
     # Log loader.metrics' one-line summary at INFO every this many steps (0: never).
     metrics_log_every_steps: int = 0
-    # Transforms of every source, before each dataset's own (README "Transforms"), and the step
+    # Transforms of every source, before each dataset's own, and the step
     # from which a change of them takes effect when resuming a checkpoint made with others.
     transforms: tuple[TransformSpec, ...] = ()
     transforms_from_step: Optional[int] = None
-    # Image sources: policy, placeholder tokens, overflow, images per sequence (README, ``images``).
+    # Image sources: policy, placeholder tokens, overflow, images per sequence.
     images: Optional[ImagesConfig] = None
     # The model family micro-batches are laid out for (loader.model_inputs: "causal_lm",
     # "qwen2_vl"): only that forward's arguments, per-document attention, M-RoPE positions and
@@ -182,6 +208,78 @@ class LoaderConfig:
         "transforms_from_step": OrAbsent(Integer(minimum=0)),
         "images": ImagesTable(),
         "model_inputs": LayoutName(),
+    }
+
+    # One entry per field: what it means, for the configuration reference (docs/reference/config.md
+    # is generated from these, FIELD_RULES and the defaults; a test checks every field has one).
+    FIELD_DOCS: ClassVar[dict[str, str]] = {
+        "datasets": "The sources to mix, each a table (below: `datasets` entries).",
+        "seq_len": "Tokens per sequence.",
+        "global_batch_size": "Sequences per optimizer step, all ranks together (`B`). The data-parallel world "
+                             "size must divide it.",
+        "micro_batch_size": "Sequences per yielded micro-batch; must divide `B / W`.",
+        "seed": "Mixing and epoch-permutation seed. There is no default: a run names its seed.",
+        "tokenizer": "A Hugging Face `tokenizer.json` (local or `gs://`): tokenizes text sources, gives the "
+                     "EOS/BOS ids, and is checked against the fingerprint of pre-tokenized datasets.",
+        "packing": "`concat` (documents joined and cut every `seq_len` tokens) or `best_fit` (documents never "
+                   "split unless longer than `seq_len`); see [Packing](../guides/packing.md).",
+        "best_fit_open_bins": "Open bins per lane and source for `best_fit`.",
+        "add_bos": "Put BOS before every document.",
+        "add_eos": "Put EOS after every document (`concat` needs one of BOS/EOS as a separator).",
+        "eos_token": "EOS token text; default: the first of `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>` "
+                     "the tokenizer knows.",
+        "bos_token": "BOS token text; default: the first of `<|begin_of_text|>`, `<s>`, `<bos>` the tokenizer "
+                     "knows.",
+        "pad_token": "Padding token text; default: the EOS id (labels are -100 on padding either way).",
+        "num_workers": "Worker processes per rank (0: produce in the trainer's process).",
+        "prefetch": "Messages a worker may have ready ahead of the trainer. Default: about 256 K tokens per "
+                    "worker, at least 4 messages (fewer with image sources, whose slots hold pixels). Never "
+                    "changes a batch.",
+        "mixing_unit": "`sequence`: every packed sequence comes from one source; `token`: documents of all "
+                       "sources share sequences ([Mixing](../guides/mixing.md)).",
+        "schedule": "Weight changes at given steps, each a table (below: `schedule` entries).",
+        "cache_dir": "Local cache of whole, verified copies of remote lane files (absent: ranged reads).",
+        "cache_max_bytes": "Size bound of the cache; least recently used entries are evicted.",
+        "verify_checksums": "Check the manifest's SHA-256 wherever a file is read whole (remote small files, "
+                            "cache fills and cached copies).",
+        "verify_local_files": "Check each local lane file's SHA-256 against the manifest once per file and "
+                              "process, when first opened. Off by default: it costs CPU in the first epoch, and "
+                              "page checksums with the footer and row-count checks catch damaged files without "
+                              "it ([Reliability](../guides/reliability.md)).",
+        "storage_endpoint": "Explicit GCS endpoint (else `STORAGE_EMULATOR_HOST`, else Google).",
+        "storage": "Advanced storage settings: retries, timeouts, read sizes (below: the `storage` table).",
+        "worker_timeout_s": "A worker that produces nothing this long raises instead of hanging.",
+        "read_ahead": "Read and decode each lane's next row groups on background threads (text is tokenized "
+                      "ahead too); `false` reads on demand. Never changes a batch.",
+        "read_ahead_threads": "Threads per process doing the read-ahead, shared by all lanes and sources. "
+                              "Never changes a batch.",
+        "batch_fields": "Per-token tensors each micro-batch holds: `input_ids` (required), `labels`, "
+                        "`position_ids`, `cu_seqlens`, `token_source_ids` (token mixing only), `loss_mask` "
+                        "(sources with a loss mask only). Leave out what the trainer does not use: each costs "
+                        "a pass over the micro-batch. Never changes the stream.",
+        "step_states_kept": "Step boundaries whose lane states are kept for `state_dict(step=t)` (frameworks "
+                            "fetch ahead; the integrations need at least 2).",
+        "metrics_log_every_steps": "Log `loader.metrics()` as one INFO line on logger `loader.metrics` every "
+                                   "this many steps (0: never). Never changes a batch.",
+        "transforms": "Filters and maps of every source, before each dataset's own "
+                      "([Transforms](../guides/transforms.md)).",
+        "transforms_from_step": "The step from which changed transforms take effect when resuming a checkpoint "
+                                "made with others.",
+        "images": "Image sources only: policy, placeholder tokens, overflow, images per sequence (below: the "
+                  "`images` table; [Images](../guides/images.md)).",
+        "packing_window": "With `best_fit`: pack each window of this many documents of a lane by best-fit "
+                          "decreasing and flush its bins at the window's end, so a lane's state follows from "
+                          "data-independent positions: restores need only cursors and `zephon audit --step N` "
+                          "seeks without a checkpoint. Absent: unbounded best fit. 256 keeps >= 0.97x its "
+                          "packing efficiency ([Packing windows and balance](../guides/packing-window-and-balance.md)).",
+        "balance": "`attention`: assign each global batch's sequences to data-parallel ranks and micro-batches "
+                   "by a cost model (sum of squared document lengths plus a linear term; images priced by the "
+                   "encoder). The global batch as a set is unchanged; real ranks exchange sequences through "
+                   "torch.distributed ([Packing windows and balance](../guides/packing-window-and-balance.md)).",
+        "model_inputs": "The Hugging Face model family each micro-batch is laid out for (`causal_lm`, "
+                        "`qwen2_vl`): only keys its `forward` takes, per-document attention, and "
+                        "`num_items_in_batch`, the loss tokens of the whole optimizer step. Absent: the loader's "
+                        "own batch fields ([Model inputs](../guides/model-inputs.md)).",
     }
 
     def __post_init__(self) -> None:

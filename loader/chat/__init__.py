@@ -3,7 +3,8 @@
 Modules, in the order a record flows through them:
 
 - :mod:`~loader.chat.conversations`: record validation, roles, reject reasons;
-- :mod:`~loader.chat.template`: loading a chat template and rendering as ``transformers`` does;
+- :mod:`~loader.chat.template`: loading a chat template and rendering as ``transformers`` does
+  (:mod:`~loader.chat.shipped`: the templates inside the package, by name: ``"chatml"``);
 - :mod:`~loader.chat.spans`: assistant character spans (generation tags, or prefix difference);
 - :mod:`~loader.chat.masks`: tokenization with offsets and the per-token loss mask;
 - :mod:`~loader.chat.encode`: :func:`encode_conversation`, the one entry point, with the guards
@@ -24,7 +25,7 @@ _EXPORTS = {
     "OVERFLOW_CHOICES": "encode", "EncodedConversation": "encode", "encode_conversation": "encode",
     "LOSS_ON_CHOICES": "spans", "ChatOptionError": "spans",
     "ChatTemplate": "template", "ChatTemplateError": "template", "RenderedChat": "template",
-    "load_chat_template": "template",
+    "load_chat_template": "template", "SHIPPED_TEMPLATES": "shipped", "shipped_template_path": "shipped",
 }
 __all__ = sorted(_EXPORTS)
 

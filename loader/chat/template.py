@@ -51,6 +51,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import numpy as np
 
+from loader.chat.shipped import resolve_template
 from loader.errors import ChatTemplateError
 from loader.io import storage
 
@@ -398,13 +399,15 @@ def load_chat_template(
     extra_variables: Optional[Mapping[str, Any]] = None,
     storage_options=None,
 ) -> ChatTemplate:
-    """Load a chat template from a ``.jinja`` file or a ``tokenizer_config.json`` (local, ``gs://`` or ``s3://``).
+    """Load a chat template from a ``.jinja`` file or a ``tokenizer_config.json`` (local, ``gs://`` or ``s3://``),
+    or a template shipped with Zephon by its name (``"chatml"``: :mod:`loader.chat.shipped`).
 
     A file whose text parses as a JSON object is a tokenizer config: its ``chat_template`` is
     used (or the ``chat_template.jinja`` beside it) and its special tokens become template
     variables. Anything else is Jinja text (no special tokens then; give them with
     ``extra_variables``, e.g. ``{"bos_token": "<|begin_of_text|>"}``).
     """
+    path = resolve_template(path) or path
     text = _read_text(path, storage_options)
     options = dict(template_name=template_name, extra_variables=dict(extra_variables or {}))
     config = _json_object_or_none(text)

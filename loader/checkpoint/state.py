@@ -208,6 +208,8 @@ def _one_per_rank(states: list[dict]) -> list[dict]:
 
 
 def dumps(state: dict) -> str:
+    """A state as compact JSON text, keys sorted (``loader.state_to_json``): the form to write
+    beside a checkpoint; :func:`loads` reads it back."""
     return json.dumps(to_jsonable(state), sort_keys=True, separators=(",", ":"))
 
 

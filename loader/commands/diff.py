@@ -47,7 +47,7 @@ TROUBLE_EXIT = 2
 CONFIG_SUFFIXES = (".toml", ".json")
 LOG_FORMAT = "`STEP SHA256 [name=count ...] [supervised: name=count ...]`, as `zephon fingerprints` prints"
 COUNT = re.compile(r"([^=\s]+)=(\d+)")
-# LoaderConfig fields that never change the batches (README "Loader configuration").
+# LoaderConfig fields that never change the batches (their FIELD_DOCS: the configuration reference).
 RUNTIME_FIELDS = frozenset({
     "micro_batch_size", "num_workers", "prefetch", "cache_dir", "cache_max_bytes", "verify_checksums",
     "verify_local_files", "storage_endpoint", "storage", "worker_timeout_s", "read_ahead", "read_ahead_threads",

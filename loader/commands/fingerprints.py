@@ -7,7 +7,7 @@ several sources, and ``supervised: name=count ...`` per source when some source 
 ``loss_mask``: the positions whose label is not -100 and whose loss mask is 1, counted by the
 sequence's source, or by each token's source under token mixing).
 
-Byte layout of the hash (documented in README "Batch fingerprints"): for each sequence of
+Byte layout of the hash (documented in docs/guides/audit.md): for each sequence of
 the global batch in increasing global index, its ``input_ids`` then its ``labels``, each as
 ``seq_len`` little-endian int32 values. Two runs print the same line for a step exactly
 when the trainer saw the same global batch.

@@ -1,7 +1,7 @@
 """Matplotlib for the plot commands (``zephon inspect --plot``, ``zephon plot-mix``).
 
-Matplotlib is an optional extra (``pip install 'zephon[plots]'``), imported only when a plot
-is asked for, and never through ``pyplot``: a :class:`matplotlib.figure.Figure` with the Agg
+Matplotlib is optional (the ``plots`` extra, or ``pip install matplotlib``), imported only when
+a plot is asked for, and never through ``pyplot``: a :class:`matplotlib.figure.Figure` with the Agg
 canvas needs no display, touches no global figure state, and can be inspected by tests
 before it is saved.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from loader.errors import PlotError
 
-INSTALL_HINT = "install the plots extra: pip install 'zephon[plots]' (or pip install matplotlib)"
+INSTALL_HINT = "install matplotlib: pip install matplotlib (or the plots extra: pip install -e '.[plots]' in a checkout)"
 DPI = 120
 
 

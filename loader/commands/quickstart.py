@@ -44,6 +44,23 @@ def _took(timer) -> None:
         print(f"   ({timer.stages[-1][0]}: {seconds:.1f} s)", flush=True)
 
 
+def next_steps(out: str, config_path: str, num_lanes: int) -> str:
+    """The two things a newcomer does next, as commands that run as printed."""
+    mine = os.path.join(out, "my-dataset")
+    first_batch = (f"python -c \"import loader; data = loader.ZephonLoader(loader.LoaderConfig.from_file("
+                   f"'{config_path}'), dp_rank=0, dp_world_size=1); batch = next(iter(data)); "
+                   "print({k: tuple(v.shape) for k, v in batch.items() if hasattr(v, 'shape')}); data.close()\"")
+    return "\n".join([
+        "next:",
+        "  1. shard your own JSONL (here: the sample's prose files; use your --input and --text-field):",
+        f"     zephon shard --input '{os.path.join(out, 'raw', 'prose', '*')}' --output {mine} "
+        f"--num-lanes {num_lanes} --id-field id --max-reject-fraction 0.05 --overwrite",
+        "  2. plug the loader into your trainer (recipes for HF Trainer, Lightning, torchrun, DCP: "
+        "docs/guides/trainers.md); the first micro-batch:",
+        f"     {first_batch}",
+    ])
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zephon quickstart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="quickstart", help="working directory (default: %(default)s)")
@@ -124,7 +141,7 @@ def command(argv: Sequence[str]) -> int:
     _took(timer)
     print("\nstage times:\n" + timer.table())
     print(f"\ndone in {time.monotonic() - started:.1f} s; loader config: {config_path}")
-    print(f"next: zephon fingerprints {config_path} --world-size 2 --steps 0:{args.steps}")
+    print(next_steps(out, config_path, args.num_lanes))
     ok = all(same) and all(same_resume)
     if not ok:
         print("ERROR: fingerprints differ; please report this with the output above", file=sys.stderr)

@@ -5,7 +5,7 @@ On open, the Parquet footer against the manifest entry (rows, row groups) and, w
 against the footer (a flipped bit in a page header, which page checksums do not cover, can
 make a row group decode as fewer rows without an error); once a file's row groups have all
 been read, its tokens against the manifest (:class:`~loader.io.lane_reader.LaneTokenStream`).
-All of it runs once per file or per row group, never per sequence (README "Data integrity").
+All of it runs once per file or per row group, never per sequence (docs/guides/reliability.md).
 """
 
 from __future__ import annotations

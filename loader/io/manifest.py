@@ -42,7 +42,7 @@ dropped_by     int16             only with ``--transform``: -1 for a document, e
 <kept field>   string            each ``--keep-fields`` value, JSON-encoded
 =============  ================  ==========================================================
 
-Image datasets (``--image-field``, or WebDataset input; README "Images (vision-language)")
+Image datasets (``--image-field``, or WebDataset input; docs/guides/images.md)
 add these columns after ``text`` (and before kept fields); ``text`` then holds the
 document's text segments concatenated, nothing inserted between them. Element ``k`` of each
 ``image_*`` list is the document's ``k``-th image:

@@ -9,7 +9,7 @@ CONVERSATION_COLUMN = "conversation"  # the lane-file column of conversations re
 # Datasets sharded with --transform: per row, the position (in the manifest's "transforms") of
 # the transform that dropped the document, -1 for a kept one. A dropped document stays in its
 # lane as a tombstone (key, empty text, no tokens) so that lane files hold the rows they would
-# hold without the transforms; the loader skips tombstones (README "Transforms").
+# hold without the transforms; the loader skips tombstones (docs/guides/transforms.md).
 TOMBSTONE_COLUMN = "dropped_by"
 
 # The rejection reasons of a document the Beam job can emit (manifest ``rejected`` keys). A text

@@ -28,7 +28,7 @@ CHECKSUM_ATTEMPTS = 2  # a whole download whose sha256 mismatches the manifest i
 
 @dataclass(frozen=True)
 class StorageOptions:
-    """How the loader reads lane files. Documented in README ("Storage options").
+    """How the loader reads lane files (the loader config's ``storage`` table and top-level storage fields).
 
     The retry fields bound every remote request (``gs://``, ``s3://``): a request that fails with a
     transient error (HTTP 408/429/5xx, connection reset, timeout, truncated body) is retried
@@ -40,7 +40,7 @@ class StorageOptions:
     cache_dir: Optional[str] = None  # local cache for remote lane files (None = no cache)
     cache_max_bytes: int = 10 * 1024**3
     verify_checksums: bool = True  # compare with the manifest's sha256 where the file is read whole
-    verify_local_files: bool = False  # sha256 of local lane files on first open (off: README "Data integrity")
+    verify_local_files: bool = False  # sha256 of local lane files on first open
     endpoint: Optional[str] = None  # explicit GCS endpoint (else STORAGE_EMULATOR_HOST / Google)
     # s3:// (loader.io.s3); each None = boto3's own lookup: AWS_ENDPOINT_URL(_S3), AWS_DEFAULT_REGION
     # or AWS_REGION, AWS_PROFILE, ~/.aws/config and credentials (docs/guides/s3.md)
@@ -73,6 +73,33 @@ class StorageOptions:
                                            hint="a request without a timeout can hang forever"),
         "readahead_bytes": rules.Integer(minimum=1),
         "whole_file_max_bytes": rules.Integer(minimum=0),
+    }
+    FIELD_DOCS: ClassVar[dict[str, str]] = {
+        "cache_dir": "Local directory of whole, verified copies of remote lane files; absent: ranged reads. Must "
+                     "be on a local filesystem (it uses `flock`); safe to share between processes and runs.",
+        "cache_max_bytes": "Size bound of completed cache entries (least recently used evicted first); a larger "
+                           "file is read uncached, with a warning.",
+        "verify_checksums": "Compare SHA-256 with the manifest wherever a file is read whole: remote files up to "
+                            "`whole_file_max_bytes`, every cache fill and every open of a cached copy.",
+        "verify_local_files": "Hash every local lane file once per process, on first open, against the manifest.",
+        "endpoint": "GCS endpoint of an emulator or test server, used with anonymous credentials (the loader "
+                    "config's `storage_endpoint`). Default: `STORAGE_EMULATOR_HOST`, else Google with ADC.",
+        "s3_endpoint_url": "Endpoint of an S3-compatible store (MinIO, R2, Ceph), `http(s)://host:port`. Default: "
+                           "`AWS_ENDPOINT_URL`, the profile's `endpoint_url`, else AWS ([S3](../guides/s3.md)).",
+        "s3_region": "AWS region of `s3://` buckets. Default: `AWS_REGION` / `AWS_DEFAULT_REGION`, the profile's "
+                     "region.",
+        "s3_profile": "A profile of `~/.aws/config` / `~/.aws/credentials` (credentials, region, endpoint). "
+                      "Default: `AWS_PROFILE`, else the standard credential chain.",
+        "retry_max_attempts": "Attempts per request on transient errors (HTTP 408/429/500/502/503/504, connection "
+                              "resets, timeouts, truncated bodies, checksum errors in transit).",
+        "retry_initial_backoff_s": "Exponential backoff with full jitter: the wait before retry k is uniform in "
+                                   "[0, min(`retry_max_backoff_s`, `retry_initial_backoff_s` x 2^k)] s.",
+        "retry_max_backoff_s": "Ceiling of that backoff.",
+        "retry_deadline_s": "No new attempt starts after this many seconds.",
+        "request_timeout_s": "Read timeout of one HTTP request (connect timeout min(10 s, this)).",
+        "readahead_bytes": "Ranged-read window: the memory per open remote lane file, and the smallest ranged GET.",
+        "whole_file_max_bytes": "Remote lane files up to this size are fetched in one GET and checked against the "
+                                "manifest SHA-256.",
     }
 
     def __post_init__(self) -> None:

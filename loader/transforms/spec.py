@@ -53,7 +53,7 @@ def _function_problem(name: str) -> Optional[str]:
 
 @dataclass(frozen=True)
 class TransformSpec:
-    """One configured transform (README "Transforms")."""
+    """One configured transform (an entry of a ``transforms`` list)."""
 
     function: str
     args: dict[str, Any] = field(default_factory=dict)
@@ -65,6 +65,16 @@ class TransformSpec:
         "args": JsonTable(),
         "version": OrAbsent(Text()),
         "stage": OrAbsent(Text(choices=STAGES)),
+    }
+    FIELD_DOCS: ClassVar[dict[str, str]] = {
+        "function": "`module:function` (your code, importable in every process) or the name of a built-in; "
+                    "imported when the loader is built.",
+        "args": "Keyword arguments of the function (JSON values).",
+        "version": "Enters the config fingerprint and the checkpoint: bump it when the code changes. Default: "
+                    "the function's declared version.",
+        "stage": "`text` (sees `doc.text`, before tokenization), `tokens` (sees `doc.input_ids` and "
+                 "`doc.features`) or `records` (an online chat source's conversation before it is rendered). "
+                 "Default: the function's declared stage, else `text`.",
     }
 
     def __post_init__(self) -> None:

@@ -58,7 +58,7 @@ _PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the 12 bytes of PNG's empty, fi
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What an image may be; every field is documented in the README ("Images", limits)."""
+    """What an image may be; every field is documented in docs/guides/images.md (limits)."""
 
     max_bytes: int = DEFAULT_MAX_BYTES
     max_pixels: int = DEFAULT_MAX_PIXELS

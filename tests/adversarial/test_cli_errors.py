@@ -1,6 +1,6 @@
 """Bad input to every ``zephon`` subcommand: one ``zephon <command>: error: ...`` line, no traceback.
 
-The convention (README "Command-line errors", :mod:`loader.cli`): a ZephonError or an
+The convention (docs/guides/reliability.md, "Command-line errors"; :mod:`loader.cli`): a ZephonError or an
 OSError about a file the user named prints exactly one line to stderr and exits non-zero
 (2 for usage errors: options, config, topology, state and tokenizer files; 1 for data and
 failed jobs, and for file errors); argparse's own errors print its usage synopsis above its

@@ -53,8 +53,9 @@ def test_job_reports_progress_and_its_summary(tmp_path, monkeypatch, caplog, cap
     with caplog.at_level(logging.INFO, logger="beam_jobs.progress"):
         manifest = shard.run_shard(options, pipeline_args, on_summary=summaries.append)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress: ")]
-    assert "progress: ReadFiles 3 input files" in " ".join(lines)
-    assert any(line.startswith("progress: WriteLaneFiles ") for line in lines)
+    assert "progress: ReadFiles 3 of 3 input files" in " ".join(lines)  # the in-memory runner sees the totals
+    assert any(line.startswith("progress: WriteLaneFiles ") and " of at most 4 lane files" in line for line in lines)
+    assert lines and all(line.endswith(" left)") for line in lines)
     [summary] = summaries
     assert manifest == read_manifest(str(tmp_path / "out"))
     assert summary.documents == manifest.documents == 200
@@ -74,10 +75,34 @@ def test_job_reports_progress_and_its_summary(tmp_path, monkeypatch, caplog, cap
                        "--id-field", "id", "--num-lanes", "4", "--max-reject-fraction", "0.5", *IN_MEMORY])
     out = capsys.readouterr().out.splitlines()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress: ReadFiles")]
-    assert lines[-1] == "progress: ReadFiles 3 input files, 200 documents, 2 rejected"  # each job counts anew
+    assert lines[-1].startswith("progress: ReadFiles 3 of 3 input files, 200 documents, 2 rejected (100%, about ")
+    # each job counts anew
     assert out[0].startswith("sharded 200 documents in ") and out[-1].startswith("wrote 200 documents")
     assert any(line.startswith("  rows per lane: min ") for line in out)
     assert not any(line.startswith("  tokens per lane") for line in out)  # text lanes: no token counts
+
+
+def test_progress_line_shows_the_total_share_and_time_left(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    stage = progress.StageProgress("ReadFiles", interval_s=3600)
+    stage.expect(4)
+    now[0] = 130.0
+    stage.add(files=1, documents=10)  # 30 s for the first of 4 files
+    assert stage.line() == "progress: ReadFiles 1 of 4 input files, 10 documents (25%, about 1 min 30 s left)"
+    without_total = progress.StageProgress("WriteLaneFiles", interval_s=3600)
+    without_total.counts = {"files": 2, "rows": 5, "bytes": 2048}
+    assert without_total.line() == "progress: WriteLaneFiles 2 lane files, 5 rows, 2.0 KiB written"
+
+
+def test_totals_are_taken_in_the_launching_process_only(monkeypatch):
+    monkeypatch.setattr(progress, "_stages", {})
+    progress.reset_stages()
+    progress.expect("ReadFiles", 7)
+    assert progress.stage("ReadFiles").total_files == 7
+    monkeypatch.setattr(progress, "_launcher_pid", -1)  # a worker process of another runner
+    progress.expect("WriteLaneFiles", 9)
+    assert progress.stage("WriteLaneFiles").total_files is None
 
 
 def test_stage_timer_table():

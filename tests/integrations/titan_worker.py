@@ -1,4 +1,4 @@
-"""One rank of the torchtitan-style / DCP tests (launched by test_torchdata.py via tests.rank_launcher).
+"""One rank of the torchtitan-style / DCP tests (launched by test_stateful_dataloader.py via tests.rank_launcher).
 
 ``main([CONFIG, OUT, STEPS, CHECKPOINT, MODE])`` under the torchrun environment, gloo:
 

@@ -26,7 +26,7 @@ import torch
 from loader.config import LoaderConfig
 from loader.commands.fingerprints import collect_fingerprints, sequence_bytes
 from loader.integrations.titan import ZephonTitanDataLoader
-from loader.integrations.torchdata import (
+from loader.integrations.stateful_dataloader import (
     DATASET_ITER_STATE, DATASET_STATE, FETCHER_STATE, merge_dataloader_states, zephon_state_of,
     zephon_stateful_dataloader,
 )
