@@ -26,6 +26,12 @@ from loader.vision.options import ImagesConfig, ImagesTable
 PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
 EXHAUSTION_POLICIES = ("repeat", "stop")
+# How a stream of finite data (a source with exhaustion "stop" or max_epochs) ends
+# (docs/guides/finite-epochs.md): "fill" delivers every document of every epoch, lanes that
+# ran out early giving fill rows (no supervised tokens, batch["fill"]) until the last lane
+# is done; "drop" ends at the first step that reaches a lane with nothing left (the
+# documents still waiting in the other lanes are not delivered: Zephon before epoch_tail).
+EPOCH_TAILS = ("fill", "drop")
 # Per-token tensors a micro-batch can hold. ``input_ids`` is always there; the rest cost the
 # batch builder a pass over the batch each, so a trainer that derives them itself (or does
 # not use them) can leave them out. Per-sequence entries (source_ids, global_indices, step,
@@ -136,6 +142,9 @@ class LoaderConfig:
     transforms_from_step: Optional[int] = None
     # Image sources: policy, placeholder tokens, overflow, images per sequence (README, ``images``).
     images: Optional[ImagesConfig] = None
+    # Finite data: "fill" (every document, fill rows at the tail) or "drop" (end at the first
+    # exhausted lane). See EPOCH_TAILS and docs/guides/finite-epochs.md.
+    epoch_tail: str = "fill"
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
         "datasets": ListOf(Record(SourceConfig), min_items=1, example='datasets = [{path = "data/web"}]'),
@@ -173,6 +182,7 @@ class LoaderConfig:
                                                            'args = {pattern = "lorem"}}]'),
         "transforms_from_step": OrAbsent(Integer(minimum=0)),
         "images": ImagesTable(),
+        "epoch_tail": Text(choices=EPOCH_TAILS),
     }
 
     def __post_init__(self) -> None:
@@ -261,8 +271,23 @@ class LoaderConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def finite(self) -> bool:
+        """Whether some source ends (exhaustion "stop" or max_epochs): the stream then ends too."""
+        return any(d.exhaustion == "stop" or d.max_epochs is not None for d in self.datasets)
+
+    @property
+    def fills_tails(self) -> bool:
+        """Whether the stream delivers every lane's tail, with fill rows where lanes ran out."""
+        return self.finite and self.epoch_tail == "fill"
+
     def stream_fields(self) -> dict[str, Any]:
-        """The fields that determine the global stream (not how it is computed)."""
+        """The fields that determine the global stream (not how it is computed).
+
+        ``epoch_tail`` is one only where it changes the stream (finite data) and only as
+        "fill": a "drop" config, and every endless one, has the fields (and fingerprint) of
+        the Zephon before the option, whose finite streams all ended that way."""
+        tail = {"epoch_tail": self.epoch_tail} if self.fills_tails else {}
         return {
             "seed": self.seed,
             "seq_len": self.seq_len,
@@ -272,6 +297,7 @@ class LoaderConfig:
             "add_bos": self.add_bos,
             "add_eos": self.add_eos,
             "mixing_unit": self.mixing_unit if len(self.datasets) > 1 else None,
+            **tail,
         }
 
     def source_transforms(self, index: int) -> tuple[TransformSpec, ...]:

@@ -63,6 +63,9 @@ class LaneSpec:
     read_ahead_threads: int = 1
     features: tuple[str, ...] = ()  # per-token features every sequence carries (loader.stages.features)
     images: Optional[object] = None  # loader.vision.block.ImageOptions when some source holds images
+    # Finite data with epoch_tail "fill": a lane that runs out is one lane done, not the
+    # stream's end (loader.stages.producer.End); its later indices are fill rows.
+    fill_tails: bool = False
 
     @property
     def source_names(self) -> tuple[str, ...]:
