@@ -111,9 +111,10 @@ class AssignLaneFn(beam.DoFn):
         self.seed = seed
         self.num_lanes = num_lanes
 
-    def process(self, document: tuple, files_per_lane: int) -> Iterator[tuple]:
+    def process(self, document: tuple, files_per_lane: int, num_lanes: Optional[int] = None) -> Iterator[tuple]:
+        """``num_lanes``: a side input where the job chose the lane count (beam_jobs.lane_count)."""
         key, text, _text_nbytes, kept_values, *encoded = document  # encoded: chat documents only
-        lane_id = lane_of_key(self.seed, key, self.num_lanes)
+        lane_id = lane_of_key(self.seed, key, self.num_lanes if num_lanes is None else num_lanes)
         order_key = order_key_of(self.seed, key)
         part = file_bucket(order_key, files_per_lane)
         yield (lane_id, part), (order_key.to_bytes(8, "big"), key, text, kept_values, *encoded)

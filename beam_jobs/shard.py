@@ -63,6 +63,7 @@ from beam_jobs.image_records import (
     resolve_image_job,
 )
 from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs, is_remote, most_documents
+from beam_jobs.lane_count import ChooseLaneCount, lane_count_note
 from beam_jobs.lane_files import (
     DEFAULT_TOKEN_COMPRESSION,
     RESERVED_COLUMNS,
@@ -94,7 +95,7 @@ from loader.vision.reasons import IMAGE_REJECT_REASONS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NUM_LANES = 64
+DEFAULT_NUM_LANES = None  # None: the largest of 64, 32, 16, 8 that fills every lane (beam_jobs.lane_count)
 DEFAULT_SEED = 0
 DEFAULT_TARGET_FILE_MB = 64.0
 DEFAULT_MAX_REJECT_FRACTION = 0.01
@@ -123,7 +124,7 @@ class ShardOptions:
     id_field: Optional[str] = None
     keep_fields: tuple[str, ...] = ()
     source_name: Optional[str] = None
-    num_lanes: int = DEFAULT_NUM_LANES
+    num_lanes: Optional[int] = DEFAULT_NUM_LANES  # None: chosen by the job (beam_jobs.lane_count)
     seed: int = DEFAULT_SEED
     tokenizer: Optional[str] = None
     token_compression: str = DEFAULT_TOKEN_COMPRESSION
@@ -158,7 +159,7 @@ class ShardOptions:
             problems.append("--output is required")
         if self.format is not None and self.format not in FORMATS:
             problems.append(f"--format must be one of {', '.join(FORMATS)} (got {self.format!r})")
-        if self.num_lanes <= 0:
+        if self.num_lanes is not None and self.num_lanes <= 0:
             problems.append(f"--num-lanes must be positive (got {self.num_lanes})")
         if self.seed < 0:
             problems.append(f"--seed must be >= 0 (got {self.seed})")
@@ -271,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-lanes", type=int, default=DEFAULT_NUM_LANES,
                         help="number of lanes L; choose it divisible by every data-parallel world size "
                              "you will train with; every lane must receive a document, or the job fails "
-                             "naming a lane count that works (default: %(default)s)")
+                             "naming a lane count that works (default: the largest of 64, 32, 16, 8 whose "
+                             "every lane receives a document, recorded in the manifest and named in the "
+                             "summary; 64 for all but small inputs)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help="seed of the lane and in-lane order hashes, recorded in the manifest "
                              "(default: %(default)s)")
@@ -466,16 +469,21 @@ class ShardDataset(beam.PTransform):
                 self.transforms, opts.dedup, seed=opts.seed, source=opts.resolved_source_name,
                 keep_fields=opts.keep_fields, output=opts.output, text_is_fixed=opts.chat)
 
+        # Without --num-lanes the lane count comes from the keys (beam_jobs.lane_count).
+        num_lanes = opts.num_lanes if opts.num_lanes is not None else AsSingleton(
+            documents | "ChooseLaneCount" >> ChooseLaneCount(opts.seed))
         # Files per lane come from the content (total text bytes), never from input sizes.
         files_per_lane = (
             documents
             | "TextBytes" >> beam.Map(itemgetter(2))
             | "TotalTextBytes" >> beam.CombineGlobally(sum)
-            | "FilesPerLane" >> beam.Map(files_per_lane_for, opts.num_lanes, opts.target_file_bytes)
+            | "FilesPerLane" >> beam.Map(lambda total, lanes, target: files_per_lane_for(total, max(lanes, 1), target),
+                                         num_lanes, opts.target_file_bytes)
         )
         file_entries = (
             documents
-            | "AssignLane" >> beam.ParDo(AssignLaneFn(opts.seed, opts.num_lanes), AsSingleton(files_per_lane))
+            | "AssignLane" >> beam.ParDo(AssignLaneFn(opts.seed, opts.num_lanes), AsSingleton(files_per_lane),
+                                         **({} if opts.num_lanes is not None else {"num_lanes": num_lanes}))
             | "GroupByLaneFile" >> beam.GroupByKey()
             | "WriteLaneFiles" >> beam.ParDo(WriteLaneFileFn(
                 opts.output, opts.keep_fields, None if opts.chat else opts.tokenizer,
@@ -503,7 +511,7 @@ class ShardDataset(beam.PTransform):
                 commit_manifest,
                 output=opts.output,
                 seed=opts.seed,
-                num_lanes=opts.num_lanes,
+                num_lanes=num_lanes,
                 source_name=opts.resolved_source_name,
                 schema=manifest_schema(pretokenized, opts.keep_fields, loss_mask=opts.chat and pretokenized,
                                        conversation=opts.chat_online, images=opts.images is not None,
@@ -577,11 +585,12 @@ def check_inputs_against_options(options: ShardOptions, input_files: Sequence[In
         raise ShardConfigError(f"--input matches {len(inside_output)} files inside --output {options.output} "
                                f"(e.g. {inside_output[0]}); write the dataset outside the input folders.")
     most = most_documents(input_files, options.messages_field if options.chat else options.text_field)
-    if most is not None and most < options.num_lanes:
+    if most is not None and options.num_lanes is not None and most < options.num_lanes:
         raise ShardConfigError(
             f"--num-lanes {options.num_lanes} is more than the at most {most} documents the "
             f"{len(input_files)} input files can hold, and every lane needs a document; pass a --num-lanes "
-            f"well below {max(most, 1)}.")
+            f"well below {max(most, 1)}, or leave --num-lanes out: the job then picks the largest of 64, 32, 16, "
+            "8 whose every lane receives a document.")
 
 
 def load_chat_spec(options: ShardOptions) -> ChatSpec:
@@ -648,7 +657,8 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
         chat_record = chat.manifest_record(load_chat_template(chat.template_path)).to_dict()
     if options.overwrite:
         prepare_output(options.output, overwrite=True)
-    logger.info("sharding %d input files into %d lanes at %s", len(input_files), options.num_lanes, options.output)
+    logger.info("sharding %d input files into %s lanes at %s", len(input_files),
+                "an automatic count of" if options.num_lanes is None else options.num_lanes, options.output)
 
     started = time.monotonic()
     reset_stages()
@@ -667,7 +677,8 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
         raise
     manifest = read_manifest(options.output)
     summary = ShardSummary.of(manifest, time.monotonic() - started, query_counters(result), len(input_files),
-                              sum(f.size_bytes or 0 for f in input_files))
+                              sum(f.size_bytes or 0 for f in input_files),
+                              lanes_note=lane_count_note(manifest.num_lanes) if options.num_lanes is None else None)
     if on_summary is None:
         logger.info("%s", summary.text())
     else:
@@ -694,9 +705,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_command("shard", argv)
 
 
+class _OwnJobErrors(logging.Filter):
+    """Beam logs a failing step's exception with its traceback before the runner raises it; the
+    job's own errors (:class:`ShardJobError`, one sentence with the fix) are printed once, by the CLI."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return JOB_ERROR_PREFIX not in record.getMessage()
+
+
 def command(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("beam_jobs").setLevel(logging.INFO)
+    logging.getLogger("apache_beam.runners.common").addFilter(_OwnJobErrors())
     options, pipeline_args = parse_args(list(argv))
     manifest = run_shard(options, pipeline_args, on_summary=lambda summary: print(summary.text()))
     assert manifest is not None

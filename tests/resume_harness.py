@@ -230,6 +230,8 @@ class LoaderRun:
         ended = []
         # Ranks simulated in one process agree on the end of finite data the way real ranks
         # do through torch.distributed: nobody starts a step that some rank cannot finish.
+        from loader.pipeline import ranks_have_step  # torch, as ZephonLoader above
+
         if not ranks_have_step(self.loaders):
             return None
         for rank, loader in enumerate(self.loaders):
