@@ -247,6 +247,8 @@ def commit_manifest(
     entries' ``images`` (what ``WriteLaneFiles`` adds to each entry of an image job).
     """
     del rejected_files
+    if chat is not None and chat.get("tokenized"):  # the longest conversation, exactly (loader.chat.block)
+        chat = {**chat, "longest_tokens": max((int(e.get("longest_tokens", 0)) for e in file_entries), default=0) or None}
     if images is not None:
         images = {**images, "images": sum(int(entry.get("images", 0)) for entry in file_entries)}
     files = [FileEntry.from_dict(entry, f"file entry {entry.get('path')}") for entry in file_entries]

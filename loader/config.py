@@ -32,6 +32,12 @@ EXHAUSTION_POLICIES = ("repeat", "stop")
 # is done; "drop" ends at the first step that reaches a lane with nothing left (the
 # documents still waiting in the other lanes are not delivered: Zephon before epoch_tail).
 EPOCH_TAILS = ("fill", "drop")
+# Conversations tokenized offline that do not fit one best_fit sequence (longer than seq_len
+# minus the loader's BOS/EOS; docs/guides/finite-epochs.md): "refuse" the dataset (only when
+# its recorded longest conversation does not fit), "drop" them (counted as the transform
+# length_tokens' drops) or "truncate" them after their last assistant turn that fits
+# (truncate_turns; one with none that fits is dropped, counted).
+OVERLONG_CHOICES = ("refuse", "drop", "truncate")
 # Per-token tensors a micro-batch can hold. ``input_ids`` is always there; the rest cost the
 # batch builder a pass over the batch each, so a trainer that derives them itself (or does
 # not use them) can leave them out. Per-sequence entries (source_ids, global_indices, step,
@@ -145,6 +151,8 @@ class LoaderConfig:
     # Finite data: "fill" (every document, fill rows at the tail) or "drop" (end at the first
     # exhausted lane). See EPOCH_TAILS and docs/guides/finite-epochs.md.
     epoch_tail: str = "fill"
+    # Offline-tokenized conversations longer than a best_fit sequence: OVERLONG_CHOICES.
+    overlong: str = "refuse"
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
         "datasets": ListOf(Record(SourceConfig), min_items=1, example='datasets = [{path = "data/web"}]'),
@@ -183,6 +191,7 @@ class LoaderConfig:
         "transforms_from_step": OrAbsent(Integer(minimum=0)),
         "images": ImagesTable(),
         "epoch_tail": Text(choices=EPOCH_TAILS),
+        "overlong": Text(choices=OVERLONG_CHOICES),
     }
 
     def __post_init__(self) -> None:
@@ -288,6 +297,8 @@ class LoaderConfig:
         "fill": a "drop" config, and every endless one, has the fields (and fingerprint) of
         the Zephon before the option, whose finite streams all ended that way."""
         tail = {"epoch_tail": self.epoch_tail} if self.fills_tails else {}
+        if self.overlong != "refuse":  # only then: every config before the option keeps its fingerprint
+            tail["overlong"] = self.overlong
         return {
             "seed": self.seed,
             "seq_len": self.seq_len,

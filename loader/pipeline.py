@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from loader.checkpoint import migrations as checkpoint_migrations, schema as checkpoint_schema, state as state_mod
-from loader.chat.block import check_chat_sources
+from loader.chat.block import chat_overflows, check_chat_sources
 from loader.config import ConfigError, LoaderConfig
 from loader.order.data_parallel import resolve_data_parallel
 from loader.stages.lane import LaneSpec, SourceSpec
@@ -56,6 +56,7 @@ from loader.order.ordering import Topology, lanes_of_worker
 from loader.stages.producer import FILL_SOURCE, End, Item, build_lanes, fill_item, fill_sequence, produce_one, start_reading
 from loader.transforms import resume as transform_resume
 from loader.transforms.chain import TransformChain
+from loader.transforms.spec import TransformSpec
 from loader.checkpoint.step_states import StepStateHistory
 from loader.workers.messages import items_per_message
 from loader.workers.pool import (  # noqa: F401 - WorkerError re-exported
@@ -162,7 +163,9 @@ class ZephonLoader:
         self.image_options = image_options
         token_format = TokenFormat(bos_id=bos_id, eos_id=eos_id if config.add_eos else None)
         chat_reject_reasons = check_chat_sources(self.manifests, self.source_names, tokenizer, seq_len=config.seq_len,
-                                                 packing=config.packing, wrap_tokens=token_format.extra)
+                                                 packing=config.packing, wrap_tokens=token_format.extra,
+                                                 overlong=config.overlong)
+        self._wrap_tokens = token_format.extra
         # Transforms (loader.transforms): imported and checked here, not first in a worker.
         self.source_transforms = self._resolved_transforms()
         self._transform_changes: list[dict] = []  # changes on resume, as the checkpoint records them
@@ -238,7 +241,8 @@ class ZephonLoader:
         resolved = []
         for k, (name, manifest) in enumerate(zip(self.source_names, self.manifests)):
             online_chat = manifest.online_chat  # "any" functions take the tokens stage there (after the render)
-            specs = tuple(spec.resolved(manifest.pretokenized or online_chat) for spec in self.config.source_transforms(k))
+            specs = tuple(spec.resolved(manifest.pretokenized or online_chat)
+                          for spec in self.config.source_transforms(k) + self._overlong_transforms(manifest))
             if specs and online_chat:
                 from loader.transforms.conversations import ChatTransforms
 
@@ -250,6 +254,18 @@ class ZephonLoader:
                                feature_names=feature_names)  # imports each function, checks its stage
             resolved.append(specs)
         return resolved
+
+    def _overlong_transforms(self, manifest) -> tuple[TransformSpec, ...]:
+        """``overlong`` "drop" / "truncate": the transform that makes every conversation of an
+        offline-tokenized chat source fit one best_fit sequence, after the configured ones (its
+        drops are counted like theirs), where the recorded longest may not fit."""
+        if self.config.overlong == "refuse" or not chat_overflows(
+                manifest, seq_len=self.config.seq_len, packing=self.config.packing, wrap_tokens=self._wrap_tokens):
+            return ()
+        fit = self.config.seq_len - self._wrap_tokens
+        if self.config.overlong == "drop":
+            return (TransformSpec("length_tokens", {"max": fit}),)
+        return (TransformSpec("truncate_turns", {"max_tokens": fit}),)
 
     def transform_counts(self) -> dict[str, dict[str, dict[str, int]]]:
         """What the transforms did in this rank's lanes, as of the batches handed out:

@@ -77,32 +77,51 @@ def effective_max_tokens(max_tokens: Optional[int], *, seq_len: int, packing: st
     return fit if max_tokens is None else min(max_tokens, fit)
 
 
-def check_chat_fits(manifest, source_name: str, *, seq_len: int, packing: str, wrap_tokens: int) -> None:
-    """Refuse a pre-tokenized chat source under ``best_fit`` whose conversations may not fit one
-    sequence (they would be split). Online sources are cut or refused at the fit instead."""
+def chat_overflows(manifest, *, seq_len: int, packing: str, wrap_tokens: int) -> bool:
+    """Whether a chat source tokenized offline may hold a conversation that does not fit one
+    ``best_fit`` sequence: its recorded longest conversation (``chat.longest_tokens``), else the
+    job's bound (``--chat-max-tokens``; neither: it may), against ``seq_len`` minus the loader's
+    BOS/EOS. Never for online sources (cut or refused at the fit) or concat packing."""
     chat = manifest.chat
     if chat is None or not chat.tokenized or packing != "best_fit":
+        return False
+    longest = chat.longest_tokens if chat.longest_tokens is not None else chat.max_tokens
+    return longest is None or longest > seq_len - wrap_tokens
+
+
+def check_chat_fits(manifest, source_name: str, *, seq_len: int, packing: str, wrap_tokens: int,
+                    overlong: str = "refuse") -> None:
+    """Refuse a pre-tokenized chat source under ``best_fit`` whose conversations do not all fit
+    one sequence (they would be split), unless ``overlong`` ("drop", "truncate": the loader's
+    transforms handle them; loader.pipeline). Online sources are cut or refused at the fit instead."""
+    if not chat_overflows(manifest, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens):
         return
-    fit = seq_len - wrap_tokens
-    if seq_len - wrap_tokens < 1 or chat.max_tokens is None or chat.max_tokens > fit:
+    chat, fit = manifest.chat, seq_len - wrap_tokens
+    if fit >= 1 and overlong != "refuse":
+        return
+    if chat.longest_tokens is not None:
+        why = f"its longest conversation has {chat.longest_tokens} tokens, more than"
+    else:
         bound = "no --chat-max-tokens" if chat.max_tokens is None else f"--chat-max-tokens {chat.max_tokens}"
-        raise ChatConfigError(
-            f"datasets entry {source_name!r}: its conversations were tokenized offline with {bound}, so some may "
-            f"be longer than seq_len={seq_len} minus the {wrap_tokens} BOS/EOS token(s) the loader adds, and "
-            "best_fit packing would split them; re-shard it with --chat-max-tokens "
-            f"{max(fit, 1)} (or lower), or shard it without --tokenizer (the loader then cuts or refuses, per "
-            "--chat-overflow, at what fits)"
-        )
+        why = (f"it was tokenized offline with {bound} by a job that did not record its longest conversation, "
+               "so some may be longer than")
+    raise ChatConfigError(
+        f"datasets entry {source_name!r}: {why} seq_len={seq_len} minus the {wrap_tokens} BOS/EOS token(s) the "
+        "loader adds, and best_fit packing would split them; set overlong = \"drop\" (they are dropped, counted) "
+        "or overlong = \"truncate\" (cut after their last assistant turn that fits) in the loader config, raise "
+        f"seq_len, or re-shard with --chat-max-tokens {max(fit, 1)} (or lower)"
+        + ("" if fit >= 1 else f" (seq_len={seq_len} leaves no room for a token: raise it)")
+    )
 
 
 def check_chat_sources(manifests, source_names, tokenizer, *, seq_len: int, packing: str,
-                       wrap_tokens: int) -> tuple[str, ...]:
+                       wrap_tokens: int, overlong: str = "refuse") -> tuple[str, ...]:
     """Check a loader's chat sources when it is built: pre-tokenized ones fit (:func:`check_chat_fits`),
     online ones have a usable template and bound. Returns the batch's ``chat_rejects`` reasons
     (empty without an online chat source: the batch then has no such field)."""
     online = image_chat = False
     for manifest, name in zip(manifests, source_names):
-        check_chat_fits(manifest, name, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens)
+        check_chat_fits(manifest, name, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens, overlong=overlong)
         if manifest.online_chat:
             OnlineChat.of_manifest(manifest, tokenizer, source_name=name, seq_len=seq_len, packing=packing,
                                    wrap_tokens=wrap_tokens)  # compiles the template: errors now, not in a worker
