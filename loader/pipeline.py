@@ -191,6 +191,7 @@ class ZephonLoader:
             features=self.features,
             images=image_options,
             fill_tails=config.fills_tails,
+            overlong=config.overlong,
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far
@@ -256,9 +257,10 @@ class ZephonLoader:
         return resolved
 
     def _overlong_transforms(self, manifest) -> tuple[TransformSpec, ...]:
-        """``overlong`` "drop" / "truncate": the transform that makes every conversation of an
-        offline-tokenized chat source fit one best_fit sequence, after the configured ones (its
-        drops are counted like theirs), where the recorded longest may not fit."""
+        """``overlong`` "drop" / "truncate": the transform that makes every conversation of a chat
+        source fit one best_fit sequence, after the configured ones (its drops are counted like
+        theirs), where the recorded longest may not fit. Offline and online alike: an online
+        source is then encoded with the job's bound only (loader.chat.block.effective_max_tokens)."""
         if self.config.overlong == "refuse" or not chat_overflows(
                 manifest, seq_len=self.config.seq_len, packing=self.config.packing, wrap_tokens=self._wrap_tokens):
             return ()
