@@ -63,6 +63,7 @@ from beam_jobs.image_records import (
     resolve_image_job,
 )
 from beam_jobs.inputs import FORMATS, InputError, InputFile, expand_inputs, is_remote, most_documents
+from beam_jobs.lane_balance import BalancedLanes, balanced_lane_count
 from beam_jobs.lane_count import ChooseLaneCount, lane_count_note
 from beam_jobs.lane_files import (
     DEFAULT_TOKEN_COMPRESSION,
@@ -95,6 +96,7 @@ from loader.vision.reasons import IMAGE_REJECT_REASONS
 
 logger = logging.getLogger(__name__)
 
+LANE_BALANCES = ("hash", "documents")  # --lane-balance (beam_jobs.lane_balance)
 DEFAULT_NUM_LANES = None  # None: the largest of 64, 32, 16, 8 that fills every lane (beam_jobs.lane_count)
 DEFAULT_SEED = 0
 DEFAULT_TARGET_FILE_MB = 64.0
@@ -125,6 +127,7 @@ class ShardOptions:
     keep_fields: tuple[str, ...] = ()
     source_name: Optional[str] = None
     num_lanes: Optional[int] = DEFAULT_NUM_LANES  # None: chosen by the job (beam_jobs.lane_count)
+    lane_balance: str = "hash"  # "documents": lane sizes within one (beam_jobs.lane_balance)
     seed: int = DEFAULT_SEED
     tokenizer: Optional[str] = None
     token_compression: str = DEFAULT_TOKEN_COMPRESSION
@@ -161,6 +164,8 @@ class ShardOptions:
             problems.append(f"--format must be one of {', '.join(FORMATS)} (got {self.format!r})")
         if self.num_lanes is not None and self.num_lanes <= 0:
             problems.append(f"--num-lanes must be positive (got {self.num_lanes})")
+        if self.lane_balance not in LANE_BALANCES:
+            problems.append(f"--lane-balance must be one of {', '.join(LANE_BALANCES)} (got {self.lane_balance!r})")
         if self.seed < 0:
             problems.append(f"--seed must be >= 0 (got {self.seed})")
         if self.token_compression not in TOKEN_COMPRESSIONS:
@@ -275,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "naming a lane count that works (default: the largest of 64, 32, 16, 8 whose "
                              "every lane receives a document, recorded in the manifest and named in the "
                              "summary; 64 for all but small inputs)")
+    parser.add_argument("--lane-balance", choices=LANE_BALANCES, default="hash",
+                        help="how documents are dealt to lanes: 'hash' (lane = H(seed, key) mod L: a document's "
+                             "lane depends on its key alone) or 'documents' (the document of rank r in hash order "
+                             "goes to lane r mod L: lane sizes differ by at most one, so a finite epoch ends with "
+                             "almost no fill rows; recorded in the manifest; docs/guides/finite-epochs.md) "
+                             "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help="seed of the lane and in-lane order hashes, recorded in the manifest "
                              "(default: %(default)s)")
@@ -354,6 +365,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
         keep_fields=_split_fields(known.keep_fields),
         source_name=known.source_name,
         num_lanes=known.num_lanes,
+        lane_balance=known.lane_balance,
         seed=known.seed,
         tokenizer=known.tokenizer,
         token_compression=known.token_compression,
@@ -470,8 +482,14 @@ class ShardDataset(beam.PTransform):
                 keep_fields=opts.keep_fields, output=opts.output, text_is_fixed=opts.chat)
 
         # Without --num-lanes the lane count comes from the keys (beam_jobs.lane_count).
-        num_lanes = opts.num_lanes if opts.num_lanes is not None else AsSingleton(
-            documents | "ChooseLaneCount" >> ChooseLaneCount(opts.seed))
+        balanced = opts.lane_balance == "documents"
+        if opts.num_lanes is not None:
+            num_lanes = opts.num_lanes
+        elif balanced:  # every lane fills once there are as many documents as lanes
+            num_lanes = AsSingleton(documents | "CountDocuments" >> beam.combiners.Count.Globally()
+                                    | "BalancedLaneCount" >> beam.Map(balanced_lane_count))
+        else:
+            num_lanes = AsSingleton(documents | "ChooseLaneCount" >> ChooseLaneCount(opts.seed))
         # Files per lane come from the content (total text bytes), never from input sizes.
         files_per_lane = (
             documents
@@ -480,10 +498,14 @@ class ShardDataset(beam.PTransform):
             | "FilesPerLane" >> beam.Map(lambda total, lanes, target: files_per_lane_for(total, max(lanes, 1), target),
                                          num_lanes, opts.target_file_bytes)
         )
+        if balanced:
+            assigned = documents | "BalanceLanes" >> BalancedLanes(opts.seed, num_lanes, files_per_lane)
+        else:
+            assigned = documents | "AssignLane" >> beam.ParDo(
+                AssignLaneFn(opts.seed, opts.num_lanes), AsSingleton(files_per_lane),
+                **({} if opts.num_lanes is not None else {"num_lanes": num_lanes}))
         file_entries = (
-            documents
-            | "AssignLane" >> beam.ParDo(AssignLaneFn(opts.seed, opts.num_lanes), AsSingleton(files_per_lane),
-                                         **({} if opts.num_lanes is not None else {"num_lanes": num_lanes}))
+            assigned
             | "GroupByLaneFile" >> beam.GroupByKey()
             | "WriteLaneFiles" >> beam.ParDo(WriteLaneFileFn(
                 opts.output, opts.keep_fields, None if opts.chat else opts.tokenizer,
@@ -528,6 +550,7 @@ class ShardDataset(beam.PTransform):
                 chat=self.chat_record,
                 images=opts.images.manifest_record(0).to_dict() if opts.images is not None else None,
                 curation=AsSingleton(curation) if curation is not None else None,
+                lane_assignment="balanced" if balanced else None,
             )
         )
 

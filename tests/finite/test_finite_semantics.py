@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from beam_jobs import shard
 from beam_jobs.lane_count import AUTO_LANE_COUNTS, choose_lane_count, lane_mask
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.checkpoint.state import StateError
 from loader.config import LoaderConfig
 from loader.commands.fingerprints import collect_fingerprints, fill_note
+from loader.io.manifest import read_manifest
 from loader.order.hashing import lane_of_key
 from loader.pipeline import ZephonLoader
 from tests.dataset_factory import write_dataset
@@ -128,3 +130,29 @@ def test_shard_without_num_lanes_says_what_it_chose_and_refuses_too_many_lanes_i
     assert [line for line in empty_lane.stderr.splitlines() if "lanes received a document" in line] == [
         line for line in empty_lane.stderr.splitlines() if line.startswith("zephon shard: error:")]
     assert empty_lane.stderr.count("received a document") == 1
+
+
+def test_balanced_lanes_differ_by_at_most_one_document_and_are_recorded(tmp_path):
+    source = tmp_path / "docs.jsonl"
+    texts = marked_texts(300)
+    source.write_text("".join(json.dumps({"id": f"d{k}", "text": t}) + "\n" for k, t in enumerate(texts)))
+    manifests = {}
+    for name, mode in (("balanced", "in_memory"), ("balanced_mt", "multi_threading"), ("hash", "in_memory")):
+        shard.run(["--input", str(source), "--output", str(tmp_path / name), "--id-field", "id", "--num-lanes", "16",
+                   *(["--lane-balance", "documents"] if name != "hash" else []),
+                   "--runner=FnApiRunner", f"--direct_running_mode={mode}"])
+        manifests[name] = read_manifest(str(tmp_path / name))
+    balanced = manifests["balanced"]
+    per_lane = np.bincount([f.lane for f in balanced.files for _ in range(f.rows)], minlength=16)
+    assert per_lane.max() - per_lane.min() <= 1 and balanced.lane_assignment == "balanced"
+    assert manifests["balanced_mt"].dataset_fingerprint == balanced.dataset_fingerprint, "runner-dependent lanes"
+    assert manifests["hash"].lane_assignment is None and "lane_assignment" not in manifests["hash"].to_dict()
+    hash_lanes = np.bincount([f.lane for f in manifests["hash"].files for _ in range(f.rows)], minlength=16)
+    assert hash_lanes.max() - hash_lanes.min() > 1  # what balancing is for
+    fills = {}
+    for name in ("balanced", "hash"):
+        stream = run_stream(_config(str(tmp_path / name)))
+        found = stream.markers(Tokenizer.from_file(default_tokenizer_path()), 16)
+        assert sorted(found) == list(range(300)) and set(found.values()) == {1}
+        fills[name] = len(stream.fill_rows()) / len(stream.rows)
+    assert fills["balanced"] < fills["hash"], fills
