@@ -46,7 +46,7 @@ def measure(documents: int, num_lanes: int, seed: int = 0) -> dict:
         lanes = lane_sizes(hashes, num_lanes, balanced)
         docs = np.bincount(lanes, minlength=num_lanes)
         if (docs == 0).any():
-            out[balanced] = None  # an empty lane: the job refuses this lane count
+            out[balanced] = None  # an empty lane: the job refuses this lane count (hash lanes)
             continue
         concat_rows = -(-np.bincount(lanes, weights=tokens, minlength=num_lanes).astype(np.int64) // SEQ_LEN)
         out[balanced] = (fill_fraction(docs, num_lanes), fill_fraction(np.maximum(concat_rows, 1), num_lanes),
@@ -65,12 +65,14 @@ def main() -> None:
     for documents in args.documents:
         for num_lanes in args.lanes:
             result = measure(documents, num_lanes)
-            if result[False] is None:
-                print(f"| {documents:,} | {num_lanes} | empty lanes (job refuses L) | n/a | n/a |")
-                continue
             before, after = result[False], result[True]
-            print(f"| {documents:,} | {num_lanes} | {before[2]}..{before[3]} | {before[0]:.1%} -> {after[0]:.1%} | "
-                  f"{before[1]:.1%} -> {after[1]:.1%} |")
+            cells = [f"{documents:,}", str(num_lanes),
+                     "empty lanes: refused" if before is None else f"{before[2]}..{before[3]}"]
+            for k in (0, 1):
+                first = "refused" if before is None else f"{before[k]:.1%}"
+                second = "refused" if after is None else f"{after[k]:.1%}"
+                cells.append(f"{first} -> {second}")
+            print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
