@@ -2,10 +2,9 @@
 
 By default a document's lane is ``H(seed, key) mod L``: a function of its key alone, so lane
 sizes spread like a multinomial (10,000 documents on 64 lanes: 127 to 175 per lane), and a
-finite epoch ends with fill rows where the short lanes ran out (``bench/finite_fill.py``:
-10.7% of the epoch's rows there). Balanced, the document of rank ``r`` in the order of ``(H,
+finite epoch ends with fill rows where the short lanes ran out (``bench/finite_fill.py``). Balanced, the document of rank ``r`` in the order of ``(H,
 key, text)`` over the whole dataset goes to lane ``r mod L``: lane sizes differ by at most
-one (0.5% fill there). The rank is a function of the set of documents, never of input order,
+one. The rank is a function of the set of documents, never of input order,
 bundling or runner. The price: a document's lane depends on every other document's key, so
 adding documents moves others between lanes (a new dataset, as any re-shard is).
 
@@ -23,7 +22,7 @@ from typing import Iterator
 import apache_beam as beam
 from apache_beam.pvalue import AsDict, AsSingleton
 
-from beam_jobs.lane_count import AUTO_LANE_COUNTS
+from beam_jobs.lane_count import AUTO_LANE_COUNTS, USUAL_WORLD_SIZE
 from loader.order.hashing import file_bucket, order_key_of, stable_hash64
 
 BUCKET_BITS = 12
@@ -79,7 +78,14 @@ class BalancedLanes(beam.PTransform):
         )
 
 
+MIN_DOCUMENTS_PER_LANE = 8  # automatic balanced lane count: fewer lanes below this many per lane
+
+
 def balanced_lane_count(documents: int) -> int:
-    """The automatic lane count of balanced lanes: the largest of 64, 32, ..., 1 that every lane
-    fills (one document each at least), 0 without documents."""
-    return next((count for count in AUTO_LANE_COUNTS if count <= documents), 0)
+    """The automatic lane count of balanced lanes: the largest of 64, 32, 16 that gives every
+    lane ``MIN_DOCUMENTS_PER_LANE`` documents (lanes of one or two rows each end the epoch in
+    lumps, so a small set ends with fewer fill rows on fewer lanes: docs/guides/finite-epochs.md),
+    else 8, or for fewer than 8 documents the largest every lane fills; 0 without documents."""
+    usual = USUAL_WORLD_SIZE  # never below it where there are documents for it: world sizes must divide L
+    return next((count for count in AUTO_LANE_COUNTS if count > usual and count * MIN_DOCUMENTS_PER_LANE <= documents),
+                next((count for count in AUTO_LANE_COUNTS if count <= min(documents, usual)), 0))

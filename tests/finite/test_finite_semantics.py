@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from beam_jobs import shard
+from beam_jobs.lane_balance import balanced_lane_count
 from beam_jobs.lane_count import AUTO_LANE_COUNTS, choose_lane_count, lane_mask
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.checkpoint.state import StateError
@@ -103,6 +104,8 @@ def test_the_automatic_lane_count_is_the_largest_that_fills_every_lane():
     larger = [c for c in AUTO_LANE_COUNTS if c > chosen]
     assert all(len({lane_of_key(0, key, c) for key in keys}) < c for c in larger)
     assert choose_lane_count((1 << 64) - 1) == 64 and choose_lane_count(0) == 0 and choose_lane_count(1) == 1
+    # balanced lanes: 8 documents per lane from 16 lanes up, never fewer than 8 lanes where 8 fill
+    assert [balanced_lane_count(n) for n in (0, 5, 9, 100, 128, 300, 512, 10**6)] == [0, 4, 8, 8, 16, 32, 64, 64]
 
 
 def _shard_cli(*args: str) -> subprocess.CompletedProcess:
