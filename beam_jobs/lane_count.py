@@ -13,6 +13,8 @@ gets 64, the default before this choice existed: its lane files are those it alw
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import or_
 from typing import Iterable
 
 import apache_beam as beam
@@ -38,21 +40,9 @@ def choose_lane_count(mask: int) -> int:
     return 0
 
 
-class _OrMasks(beam.CombineFn):
-    def create_accumulator(self) -> int:
-        return 0
-
-    def add_input(self, mask: int, value: int) -> int:
-        return mask | value
-
-    def merge_accumulators(self, masks: Iterable[int]) -> int:
-        result = 0
-        for mask in masks:
-            result |= mask
-        return result
-
-    def extract_output(self, mask: int) -> int:
-        return mask
+def _or_all(masks: Iterable[int]) -> int:
+    """Bitwise OR (associative and commutative: a CombineGlobally function)."""
+    return reduce(or_, masks, 0)
 
 
 class ChooseLaneCount(beam.PTransform):
@@ -66,7 +56,7 @@ class ChooseLaneCount(beam.PTransform):
         return (
             documents
             | "LaneMask" >> beam.Map(lambda document, seed: lane_mask(seed, document[0]), self.seed)
-            | "FilledLanes" >> beam.CombineGlobally(_OrMasks())
+            | "FilledLanes" >> beam.CombineGlobally(_or_all)
             | "LargestFilledCount" >> beam.Map(choose_lane_count)
         )
 
