@@ -266,6 +266,9 @@ class Lane:
                 resolver.close()
 
     def _warn_stopped(self, source_id: int) -> None:
+        if all(self.stopped):  # the lane is done: finite data's configured end, not a change of mix
+            log.debug("lane %d: every source has stopped", self.lane_id)
+            return
         if source_id not in self._warned:
             self._warned.add(source_id)
             log.warning(
