@@ -170,3 +170,25 @@ def test_the_default_dataset_loads_with_the_loader_defaults(data):
         _check_exactly_once(stream, data["tokenizer"], manifest.num_lanes, 300)
         digests.add(stream.digest())
     assert len(digests) == 1
+
+
+@pytest.mark.parametrize("mixing_unit", ("sequence", "token"))
+def test_a_mix_of_finite_sources_delivers_both_once(data, tmp_path, mixing_unit):
+    """Two sources, each one epoch: where one is done in a lane the other takes its share, and
+    once both are, the lane gives fill rows; every document of both is delivered once."""
+    other = [text.replace("Q00", "Q01", 1) for text in marked_texts(90, seed=9, max_words=30)]  # markers 1000..1089
+    write_dataset(str(tmp_path / "other"), other, num_lanes=8, seed=3, tokenizer=data["tokenizer"],
+                  source_name="other", keys=[f"o-{k}" for k in range(90)], files_per_lane=1, row_group_rows=4)
+    config = LoaderConfig(
+        datasets=[{"path": str(data["base"] / "pretokenized"), "max_epochs": 1, "weight": 2},
+                  {"path": str(tmp_path / "other"), "exhaustion": "stop"}],
+        seq_len=64, global_batch_size=16, micro_batch_size=2, seed=11, tokenizer=default_tokenizer_path(),
+        packing="best_fit", best_fit_open_bins=4, mixing_unit=mixing_unit, prefetch=2, worker_timeout_s=60.0)
+    digests = set()
+    for world_size, workers in ((1, 0), (2, 2)):
+        stream = run_stream(config.replace(num_workers=workers), world_size=world_size)
+        found = stream.markers(data["tokenizer"], 8)
+        assert sorted(found) == list(range(150)) + list(range(1000, 1090)) and set(found.values()) == {1}
+        assert stream.fill_rows()
+        digests.add(stream.digest())
+    assert len(digests) == 1
