@@ -180,11 +180,21 @@ def expand_inputs(patterns: Sequence[str], explicit_format: Optional[str] = None
     return files
 
 
+COUNTED_JSONL_BYTES = 64 << 20  # local uncompressed JSONL up to this size: its lines are counted
+
+
+def _non_blank_lines(path: str) -> int:
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
 def most_documents(files: Sequence[InputFile], text_field: str) -> Optional[int]:
     """An upper bound on the documents in ``files``, or None when one file's count has no bound.
 
     A text file is at most one document. An uncompressed JSONL file holds at most one per
-    ``len('{"<text field>":"x"}') + 1`` bytes (the shortest line with a non-empty text).
+    ``len('{"<text field>":"x"}') + 1`` bytes (the shortest line with a non-empty text); a
+    local one of at most ``COUNTED_JSONL_BYTES`` at most one per non-blank line, counted
+    (a small input, where a lane count too large for it is the usual mistake).
     Parquet and compressed JSONL files can hold any number for their size: no bound.
     """
     shortest_line = len(text_field.encode("utf-8")) + len('{"":"x"}') + 1
@@ -195,7 +205,10 @@ def most_documents(files: Sequence[InputFile], text_field: str) -> Optional[int]
         if input_file.format == "text":
             total += 1 if input_file.size_bytes else 0
         elif input_file.format == "jsonl" and input_file.compression == "none":
-            total += (input_file.size_bytes + 1) // shortest_line
+            if not is_remote(input_file.path) and input_file.size_bytes <= COUNTED_JSONL_BYTES:
+                total += _non_blank_lines(input_file.path)
+            else:
+                total += (input_file.size_bytes + 1) // shortest_line
         else:
             return None
     return total

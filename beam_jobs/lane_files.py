@@ -114,9 +114,10 @@ class AssignLaneFn(beam.DoFn):
         self.seed = seed
         self.num_lanes = num_lanes
 
-    def process(self, document: tuple, files_per_lane: int) -> Iterator[tuple]:
+    def process(self, document: tuple, files_per_lane: int, num_lanes: Optional[int] = None) -> Iterator[tuple]:
+        """``num_lanes``: a side input where the job chose the lane count (beam_jobs.lane_count)."""
         key, text, _text_nbytes, kept_values, *encoded = document  # encoded: chat documents only
-        lane_id = lane_of_key(self.seed, key, self.num_lanes)
+        lane_id = lane_of_key(self.seed, key, self.num_lanes if num_lanes is None else num_lanes)
         order_key = order_key_of(self.seed, key)
         part = file_bucket(order_key, files_per_lane)
         yield (lane_id, part), (order_key.to_bytes(8, "big"), key, text, kept_values, *encoded)
@@ -211,6 +212,7 @@ class SerializedLaneFile:
     duplicate_keys: int
     images: int = 0  # image datasets: images in the file (summed into the manifest's "images")
     tombstones: int = 0  # --transform: rows of dropped documents
+    longest: int = 0  # tokens of the file's longest document (pre-tokenized and encoded chat rows)
 
 
 def sort_rows(rows: Iterable[LaneRow], has_kept_fields: bool) -> list[LaneRow]:
@@ -300,7 +302,7 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
     bounds = row_group_bounds(content_nbytes + image_nbytes(sorted_rows) if images else content_nbytes)
 
     sink = pa.BufferOutputStream()
-    total_tokens = 0
+    total_tokens = longest = 0
     with pq.ParquetWriter(sink, schema, **parquet_write_options(schema, token_compression)) as writer:
         for start, stop in bounds:
             length = stop - start
@@ -313,10 +315,12 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
                     input_ids, num_tokens = _token_stage(token_stage, sorted_rows[start:stop], input_ids, num_tokens,
                                                          dropped_by[start:stop], columns)
                 total_tokens += int(num_tokens.sum())
+                longest = max(longest, int(num_tokens.max(initial=0)))
                 columns += [input_ids, pa.array(num_tokens)]
             elif encoded:
                 input_ids, num_tokens, loss_mask = encoded_token_columns(sorted_rows[start:stop])
                 total_tokens += int(num_tokens.sum())
+                longest = max(longest, int(np.max(num_tokens, initial=0)))
                 columns += [input_ids, pa.array(num_tokens), loss_mask]
             if images:
                 columns += image_columns(sorted_rows[start:stop], visual_tokens)
@@ -338,6 +342,7 @@ def serialize_lane_file(sorted_rows: Sequence[LaneRow], keep_fields: Sequence[st
         duplicate_keys=duplicate_keys,
         images=image_count(sorted_rows) if images else 0,
         tombstones=int((dropped_by >= 0).sum()) if markers is not None else 0,
+        longest=longest,
     )
 
 
@@ -420,6 +425,8 @@ class WriteLaneFileFn(beam.DoFn):
                                          self.encoded, self.conversations, self.images, self.visual_tokens,
                                          markers=markers, token_stage=self.token_stage)
         extra = {"images": serialized.images} if self.images else {}
+        if self.encoded:  # chat tokenized offline: the manifest's chat.longest_tokens is their maximum
+            extra["longest_tokens"] = serialized.longest
         if self.tombstones:  # summed by CommitManifest
             extra["tombstones"] = serialized.tombstones
             if self.token_stage is not None:

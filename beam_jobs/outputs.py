@@ -203,6 +203,7 @@ def commit_manifest(
     chat: Optional[dict] = None,
     curation: Optional[dict] = None,
     images: Optional[dict] = None,
+    lane_assignment: Optional[str] = None,
 ) -> dict:
     """Check the reject fraction, then write ``manifest.json`` atomically. Returns its dict.
 
@@ -219,6 +220,9 @@ def commit_manifest(
     entries' ``images`` (what ``WriteLaneFiles`` adds to each entry of an image job).
     """
     del rejected_files
+    # lane_assignment: "balanced" where the job dealt documents by rank (beam_jobs.lane_balance)
+    if chat is not None and chat.get("tokenized"):  # the longest conversation, exactly (loader.chat.block)
+        chat = {**chat, "longest_tokens": max((int(e.get("longest_tokens", 0)) for e in file_entries), default=0) or None}
     if images is not None:
         images = {**images, "images": sum(int(entry.get("images", 0)) for entry in file_entries)}
     files = [FileEntry.from_dict(entry, f"file entry {entry.get('path')}") for entry in file_entries]
@@ -254,6 +258,7 @@ def commit_manifest(
         images=ImagesRecord.from_dict(images) if images is not None else None,
         tombstones=tombstones,
         transforms=tuple(curation.get("transforms", ())) if tombstones or "transforms" in curation else (),
+        lane_assignment=lane_assignment,
     ).with_fingerprint()
     data = manifest.to_dict()
     data.update(curation)  # counts only: not part of the dataset fingerprint (the files are)

@@ -211,10 +211,11 @@ class ShardSummary:
     rows_per_lane: Spread
     tokens_per_lane: Optional[Spread]
     counters: dict[str, int] = field(default_factory=dict)  # the job's Beam counters, as reported
+    lanes_note: Optional[str] = None  # how the job chose the lane count (no --num-lanes)
 
     @classmethod
     def of(cls, manifest, seconds: float, counters: dict[str, int], input_files: int = 0,
-           input_bytes: int = 0) -> "ShardSummary":
+           input_bytes: int = 0, lanes_note: Optional[str] = None) -> "ShardSummary":
         """``input_files`` / ``input_bytes``: as listed at launch (the counter ``files_read`` wins
         when the runner reports it)."""
         rows = [0] * manifest.num_lanes
@@ -228,7 +229,7 @@ class ShardSummary:
             bytes_written=sum(e.bytes for e in manifest.files), input_files=counters.get("files_read", input_files),
             input_bytes=input_bytes, tokens=manifest.total_tokens,
             rows_per_lane=Spread.of(rows), tokens_per_lane=Spread.of(tokens) if manifest.pretokenized else None,
-            counters=dict(counters),
+            counters=dict(counters), lanes_note=lanes_note,
         )
 
     def text(self) -> str:
@@ -242,6 +243,8 @@ class ShardSummary:
         lines.append(f"  rejected: {total_rejected:,}" + (f" ({reasons})" if reasons else ""))
         if self.counters.get("duplicate_keys"):
             lines.append(f"  duplicate keys: {self.counters['duplicate_keys']:,} rows (all kept)")
+        if self.lanes_note is not None:
+            lines.append(f"  {self.lanes_note}")
         lines.append(f"  rows per lane: {self.rows_per_lane.text()}")
         if self.tokens_per_lane is not None:
             lines.append(f"  tokens per lane: {self.tokens_per_lane.text()}")

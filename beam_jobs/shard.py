@@ -63,6 +63,8 @@ from beam_jobs.image_records import (
     resolve_image_job,
 )
 from beam_jobs.inputs import FORMATS, InputFile, expand_inputs, is_remote, most_documents
+from beam_jobs.lane_balance import BalancedLanes, balanced_lane_count
+from beam_jobs.lane_count import ChooseLaneCount, lane_count_note
 from beam_jobs.lane_files import (
     DEFAULT_TOKEN_COMPRESSION,
     RESERVED_COLUMNS,
@@ -97,7 +99,8 @@ from loader.vision.reasons import IMAGE_REJECT_REASONS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NUM_LANES = 64
+LANE_BALANCES = ("hash", "documents")  # --lane-balance (beam_jobs.lane_balance)
+DEFAULT_NUM_LANES = None  # None: the largest of 64, 32, 16, 8 that fills every lane (beam_jobs.lane_count)
 DEFAULT_SEED = 0
 DEFAULT_TARGET_FILE_MB = 64.0
 DEFAULT_MAX_REJECT_FRACTION = 0.01
@@ -116,7 +119,8 @@ class ShardOptions:
     id_field: Optional[str] = None
     keep_fields: tuple[str, ...] = ()
     source_name: Optional[str] = None
-    num_lanes: int = DEFAULT_NUM_LANES
+    num_lanes: Optional[int] = DEFAULT_NUM_LANES  # None: chosen by the job (beam_jobs.lane_count)
+    lane_balance: str = "hash"  # "documents": lane sizes within one (beam_jobs.lane_balance)
     seed: int = DEFAULT_SEED
     tokenizer: Optional[str] = None
     token_compression: str = DEFAULT_TOKEN_COMPRESSION
@@ -151,8 +155,10 @@ class ShardOptions:
             problems.append("--output is required")
         if self.format is not None and self.format not in FORMATS:
             problems.append(f"--format must be one of {', '.join(FORMATS)} (got {self.format!r})")
-        if self.num_lanes <= 0:
+        if self.num_lanes is not None and self.num_lanes <= 0:
             problems.append(f"--num-lanes must be positive (got {self.num_lanes})")
+        if self.lane_balance not in LANE_BALANCES:
+            problems.append(f"--lane-balance must be one of {', '.join(LANE_BALANCES)} (got {self.lane_balance!r})")
         if self.seed < 0:
             problems.append(f"--seed must be >= 0 (got {self.seed})")
         if self.token_compression not in TOKEN_COMPRESSIONS:
@@ -262,7 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-lanes", type=int, default=DEFAULT_NUM_LANES,
                         help="number of lanes L; choose it divisible by every data-parallel world size "
                              "you will train with; every lane must receive a document, or the job fails "
-                             "naming a lane count that works (default: %(default)s)")
+                             "naming a lane count that works (default: the largest of 64, 32, 16, 8 whose "
+                             "every lane receives a document, recorded in the manifest and named in the "
+                             "summary; 64 for all but small inputs)")
+    parser.add_argument("--lane-balance", choices=LANE_BALANCES, default="hash",
+                        help="how documents are dealt to lanes: 'hash' (lane = H(seed, key) mod L: a document's "
+                             "lane depends on its key alone) or 'documents' (the document of rank r in hash order "
+                             "goes to lane r mod L: lane sizes differ by at most one, so a finite epoch ends with "
+                             "almost no fill rows; recorded in the manifest; docs/guides/finite-epochs.md) "
+                             "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help="seed of the lane and in-lane order hashes, recorded in the manifest "
                              "(default: %(default)s)")
@@ -343,6 +357,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
         keep_fields=_split_fields(known.keep_fields),
         source_name=known.source_name,
         num_lanes=known.num_lanes,
+        lane_balance=known.lane_balance,
         seed=known.seed,
         tokenizer=known.tokenizer,
         token_compression=known.token_compression,
@@ -456,17 +471,32 @@ class ShardDataset(beam.PTransform):
                 self.transforms, opts.dedup, seed=opts.seed, source=opts.resolved_source_name,
                 keep_fields=opts.keep_fields, output=opts.output, text_is_fixed=opts.chat)
 
+        # Without --num-lanes the lane count comes from the keys (beam_jobs.lane_count).
+        balanced = opts.lane_balance == "documents"
+        if opts.num_lanes is not None:
+            num_lanes = opts.num_lanes
+        elif balanced:  # every lane fills once there are as many documents as lanes
+            num_lanes = AsSingleton(documents | "CountDocuments" >> beam.combiners.Count.Globally()
+                                    | "BalancedLaneCount" >> beam.Map(balanced_lane_count))
+        else:
+            num_lanes = AsSingleton(documents | "ChooseLaneCount" >> ChooseLaneCount(opts.seed))
         # Files per lane come from the content (total text bytes), never from input sizes.
         files_per_lane = (
             documents
             | "TextBytes" >> beam.Map(itemgetter(2))
             | "TotalTextBytes" >> beam.CombineGlobally(sum)
-            | "FilesPerLane" >> beam.Map(files_per_lane_for, opts.num_lanes, opts.target_file_bytes)
-            | "ExpectLaneFiles" >> beam.Map(expect_lane_files, opts.num_lanes)  # progress lines' total
+            | "FilesPerLane" >> beam.Map(lambda total, lanes, target: files_per_lane_for(total, max(lanes, 1), target),
+                                         num_lanes, opts.target_file_bytes)
+            | "ExpectLaneFiles" >> beam.Map(expect_lane_files, num_lanes)  # progress lines' total
         )
+        if balanced:
+            assigned = documents | "BalanceLanes" >> BalancedLanes(opts.seed, num_lanes, files_per_lane)
+        else:
+            assigned = documents | "AssignLane" >> beam.ParDo(
+                AssignLaneFn(opts.seed, opts.num_lanes), AsSingleton(files_per_lane),
+                **({} if opts.num_lanes is not None else {"num_lanes": num_lanes}))
         file_entries = (
-            documents
-            | "AssignLane" >> beam.ParDo(AssignLaneFn(opts.seed, opts.num_lanes), AsSingleton(files_per_lane))
+            assigned
             | "GroupByLaneFile" >> beam.GroupByKey()
             | "WriteLaneFiles" >> beam.ParDo(WriteLaneFileFn(
                 opts.output, opts.keep_fields, None if opts.chat else opts.tokenizer,
@@ -494,7 +524,7 @@ class ShardDataset(beam.PTransform):
                 commit_manifest,
                 output=opts.output,
                 seed=opts.seed,
-                num_lanes=opts.num_lanes,
+                num_lanes=num_lanes,
                 source_name=opts.resolved_source_name,
                 schema=manifest_schema(pretokenized, opts.keep_fields, loss_mask=opts.chat and pretokenized,
                                        conversation=opts.chat_online, images=opts.images is not None,
@@ -511,6 +541,7 @@ class ShardDataset(beam.PTransform):
                 chat=self.chat_record,
                 images=opts.images.manifest_record(0).to_dict() if opts.images is not None else None,
                 curation=AsSingleton(curation) if curation is not None else None,
+                lane_assignment="balanced" if balanced else None,
             )
         )
 
@@ -572,11 +603,12 @@ def check_inputs_against_options(options: ShardOptions, input_files: Sequence[In
         raise ShardConfigError(f"--input matches {len(inside_output)} files inside --output {options.output} "
                                f"(e.g. {inside_output[0]}); write the dataset outside the input folders.")
     most = most_documents(input_files, options.messages_field if options.chat else options.text_field)
-    if most is not None and most < options.num_lanes:
+    if most is not None and options.num_lanes is not None and most < options.num_lanes:
         raise ShardConfigError(
             f"--num-lanes {options.num_lanes} is more than the at most {most} documents the "
             f"{len(input_files)} input files can hold, and every lane needs a document; pass a --num-lanes "
-            f"well below {max(most, 1)}.")
+            f"well below {max(most, 1)}, or leave --num-lanes out: the job then picks the largest of 64, 32, 16, "
+            "8 whose every lane receives a document.")
 
 
 def load_chat_spec(options: ShardOptions) -> ChatSpec:
@@ -637,7 +669,8 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
         chat_record = chat.manifest_record(load_chat_template(chat.template_path)).to_dict()
     if options.overwrite:
         prepare_output(options.output, overwrite=True)
-    logger.info("sharding %d input files into %d lanes at %s", len(input_files), options.num_lanes, options.output)
+    logger.info("sharding %d input files into %s lanes at %s", len(input_files),
+                "an automatic count of" if options.num_lanes is None else options.num_lanes, options.output)
 
     started = time.monotonic()
     reset_stages()
@@ -657,7 +690,8 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
         raise
     manifest = read_manifest(options.output)
     summary = ShardSummary.of(manifest, time.monotonic() - started, query_counters(result), len(input_files),
-                              sum(f.size_bytes or 0 for f in input_files))
+                              sum(f.size_bytes or 0 for f in input_files),
+                              lanes_note=lane_count_note(manifest.num_lanes) if options.num_lanes is None else None)
     if on_summary is None:
         logger.info("%s", summary.text())
     else:
@@ -682,9 +716,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_command("shard", argv)
 
 
+class _OwnJobErrors(logging.Filter):
+    """Beam logs a failing step's exception with its traceback before the runner raises it; the
+    job's own errors (:class:`ShardJobError`, one sentence with the fix) are printed once, by the CLI."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return JOB_ERROR_PREFIX not in record.getMessage()
+
+
 def command(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("beam_jobs").setLevel(logging.INFO)
+    logging.getLogger("apache_beam.runners.common").addFilter(_OwnJobErrors())
     options, pipeline_args = parse_args(list(argv))
     manifest = run_shard(options, pipeline_args, on_summary=lambda summary: print(summary.text()))
     assert manifest is not None

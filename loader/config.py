@@ -32,6 +32,18 @@ PACKING_MODES = ("concat", "best_fit")
 MIXING_UNITS = ("sequence", "token")
 BALANCE_MODES = ("attention",)  # loader.order.balance: how a global batch is spread over ranks
 EXHAUSTION_POLICIES = ("repeat", "stop")
+# How a stream of finite data (a source with exhaustion "stop" or max_epochs) ends
+# (docs/guides/finite-epochs.md): "fill" delivers every document of every epoch, lanes that
+# ran out early giving fill rows (no supervised tokens, batch["fill"]) until the last lane
+# is done; "drop" ends at the first step that reaches a lane with nothing left (the
+# documents still waiting in the other lanes are not delivered: Zephon before epoch_tail).
+EPOCH_TAILS = ("fill", "drop")
+# Conversations tokenized offline that do not fit one best_fit sequence (longer than seq_len
+# minus the loader's BOS/EOS; docs/guides/finite-epochs.md): "refuse" the dataset (only when
+# its recorded longest conversation does not fit), "drop" them (counted as the transform
+# length_tokens' drops) or "truncate" them after their last assistant turn that fits
+# (truncate_turns; one with none that fits is dropped, counted).
+OVERLONG_CHOICES = ("refuse", "drop", "truncate")
 # Per-token tensors a micro-batch can hold. ``input_ids`` is always there; the rest cost the
 # batch builder a pass over the batch each, so a trainer that derives them itself (or does
 # not use them) can leave them out. Per-sequence entries (source_ids, global_indices, step,
@@ -168,6 +180,11 @@ class LoaderConfig:
     # "qwen2_vl"): only that forward's arguments, per-document attention, M-RoPE positions and
     # num_items_in_batch (docs/guides/model-inputs.md). None: the batch_fields as they are.
     model_inputs: Optional[str] = None
+    # Finite data: "fill" (every document, fill rows at the tail) or "drop" (end at the first
+    # exhausted lane). See EPOCH_TAILS and docs/guides/finite-epochs.md.
+    epoch_tail: str = "fill"
+    # Offline-tokenized conversations longer than a best_fit sequence: OVERLONG_CHOICES.
+    overlong: str = "refuse"
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
         "datasets": ListOf(Record(SourceConfig), min_items=1, example='datasets = [{path = "data/web"}]'),
@@ -208,6 +225,8 @@ class LoaderConfig:
         "transforms_from_step": OrAbsent(Integer(minimum=0)),
         "images": ImagesTable(),
         "model_inputs": LayoutName(),
+        "epoch_tail": Text(choices=EPOCH_TAILS),
+        "overlong": Text(choices=OVERLONG_CHOICES),
     }
 
     # One entry per field: what it means, for the configuration reference (docs/reference/config.md
@@ -280,6 +299,14 @@ class LoaderConfig:
                         "`qwen2_vl`): only keys its `forward` takes, per-document attention, and "
                         "`num_items_in_batch`, the loss tokens of the whole optimizer step. Absent: the loader's "
                         "own batch fields ([Model inputs](../guides/model-inputs.md)).",
+        "epoch_tail": "Finite data (`exhaustion = \"stop\"` or `max_epochs`): `fill` delivers every document of "
+                      "every epoch, lanes that run out first giving fill rows (labels -100, `fill` true) until "
+                      "the last lane is done; `drop` ends the stream at the first exhausted lane "
+                      "([Finite epochs](../guides/finite-epochs.md)).",
+        "overlong": "A conversation longer than a `best_fit` sequence: `refuse` (the loader refuses a dataset "
+                    "whose recorded longest conversation does not fit), `drop` (counted) or `truncate` (after "
+                    "its last assistant turn that fits), identical offline and online "
+                    "([Finite epochs](../guides/finite-epochs.md)).",
     }
 
     def __post_init__(self) -> None:
@@ -390,8 +417,25 @@ class LoaderConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def finite(self) -> bool:
+        """Whether some source ends (exhaustion "stop" or max_epochs): the stream then ends too."""
+        return any(d.exhaustion == "stop" or d.max_epochs is not None for d in self.datasets)
+
+    @property
+    def fills_tails(self) -> bool:
+        """Whether the stream delivers every lane's tail, with fill rows where lanes ran out."""
+        return self.finite and self.epoch_tail == "fill"
+
     def stream_fields(self) -> dict[str, Any]:
-        """The fields that determine the global stream (not how it is computed)."""
+        """The fields that determine the global stream (not how it is computed).
+
+        ``epoch_tail`` is one only where it changes the stream (finite data) and only as
+        "fill": a "drop" config, and every endless one, has the fields (and fingerprint) of
+        the Zephon before the option, whose finite streams all ended that way."""
+        tail = {"epoch_tail": self.epoch_tail} if self.fills_tails else {}
+        if self.overlong != "refuse":  # only then: every config before the option keeps its fingerprint
+            tail["overlong"] = self.overlong
         return {
             "seed": self.seed,
             "seq_len": self.seq_len,
@@ -404,6 +448,7 @@ class LoaderConfig:
             # New options enter only when set, so configs without them keep their fingerprints.
             **({"packing_window": self.packing_window} if self.packing_window is not None else {}),
             **({"balance": self.balance} if self.balance is not None else {}),
+            **tail,
         }
 
     def source_transforms(self, index: int) -> tuple[TransformSpec, ...]:

@@ -14,6 +14,8 @@ supervised_tokens      per source, only when a source has a ``loss_mask``: posit
                        label is not -100 (``loss_mask`` 1 and not a document's first token)
 padding_tokens         tokens of padding (the padded tail of best-fit and final sequences)
 padding_fraction       ``padding_tokens / (sequences x seq_len)``
+fill_rows              finite data with filled tails (``epoch_tail = "fill"``): fill rows
+                       handed out (rows of lanes already done; their padding is counted too)
 rejected               per reason: documents the loader dropped while reading (online chat
                        rejects); the Beam job's rejects are in ``dataset_rejected``
 wait_s                 seconds spent inside ``next(loader)`` (what the trainer waited for)
@@ -119,6 +121,7 @@ class StepCounters:
     supervised_tokens: dict[str, int] = field(default_factory=dict)
     padding_tokens: int = 0
     padding_fraction: float = 0.0
+    fill_rows: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     wait_s: float = 0.0
     bytes_read: int = 0
@@ -168,6 +171,8 @@ class LoaderMetrics:
                 f"{total.cache_hits + total.cache_misses}")
         if total.supervised_tokens:
             text += " supervised " + " ".join(f"{k}={v}" for k, v in total.supervised_tokens.items())
+        if total.fill_rows:
+            text += f" fill rows {total.fill_rows}"
         if total.rejected:
             text += " rejected " + " ".join(f"{k}={v}" for k, v in total.rejected.items())
         if self.restores:
@@ -181,10 +186,10 @@ class LoaderMetrics:
 class _Accumulator:
     """Counts of one step (or, folded, of the whole run), as lists indexed by source id."""
 
-    __slots__ = ("steps", "sequences", "tokens", "supervised", "padding", "rejected", "wait_s")
+    __slots__ = ("steps", "sequences", "tokens", "supervised", "padding", "rejected", "wait_s", "fill")
 
     def __init__(self, num_sources: int) -> None:
-        self.steps = self.sequences = self.padding = 0
+        self.steps = self.sequences = self.padding = self.fill = 0
         self.tokens = [0] * num_sources
         self.supervised = [0] * num_sources
         self.rejected: dict[str, int] = {}
@@ -195,6 +200,7 @@ class _Accumulator:
         self.steps += other.steps
         self.sequences += other.sequences
         self.padding += other.padding
+        self.fill += other.fill
         self.wait_s += other.wait_s
         for s, count in enumerate(other.tokens):
             self.tokens[s] += count
@@ -208,7 +214,7 @@ class _Accumulator:
             steps=self.steps, sequences=self.sequences, tokens=dict(zip(names, self.tokens)),
             supervised_tokens=dict(zip(names, self.supervised)) if supervised else {},
             padding_tokens=self.padding, padding_fraction=self.padding / slots if slots else 0.0,
-            rejected=dict(self.rejected), wait_s=self.wait_s, **io,
+            fill_rows=self.fill, rejected=dict(self.rejected), wait_s=self.wait_s, **io,
         )
 
 
@@ -225,8 +231,9 @@ class MetricsRecorder:
 
     def __init__(self, *, source_names: Sequence[str], seq_len: int, per_rank_batch: int, supervised: bool,
                  token_mixing: bool, batched_token_sources: bool = True, log_every_steps: int = 0,
-                 dataset_rejected: Optional[dict[str, dict[str, int]]] = None) -> None:
+                 dataset_rejected: Optional[dict[str, dict[str, int]]] = None, fill_rows: bool = False) -> None:
         self.names = tuple(source_names)
+        self.fill_rows = fill_rows  # count fill rows (source id -1): finite data with filled tails
         # Token mixing without token_source_ids in the batch: the loader calls keep_token_sources
         # before collation (a worker's slot may be written again once the items are copied out).
         self.copies_token_sources = token_mixing and not batched_token_sources
@@ -260,6 +267,8 @@ class MetricsRecorder:
         current = self._current
         current.wait_s += wait_s
         current.sequences += len(items)
+        if self.fill_rows:
+            current.fill += sum(item.source_id < 0 for item in items)
         if self.token_mixing:
             self._count_token_sources(self._per_token_sources(batch))
         elif len(current.tokens) == 1:  # one source: the C-level sum is the whole pass

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from loader.balanced import make_balancer
-from loader.chat.block import check_chat_sources
+from loader.chat.block import chat_overflows, check_chat_sources
 from loader.checkpoint import migrations as checkpoint_migrations, schema as checkpoint_schema, state as state_mod
 from loader.checkpoint.step_states import StepStateHistory
 from loader.config import LoaderConfig
@@ -56,7 +56,7 @@ from loader.stages.collate import OUTPUTS, Collator, to_torch
 from loader.stages.features import FEATURES
 from loader.stages.lane import LaneSpec, SourceSpec
 from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
-from loader.stages.producer import End, Item, build_lanes, produce_one, start_reading
+from loader.stages.producer import FILL_SOURCE, End, Item, build_lanes, fill_item, fill_sequence, produce_one, start_reading
 from loader.stages.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
@@ -66,6 +66,7 @@ from loader.stages.tokenizer import (
 )
 from loader.transforms import resume as transform_resume
 from loader.transforms.chain import TransformChain
+from loader.transforms.spec import TransformSpec
 from loader.transforms.conversations import ChatTransforms
 from loader.vision.block import ONLINE_IMAGE_REJECT_REASONS
 from loader.vision.loader_options import resolve_image_options
@@ -181,7 +182,9 @@ class ZephonLoader:
         self.image_options = image_options
         token_format = TokenFormat(bos_id=bos_id, eos_id=eos_id if config.add_eos else None)
         chat_reject_reasons = check_chat_sources(self.manifests, self.source_names, tokenizer, seq_len=config.seq_len,
-                                                 packing=config.packing, wrap_tokens=token_format.extra)
+                                                 packing=config.packing, wrap_tokens=token_format.extra,
+                                                 overlong=config.overlong)
+        self._wrap_tokens = token_format.extra
         # Transforms (loader.transforms): imported and checked here, not first in a worker.
         self.source_transforms = self._resolved_transforms()
         self._transform_changes: list[dict] = []  # changes on resume, as the checkpoint records them
@@ -207,12 +210,19 @@ class ZephonLoader:
             features=self.features,
             images=image_options,
             packing_window=config.packing_window,
+            fill_tails=config.fills_tails,
+            overlong=config.overlong,
         )
         self.rank_lanes = self.topology.rank_lanes()
         self.rank_position = 0  # sequences of this rank handed to the trainer so far
         # With finite data a rank must not start a step that another rank cannot finish, so
         # each step is produced whole before its first micro-batch is handed out.
-        self.finite = any(d.exhaustion == "stop" or d.max_epochs is not None for d in config.datasets)
+        self.finite = config.finite
+        # epoch_tail "fill": lanes that ran out give fill rows until the last lane is done
+        # (docs/guides/finite-epochs.md); the ranks agree that a step is delivered when any of
+        # them still has a real row ahead (step_available), not when all can finish it.
+        self.fills = config.fills_tails
+        self.fill_row = fill_sequence(config.seq_len, pad_id, self.features) if self.fills else None
         # model_inputs (loader.model_inputs): micro-batches laid out for a model family, each with
         # the loss tokens of its whole step, so the step is produced (and counted) ahead as well.
         self.model_inputs = build_layout(config.model_inputs, seq_len=config.seq_len, image_options=image_options)
@@ -221,6 +231,9 @@ class ZephonLoader:
         self._global_counter: Optional[GlobalCounter] = None
         self._step_items: Optional[collections.deque] = None
         self._step_complete = True
+        self._ahead: collections.deque = collections.deque()  # items past the current step (fills: look-ahead)
+        self._rows_ahead: Optional[bool] = None  # fills: this rank's step_available() answer for the step
+        self._agreed_step: Optional[int] = None  # the step the ranks agreed to deliver (ranks_have_step)
         self._end_group = None
         self.lane_states: dict[int, dict] = {}
         self._step_states = StepStateHistory(config.step_states_kept)
@@ -233,6 +246,7 @@ class ZephonLoader:
             empty=np.empty if self._pinned is None else self._pinned.empty,
             image_policy=image_options.policy if image_options is not None else None,
             image_reject_reasons=ONLINE_IMAGE_REJECT_REASONS if image_options is not None else (),
+            fill_rows=self.fills,
         )
         self._metrics = MetricsRecorder(
             source_names=self.source_names, seq_len=config.seq_len, per_rank_batch=self.topology.per_rank_batch,
@@ -240,6 +254,7 @@ class ZephonLoader:
             batched_token_sources="token_source_ids" in config.batch_fields,
             log_every_steps=config.metrics_log_every_steps,
             dataset_rejected={n: dict(m.rejected) for n, m in zip(self.source_names, self.manifests)},
+            fill_rows=self.fills,
         )
         self._run: Optional[_Run] = None
         self._pool: Optional[WorkerPool] = None
@@ -255,7 +270,8 @@ class ZephonLoader:
         resolved = []
         for k, (name, manifest) in enumerate(zip(self.source_names, self.manifests)):
             online_chat = manifest.online_chat  # "any" functions take the tokens stage there (after the render)
-            specs = tuple(spec.resolved(manifest.pretokenized or online_chat) for spec in self.config.source_transforms(k))
+            specs = tuple(spec.resolved(manifest.pretokenized or online_chat)
+                          for spec in self.config.source_transforms(k) + self._overlong_transforms(manifest))
             if specs and online_chat:
                 ChatTransforms(specs, seed=self.config.seed, source=name)  # imports each function, checks its stage
             elif specs:
@@ -265,6 +281,19 @@ class ZephonLoader:
                                feature_names=feature_names)  # imports each function, checks its stage
             resolved.append(specs)
         return resolved
+
+    def _overlong_transforms(self, manifest) -> tuple[TransformSpec, ...]:
+        """``overlong`` "drop" / "truncate": the transform that makes every conversation of a chat
+        source fit one best_fit sequence, after the configured ones (its drops are counted like
+        theirs), where the recorded longest may not fit. Offline and online alike: an online
+        source is then encoded with the job's bound only (loader.chat.block.effective_max_tokens)."""
+        if self.config.overlong == "refuse" or not chat_overflows(
+                manifest, seq_len=self.config.seq_len, packing=self.config.packing, wrap_tokens=self._wrap_tokens):
+            return ()
+        fit = self.config.seq_len - self._wrap_tokens
+        if self.config.overlong == "drop":
+            return (TransformSpec("length_tokens", {"max": fit}),)
+        return (TransformSpec("truncate_turns", {"max_tokens": fit}),)
 
     def transform_counts(self) -> dict[str, dict[str, dict[str, int]]]:
         """What the transforms did in this rank's lanes, as of the batches handed out:
@@ -580,7 +609,8 @@ class ZephonLoader:
             at_boundary = self.rank_position % self.topology.per_rank_batch == 0
             if at_boundary and not self._all_ranks_have_step():
                 raise StopIteration
-            if not self.step_available():  # resumed mid-step past the end of the data
+            self._produce_step()  # resumed mid-step: the rest of that step
+            if not self.fills and not self._step_complete:  # resumed mid-step past the end of the data
                 raise StopIteration
             items = [self._step_items.popleft() for _ in range(self.config.micro_batch_size)]
             self.rank_position += len(items)
@@ -617,33 +647,73 @@ class ZephonLoader:
         self._lanes_in_step = set()
 
     def step_available(self) -> bool:
-        """Whether this rank can deliver the whole next step (call at a step boundary).
+        """This rank's answer to "is the next step delivered?" (call at a step boundary).
 
         Always true for endless data (every source ``repeat`` without ``max_epochs``). With
-        finite data the step is produced ahead; ranks simulated in one process (as
-        ``zephon fingerprints`` does) must all answer true before any of them is stepped.
+        finite data the step is produced ahead. ``epoch_tail = "drop"``: whether this rank can
+        deliver the whole step; the step is delivered when every rank can. ``"fill"``: whether
+        this rank has a real (not fill) row among the ``L`` global indices from the step's
+        start, looking ahead past the step where its own rows are all fill; the step is
+        delivered when any rank has (every lane shows up in ``L`` consecutive indices, so
+        none does only once every lane is done). Ranks simulated in one process (as
+        ``zephon fingerprints`` does) combine their answers with :func:`ranks_have_step`.
         """
         if not self.looks_ahead:
             return True
-        if self._step_items is None:  # produce the rest of the current step
-            self._start_run()
-            items: collections.deque = collections.deque()
-            position = self.rank_position
-            self._step_complete = True
-            try:
-                for _ in range(self.topology.per_rank_batch - position % self.topology.per_rank_batch):
-                    items.append(self._run.next_item(self.topology.rank + position * self.topology.world_size))
-                    position += 1
-            except StopIteration:
-                self._step_complete = False
-            self._step_items = items
-        return self._step_complete
+        self._produce_step()
+        if not self.fills:
+            return self._step_complete
+        if self._rows_ahead is None:
+            self._rows_ahead = self._real_row_ahead()
+        return self._rows_ahead
+
+    def _produce_step(self) -> None:
+        """The rest of the current step, produced ahead (finite data)."""
+        if self._step_items is not None:
+            return
+        self._start_run()
+        items: collections.deque = collections.deque()
+        position = self.rank_position
+        self._step_complete = True
+        try:
+            for _ in range(self.topology.per_rank_batch - position % self.topology.per_rank_batch):
+                # Looked-ahead items first (filled tails), then the run's.
+                items.append(self._ahead.popleft() if self._ahead else
+                             self._run.next_item(self.topology.rank + position * self.topology.world_size))
+                position += 1
+        except StopIteration:
+            self._step_complete = False
+        self._step_items = items
+        self._rows_ahead = None
+
+    def _real_row_ahead(self) -> bool:
+        """Filled tails: whether this rank has a real row at a global index in ``[tB, tB + L)``
+        (step ``t``): its rows of the step, then its next ones up to that bound, which stay
+        looked ahead (``_ahead``; fill rows hold no worker slot, and the look-ahead stops at the
+        first real row, so the slots held stay within one step's)."""
+        if any(item.source_id != FILL_SOURCE for item in self._step_items) or \
+                any(item.source_id != FILL_SOURCE for item in self._ahead):
+            return True
+        rank, world_size = self.topology.rank, self.topology.world_size
+        end = self.step * self.config.global_batch_size + self.num_lanes
+        position = self.rank_position + len(self._step_items) + len(self._ahead)
+        while rank + position * world_size < end:
+            item = self._run.next_item(rank + position * world_size)
+            self._ahead.append(item)
+            position += 1
+            if item.source_id != FILL_SOURCE:
+                return True
+        return False
 
     def _all_ranks_have_step(self) -> bool:
-        """This rank's answer, agreed with every rank through torch.distributed when it runs; with
-        ``model_inputs``, also the step's loss tokens over all ranks (loader.model_inputs.loss_tokens)."""
-        available = self.step_available()
+        """This rank's answer, agreed with every rank through torch.distributed when it runs (all
+        must have the step to deliver it; with filled tails, any); with ``model_inputs``, also the
+        step's loss tokens over all ranks (loader.model_inputs.loss_tokens)."""
+        agreed = self._agreed_step == self.step  # agreed already (ranks_have_step)
         counts = self.model_inputs is not None
+        if agreed and not counts:
+            return True
+        available = agreed or self.step_available()
         loss_tokens = self._collator.loss_tokens(self._step_items) if counts and available else 0
         import torch.distributed as dist
 
@@ -652,7 +722,7 @@ class ZephonLoader:
                 self._end_group = dist.new_group(backend="gloo")
             # One collective for both: ranks that cannot finish the step, and the loss tokens.
             missing, loss_tokens = sum_over_ranks([0 if available else 1, loss_tokens], self._end_group)
-            available = missing == 0
+            available = missing < dist.get_world_size(self._end_group) if self.fills else missing == 0
             if counts:
                 loss_tokens = data_parallel_share(loss_tokens, dist.get_world_size(), self.topology.world_size)
         elif self.topology.world_size > 1 and counts and available:
@@ -664,6 +734,8 @@ class ZephonLoader:
                         "so its loss is 0 instead of NaN", self.step)
             loss_tokens = 1
         self._step_loss_tokens = loss_tokens
+        if available:
+            self._agreed_step = self.step
         return available
 
     def _peer_counter(self) -> GlobalCounter:
@@ -694,7 +766,7 @@ class ZephonLoader:
                 self._stop_pool()
                 self._start_pool()
             self._run = _Run(self, self._pool, warm_start=self._pool is not None and not self._pool.all_ready())
-        elif self._run.warm_start and self._step_items is None:
+        elif self._run.warm_start and self._step_items is None and not self._ahead:
             self._pool.raise_if_dead()  # a worker that died starting up is an error, not a slow start
             if self._pool.all_ready():
                 warm = self._run
@@ -792,6 +864,8 @@ class ZephonLoader:
             self._run.close()
             self._run = None
         self._step_items = None  # looked-ahead items are re-produced from the lane states
+        self._ahead.clear()
+        self._agreed_step = None
 
     def __enter__(self) -> "ZephonLoader":
         return self
@@ -831,7 +905,14 @@ class _Run:
         # where the lanes have produced exactly the steps handed out.
         self.reads_lanes_directly = cfg.num_workers == 0 and not loader.finite and not warm_start
         self.pending: dict[int, collections.deque] = {}
+        self.worker_of_lane: dict[int, int] = {}
         self.ended_at: Optional[int] = None
+        # Filled tails: lanes done (their state at the End), whose indices are fill rows made
+        # here, and workers whose every lane is done (they send nothing more).
+        self.fills = loader.fills
+        self.fill_row = loader.fill_row
+        self.exhausted: dict[int, Optional[dict]] = {}
+        self._done_workers: set[int] = set()
         if pool is None or warm_start:
             # The trainer's thread calls produce_one for each index in turn: no generator and
             # no position bookkeeping between the loader and its lanes.
@@ -853,6 +934,8 @@ class _Run:
     def next_item(self, global_index: int) -> Item:
         if self.ended_at is not None and global_index >= self.ended_at:
             raise StopIteration
+        if global_index % self.num_lanes in self.exhausted:
+            return fill_item(global_index, self.num_lanes, self.exhausted[global_index % self.num_lanes], self.fill_row)
         if self.lead is not None and not self._workers_caught_up(global_index):
             try:
                 return self.lead.next_item(global_index)
@@ -861,7 +944,7 @@ class _Run:
                 raise
         if self.in_process_lanes is not None:
             lane = self.in_process_lanes[global_index % self.num_lanes]
-            item = produce_one(lane, global_index, not self.reads_lanes_directly)
+            item = produce_one(lane, global_index, not self.reads_lanes_directly, end_state=self.fills)
         else:
             worker_id = self.worker_of_lane[global_index % self.num_lanes]
             pending = self.pending[worker_id]
@@ -869,11 +952,19 @@ class _Run:
                 while not pending:
                     pending.extend(self.pool.receive(worker_id, self.timeout_s))
                 item = pending.popleft()
-                if isinstance(item, End) or item.global_index >= self.drop_before:
+                if isinstance(item, End):
+                    if self.fills and item.global_index < global_index:  # a lane done while the lead led
+                        self._lane_done(worker_id, item)
+                        continue
+                    break
+                if item.global_index >= self.drop_before:
                     break
                 if item.lease is not None:  # the lead made it: see _workers_caught_up
                     item.lease.item_done()
         if isinstance(item, End):
+            if self.fills:
+                self._lane_done(self.worker_of_lane.get(global_index % self.num_lanes), item)
+                return fill_item(global_index, self.num_lanes, item.lane_state, self.fill_row)
             self.ended_at = item.global_index
             raise StopIteration
         if item.global_index != global_index:
@@ -887,11 +978,14 @@ class _Run:
         caught_up = True
         for worker_id, pending in self.pending.items():
             while True:
-                while pending and not isinstance(pending[0], End) and pending[0].global_index < global_index:
+                while pending and (self.fills or not isinstance(pending[0], End)) \
+                        and pending[0].global_index < global_index:
                     dropped = pending.popleft()
-                    if dropped.lease is not None:
+                    if isinstance(dropped, End):  # filled tails: a lane done, as the lead saw it too
+                        self._lane_done(worker_id, dropped)
+                    elif dropped.lease is not None:
                         dropped.lease.item_done()
-                if pending:
+                if pending or worker_id in self._done_workers:
                     break
                 items = self.pool.try_receive(worker_id)
                 if items is None:
@@ -910,6 +1004,12 @@ class _Run:
             return True
         return False
 
+    def _lane_done(self, worker_id: Optional[int], end: End) -> None:
+        """Filled tails: the lane of ``end`` is done; its later indices are fill rows."""
+        self.exhausted[end.global_index % self.num_lanes] = end.lane_state
+        if end.final and worker_id is not None:
+            self._done_workers.add(worker_id)
+
     def close_lanes(self) -> None:
         for lane in (self.in_process_lanes or {}).values():
             lane.close()
@@ -923,3 +1023,16 @@ class _Run:
         self.pending = {}
         if self.pool is not None:
             self.pool.end_run()
+
+
+def ranks_have_step(loaders: list[ZephonLoader]) -> bool:
+    """Whether the next step is delivered, for ranks simulated in one process (``zephon
+    fingerprints``, tests): their :meth:`ZephonLoader.step_available` answers combined as real
+    ranks combine them through torch.distributed (all of them; with filled tails, any), and
+    the agreement recorded in each loader, whose ``next()`` then delivers the step."""
+    answers = [loader.step_available() for loader in loaders]
+    agreed = any(answers) if loaders and loaders[0].fills else all(answers)
+    if agreed:
+        for loader in loaders:
+            loader._agreed_step = loader.step
+    return agreed

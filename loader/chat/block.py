@@ -66,44 +66,66 @@ _logged_lock = threading.Lock()  # guards both
 _encoders: dict[tuple, "OnlineChat"] = {}  # OnlineChat.of_manifest: one per source and process
 
 
-def effective_max_tokens(max_tokens: Optional[int], *, seq_len: int, packing: str, wrap_tokens: int) -> Optional[int]:
+def effective_max_tokens(max_tokens: Optional[int], *, seq_len: int, packing: str, wrap_tokens: int,
+                         overlong: str = "refuse") -> Optional[int]:
     """The length bound applied online: the manifest's, and under ``best_fit`` at most what fits
-    in one sequence with the loader's BOS/EOS (so no conversation is ever split)."""
-    if packing != "best_fit":
+    in one sequence with the loader's BOS/EOS (so no conversation is ever split), unless the
+    config's ``overlong`` drops or truncates what does not fit (as it does offline: the
+    loader's transforms after the encoding, loader.pipeline)."""
+    if packing != "best_fit" or overlong != "refuse":
         return max_tokens
     fit = seq_len - wrap_tokens
     return fit if max_tokens is None else min(max_tokens, fit)
 
 
-def check_chat_fits(manifest, source_name: str, *, seq_len: int, packing: str, wrap_tokens: int) -> None:
-    """Refuse a pre-tokenized chat source under ``best_fit`` whose conversations may not fit one
-    sequence (they would be split). Online sources are cut or refused at the fit instead."""
+def chat_overflows(manifest, *, seq_len: int, packing: str, wrap_tokens: int) -> bool:
+    """Whether a chat source tokenized offline may hold a conversation that does not fit one
+    ``best_fit`` sequence: its recorded longest conversation (``chat.longest_tokens``), else the
+    job's bound (``--chat-max-tokens``; neither: it may), against ``seq_len`` minus the loader's
+    BOS/EOS. Never under concat packing."""
     chat = manifest.chat
-    if chat is None or not chat.tokenized or packing != "best_fit":
+    if chat is None or packing != "best_fit":
+        return False
+    longest = chat.longest_tokens if chat.longest_tokens is not None else chat.max_tokens
+    return longest is None or longest > seq_len - wrap_tokens
+
+
+def check_chat_fits(manifest, source_name: str, *, seq_len: int, packing: str, wrap_tokens: int,
+                    overlong: str = "refuse") -> None:
+    """Refuse a pre-tokenized chat source under ``best_fit`` whose conversations do not all fit
+    one sequence (they would be split), unless ``overlong`` ("drop", "truncate": the loader's
+    transforms handle them; loader.pipeline). Online sources are cut or refused at the fit instead."""
+    if manifest.chat is None or not manifest.chat.tokenized or not chat_overflows(manifest, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens):
         return
-    fit = seq_len - wrap_tokens
-    if seq_len - wrap_tokens < 1 or chat.max_tokens is None or chat.max_tokens > fit:
+    chat, fit = manifest.chat, seq_len - wrap_tokens
+    if fit >= 1 and overlong != "refuse":
+        return
+    if chat.longest_tokens is not None:
+        why = f"its longest conversation has {chat.longest_tokens} tokens, more than"
+    else:
         bound = "no --chat-max-tokens" if chat.max_tokens is None else f"--chat-max-tokens {chat.max_tokens}"
-        raise ChatConfigError(
-            f"datasets entry {source_name!r}: its conversations were tokenized offline with {bound}, so some may "
-            f"be longer than seq_len={seq_len} minus the {wrap_tokens} BOS/EOS token(s) the loader adds, and "
-            "best_fit packing would split them; re-shard it with --chat-max-tokens "
-            f"{max(fit, 1)} (or lower), or shard it without --tokenizer (the loader then cuts or refuses, per "
-            "--chat-overflow, at what fits)"
-        )
+        why = (f"it was tokenized offline with {bound} by a job that did not record its longest conversation, "
+               "so some may be longer than")
+    raise ChatConfigError(
+        f"datasets entry {source_name!r}: {why} seq_len={seq_len} minus the {wrap_tokens} BOS/EOS token(s) the "
+        "loader adds, and best_fit packing would split them; set overlong = \"drop\" (they are dropped, counted) "
+        "or overlong = \"truncate\" (cut after their last assistant turn that fits) in the loader config, raise "
+        f"seq_len, or re-shard with --chat-max-tokens {max(fit, 1)} (or lower)"
+        + ("" if fit >= 1 else f" (seq_len={seq_len} leaves no room for a token: raise it)")
+    )
 
 
 def check_chat_sources(manifests, source_names, tokenizer, *, seq_len: int, packing: str,
-                       wrap_tokens: int) -> tuple[str, ...]:
+                       wrap_tokens: int, overlong: str = "refuse") -> tuple[str, ...]:
     """Check a loader's chat sources when it is built: pre-tokenized ones fit (:func:`check_chat_fits`),
     online ones have a usable template and bound. Returns the batch's ``chat_rejects`` reasons
     (empty without an online chat source: the batch then has no such field)."""
     online = image_chat = False
     for manifest, name in zip(manifests, source_names):
-        check_chat_fits(manifest, name, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens)
+        check_chat_fits(manifest, name, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens, overlong=overlong)
         if manifest.online_chat:
             OnlineChat.of_manifest(manifest, tokenizer, source_name=name, seq_len=seq_len, packing=packing,
-                                   wrap_tokens=wrap_tokens)  # compiles the template: errors now, not in a worker
+                                   wrap_tokens=wrap_tokens, overlong=overlong)  # compiles the template: errors now, not in a worker
             online = True
             image_chat = image_chat or getattr(manifest, "images", None) is not None
     if image_chat:  # conversations with image parts (loader.vision.chat) add their own reason
@@ -139,19 +161,19 @@ class OnlineChat:
 
     @classmethod
     def of_manifest(cls, manifest, tokenizer, *, source_name: str, seq_len: int, packing: str,
-                    wrap_tokens: int) -> "OnlineChat":
+                    wrap_tokens: int, overlong: str = "refuse") -> "OnlineChat":
         """The encoder of a manifest whose ``chat`` is online (``manifest.online_chat``).
 
         One per source and process: every lane of the source shares it (compiling the
         template once took ~0.1 s; per lane it delayed the first batch by lanes x that)."""
         key = (json.dumps(manifest.chat.to_dict(), sort_keys=True), id(tokenizer), source_name, seq_len, packing,
-               wrap_tokens)
+               wrap_tokens, overlong)
         with _logged_lock:
             cached = _encoders.get(key)
         if cached is not None and cached.tokenizer is tokenizer:
             return cached
         encoder = cls._build(manifest, tokenizer, source_name=source_name, seq_len=seq_len, packing=packing,
-                             wrap_tokens=wrap_tokens)
+                             wrap_tokens=wrap_tokens, overlong=overlong)
         with _logged_lock:
             if len(_encoders) > 64:
                 _encoders.clear()
@@ -160,14 +182,15 @@ class OnlineChat:
 
     @classmethod
     def _build(cls, manifest, tokenizer, *, source_name: str, seq_len: int, packing: str,
-               wrap_tokens: int) -> "OnlineChat":
+               wrap_tokens: int, overlong: str = "refuse") -> "OnlineChat":
         chat = manifest.chat
         record = chat.template
         template = ChatTemplate(sources=dict(record["sources"]), origin=f"{source_name}: manifest chat.template",
                                 special_tokens=dict(record.get("special_tokens") or {}),
                                 extra_variables=dict(record.get("extra_variables") or {}),
                                 template_name=record.get("template_name"))
-        max_tokens = effective_max_tokens(chat.max_tokens, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens)
+        max_tokens = effective_max_tokens(chat.max_tokens, seq_len=seq_len, packing=packing, wrap_tokens=wrap_tokens,
+                                          overlong=overlong)
         if max_tokens is not None and max_tokens < 1:
             raise ChatConfigError(f"datasets entry {source_name!r}: seq_len={seq_len} leaves no room for a "
                                   f"conversation beside the {wrap_tokens} BOS/EOS token(s); raise seq_len")

@@ -36,11 +36,17 @@ class ChatRecord:
     template_fingerprint: str
     template: Optional[dict[str, Any]] = None
     template_origin: Optional[str] = None
+    # Tokens of the longest conversation (tokenized datasets written since it is recorded): the
+    # loader refuses best_fit only if it really does not fit (loader.chat.block.check_chat_fits).
+    # Absent (None) in older manifests, which keep their bytes and fingerprints.
+    longest_tokens: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         if self.template is None:
             del data["template"]
+        if self.longest_tokens is None:
+            del data["longest_tokens"]
         return data
 
     def fingerprint_content(self) -> dict[str, Any]:
@@ -71,6 +77,9 @@ class ChatRecord:
         max_tokens = data.get("max_tokens")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
             problems.append(f"field 'max_tokens' must be a positive int or null (got {max_tokens!r:.80})")
+        longest = data.get("longest_tokens")
+        if longest is not None and (not isinstance(longest, int) or isinstance(longest, bool) or longest < 1):
+            problems.append(f"field 'longest_tokens' must be a positive int or absent (got {longest!r:.80})")
         if isinstance(data.get("template_fingerprint"), str) and not SHA256_HEX.fullmatch(data["template_fingerprint"]):
             problems.append(f"field 'template_fingerprint' must be 64 lowercase hex digits "
                             f"(got {data['template_fingerprint']!r:.80})")

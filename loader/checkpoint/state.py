@@ -30,7 +30,7 @@ best-fit bins' ``piece_origins``).
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
@@ -100,7 +100,12 @@ def compare_with(state: dict, expected: dict, allow_transform_change: bool = Fal
     transforms = transform_differences(state, expected)
     if state["num_lanes"] != expected["num_lanes"]:
         differences.append(f"num_lanes (lane count L): checkpoint {state['num_lanes']}, now {expected['num_lanes']}")
+    tail = _epoch_tail_difference(state["config"], expected["config"])
+    if tail is not None:
+        differences.append(tail)
     for key, now in expected["config"].items():
+        if key == "epoch_tail":
+            continue
         if key not in state["config"]:
             differences.append(f"config.{key}: missing from the checkpoint, now {now!r}")
             continue
@@ -108,7 +113,7 @@ def compare_with(state: dict, expected: dict, allow_transform_change: bool = Fal
         if saved != now or type(saved) is not type(now):  # True == 1, but a bool is not a count
             differences.append(f"config.{key}: checkpoint {saved!r}, now {now!r}")
     for key in state["config"]:
-        if key not in expected["config"]:
+        if key not in expected["config"] and key != "epoch_tail":
             differences.append(f"config.{key}: not a stream setting of this Zephon (checkpoint {state['config'][key]!r})")
     if transforms and not allow_transform_change:
         differences.extend(transforms.values())
@@ -141,6 +146,18 @@ def compare_with(state: dict, expected: dict, allow_transform_change: bool = Fal
                "the new transforms then apply from that step on, recorded in the checkpoint)" if transforms
                and not allow_transform_change else "")
         )
+
+
+def _epoch_tail_difference(saved: dict, now: dict) -> Optional[str]:
+    """How finite data ends differs (``config.epoch_tail``; absent: "drop", the only way a
+    Zephon before the option ended it, and the way a "drop" config records it)."""
+    saved_tail, now_tail = saved.get("epoch_tail", "drop"), now.get("epoch_tail", "drop")
+    if saved_tail == now_tail:
+        return None
+    return (f"config.epoch_tail: checkpoint {saved_tail!r}, now {now_tail!r} (a checkpoint of finite data "
+            "made before epoch_tail existed ends its stream at the first exhausted lane, as \"drop\" does; "
+            f"set epoch_tail = {saved_tail!r} in the config to continue its stream exactly; "
+            "docs/guides/finite-epochs.md)")
 
 
 def merge_rank_states(states: Iterable[dict]) -> dict:

@@ -76,6 +76,9 @@ class StepFingerprint:
     # Supervised tokens per source (every source, zeros included) when some source has a
     # ``loss_mask``; empty otherwise, and then ``line()`` is the line printed before chat.
     supervised_counts: dict[str, int] = field(default_factory=dict)
+    # Fill rows of the step (finite data with filled tails: rows of lanes already done);
+    # reported in a note (:func:`fill_note`), not in ``line()``.
+    fill_rows: int = 0
 
     def line(self) -> str:
         counts = " ".join(f"{name}={count}" for name, count in self.source_counts.items())
@@ -121,7 +124,7 @@ def collect_fingerprints(
     by the end, summed over the ranks (``ZephonLoader.transform_counts``). ``balance_stats``: a dict
     filled with the balancer's max/mean rank costs (``balance`` set; ``LoaderMetrics.balance``).
     """
-    from loader.pipeline import ZephonLoader  # torch: not for a config or state file that is refused first
+    from loader.pipeline import ZephonLoader, ranks_have_step  # torch: not for a config or state file that is refused first
 
     # The fingerprint hashes labels; the supervised counts read loss_mask and token sources
     # (runtime fields: adding them never changes the batches).
@@ -147,7 +150,7 @@ def collect_fingerprints(
             if save_state_step is not None and step == save_state_step:
                 saved = merge_rank_states([loader.state_dict() for loader in loaders])
             # Simulated ranks agree on the end of finite data as real ranks do (all-reduce).
-            if not all([loader.step_available() for loader in loaders]):
+            if not ranks_have_step(loaders):
                 break
             rows: dict[int, tuple[bytes, int]] = {}
             supervised_rows: dict[int, np.ndarray] = {}
@@ -176,13 +179,15 @@ def collect_fingerprints(
                 counts[rows[index][1]] += 1
             if step >= start_step:
                 source_counts = {name: counts.get(k, 0) for k, name in enumerate(names)} if len(names) > 1 else {}
-                sequences = [(hashlib.sha256(rows[i][0]).hexdigest(), names[rows[i][1]]) for i in expected] \
+                sequences = [(hashlib.sha256(rows[i][0]).hexdigest(), names[rows[i][1]] if rows[i][1] >= 0 else "fill")
+                             for i in expected] \
                     if keep_sequences else []
                 supervised_counts = {}
                 if count_supervised:
                     totals = np.sum([supervised_rows[i] for i in expected], axis=0)
                     supervised_counts = {name: int(totals[k]) for k, name in enumerate(names)}
-                results.append(StepFingerprint(step, digest.hexdigest(), source_counts, sequences, supervised_counts))
+                results.append(StepFingerprint(step, digest.hexdigest(), source_counts, sequences, supervised_counts,
+                                               fill_rows=counts.get(-1, 0)))
         if save_state_step is not None and save_state_step == end_step:
             saved = merge_rank_states([loader.state_dict() for loader in loaders])
         if balance_stats is not None:  # balance: every rank's balancer sees the whole step (rank 0's)
@@ -214,6 +219,18 @@ def transform_count_lines(transform_counts: dict) -> list[str]:
     return [f"# transforms {source}: " + ", ".join(f"{label} dropped={c['dropped']} changed={c['changed']}"
                                                   for label, c in per_transform.items())
             for source, per_transform in transform_counts.items()]
+
+
+def fill_note(results: Sequence[StepFingerprint], global_batch_size: int) -> Optional[str]:
+    """``# fill rows: N of M rows (steps A..B)`` where some step held fill rows (finite data with
+    filled tails, docs/guides/finite-epochs.md), else None; a comment line, which ``zephon diff``
+    skips."""
+    steps = [r.step for r in results if r.fill_rows]
+    if not steps:
+        return None
+    fill = sum(r.fill_rows for r in results)
+    rows = len(results) * global_batch_size
+    return f"# fill rows: {fill} of {rows} rows ({fill / rows:.2%}), in steps {steps[0]}..{steps[-1]}"
 
 
 def _parse_steps(text: str) -> tuple[int, int]:
@@ -295,6 +312,9 @@ def command(argv: Sequence[str]) -> int:
         print(line)
     if balance_stats:
         print(balance_line(balance_stats, args.world_size))
+    note = fill_note(results, config.global_batch_size)
+    if note is not None:
+        print(note)
     if save_file is not None and saved is not None:
         with open(save_file, "w") as fh:
             fh.write(dumps(saved))

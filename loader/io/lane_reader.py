@@ -76,6 +76,10 @@ class LaneTokenStream:
     # chunk rather than in it: a field of the frozen ``Chunk`` costs every chunk a setattr.
     last_origin: Optional[tuple[int, int, int]] = None
 
+    # Whether a whole epoch of empty blocks ends the stream at its last epoch (finite data with
+    # filled tails: loader.stages.lane) instead of being an EmptyLaneError.
+    ends_when_empty = False
+
     def __init__(
         self,
         *,
@@ -630,7 +634,7 @@ class LaneTokenStream:
         empty = self._block is not None and self._block_key == (self.epoch, self.block_index) \
             and len(self._block.tokens) == 0
         self._empty_blocks_in_a_row = self._empty_blocks_in_a_row + 1 if empty else 0
-        if empty and self._empty_blocks_in_a_row >= len(self.blocks_of_epoch(self.epoch)):
+        if empty and not self.ends_when_empty and self._empty_blocks_in_a_row >= len(self.blocks_of_epoch(self.epoch)):
             raise EmptyLaneError(self._empty_lane_message())
 
     def _empty_lane_message(self) -> str:

@@ -185,6 +185,9 @@ class FileEntry:
         return problems
 
 
+LANE_ASSIGNMENTS = ("balanced",)  # the manifest's lane_assignment values (absent: by hash)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything the loader needs to know about a dataset, and nothing machine-specific."""
@@ -207,6 +210,11 @@ class Manifest:
     # The "transforms" entry (spec and counts per --transform) a tombstone's dropped_by points into;
     # kept (and written by to_dict) only for datasets with tombstones.
     transforms: tuple[dict, ...] = ()
+    # How documents were dealt to lanes: None (``H(seed, key) mod L``, every dataset before the
+    # entry) or "balanced" (``zephon shard --lane-balance documents``: the document of rank r in
+    # hash order goes to lane r mod L, so lane sizes differ by at most one; beam_jobs.lane_balance).
+    # In the fingerprint only when present. The loader reads lanes alike either way.
+    lane_assignment: Optional[str] = None
 
     # -- derived views -------------------------------------------------------------------
     @property
@@ -264,6 +272,8 @@ class Manifest:
             content["chat"] = self.chat.fingerprint_content()
         if self.images is not None:  # likewise
             content["images"] = self.images.to_dict()
+        if self.lane_assignment is not None:  # likewise
+            content["lane_assignment"] = self.lane_assignment
         blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -290,6 +300,7 @@ class Manifest:
             "files": [f.to_dict() for f in sorted(self.files, key=lambda f: (f.lane, f.part))],
             **({"chat": self.chat.to_dict()} if self.chat is not None else {}),
             **({"images": self.images.to_dict()} if self.images is not None else {}),
+            **({"lane_assignment": self.lane_assignment} if self.lane_assignment is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -343,6 +354,9 @@ class Manifest:
                 else:
                     problems += entry.check(record, data) if entry.check is not None else []
             entries[entry.key] = record
+        if data.get("lane_assignment") not in (None,) + LANE_ASSIGNMENTS:
+            problems.append(f"field 'lane_assignment' must be absent or one of {list(LANE_ASSIGNMENTS)} "
+                            f"(got {data['lane_assignment']!r:.80})")
         if problems:
             raise ManifestError(f"{where}: " + "; ".join(problems))
         num_lanes = data["num_lanes"]
@@ -397,6 +411,7 @@ class Manifest:
                 **entries,
                 tombstones=tombstones,
                 transforms=tombstone_transforms,
+                lane_assignment=data.get("lane_assignment"),
             )
             recorded = manifest.dataset_fingerprint
             actual = manifest.compute_fingerprint()

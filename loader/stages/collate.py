@@ -8,7 +8,9 @@ and ``micro_step``); :func:`to_torch` wraps each array with ``torch.from_numpy``
 Fields: ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens`` as selected by the config's
 ``batch_fields``, then one field per per-token feature of the loader (``loss_mask``,
 ``token_source_ids``), built by one rule (:func:`loader.stages.features.batch_feature`), and the
-per-sequence ``source_ids`` and ``global_indices``. A feature with a label rule masks
+per-sequence ``source_ids`` and ``global_indices``; with finite data whose tails are filled
+(``epoch_tail = "fill"``), the per-sequence bool ``fill``: the row is a fill row (all
+padding, labels -100, ``loss_mask`` 0, source id -1; docs/guides/finite-epochs.md). A feature with a label rule masks
 ``labels`` whatever ``batch_fields`` holds. With online chat sources, ``chat_rejects``: the
 conversations refused online (:mod:`loader.chat.block`) reported with this micro-batch's
 sequences, ``{reason: count}`` with every reason (zeros included); with image sources, the
@@ -35,7 +37,7 @@ class Collator:
     def __init__(self, *, seq_len: int, global_batch_size: int, micro_batch_size: int, per_rank_batch: int,
                  batch_fields: Sequence[str], features: Sequence[str] = (),
                  chat_reject_reasons: Sequence[str] = (), empty: Callable[..., np.ndarray] = np.empty,
-                 image_policy=None, image_reject_reasons: Sequence[str] = ()) -> None:
+                 image_policy=None, image_reject_reasons: Sequence[str] = (), fill_rows: bool = False) -> None:
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -56,6 +58,8 @@ class Collator:
         # Image sources (loader.vision): every micro-batch holds pixel_values and its image fields.
         self.image_policy = image_policy
         self.image_reject_reasons = tuple(image_reject_reasons)  # loader.vision.block; empty: no field
+        # Finite data with filled tails: every micro-batch says which rows are fill rows.
+        self.fill_rows = fill_rows
 
     def collate(self, items: list, rank_position: int) -> dict[str, Any]:
         """The micro-batch of ``items`` (NumPy); ``rank_position``: sequences handed out so far,
@@ -75,6 +79,8 @@ class Collator:
             "step": first_index // self.global_batch_size,
             "micro_step": ((rank_position - len(items)) % self.per_rank_batch) // self.micro_batch_size,
         }
+        if self.fill_rows:  # fill rows: source id -1 (loader.stages.producer.FILL_SOURCE)
+            batch["fill"] = batch["source_ids"] < 0
         # Datasets without features: no loop, no arrays (self._needed is empty).
         feature_arrays = {name: batch_feature(name, sequences, rows, seq_len) for name in self._needed}
         wants_segments = "position_ids" in fields or "cu_seqlens" in fields

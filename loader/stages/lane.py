@@ -67,6 +67,10 @@ class LaneSpec:
     features: tuple[str, ...] = ()  # per-token features every sequence carries (loader.stages.features)
     images: Optional[object] = None  # loader.vision.block.ImageOptions when some source holds images
     packing_window: Optional[int] = None  # best fit per window of this many documents (loader.stages.window_packing)
+    # Finite data with epoch_tail "fill": a lane that runs out is one lane done, not the
+    # stream's end (loader.stages.producer.End); its later indices are fill rows.
+    fill_tails: bool = False
+    overlong: str = "refuse"  # loader config ``overlong``: online chat's bound (loader.chat.block)
 
     @property
     def source_names(self) -> tuple[str, ...]:
@@ -131,6 +135,9 @@ class Lane:
                 **({"chat": self._online_chat(manifest, source, tokenizer)} if manifest.online_chat else {}),
                 **({"images": spec.images} if getattr(manifest, "images", None) is not None else {}),
             )
+            # Finite data with filled tails: a lane whose documents are all dropped (transforms,
+            # overlong) has simply none to deliver; it is done at the end of its epochs.
+            stream.ends_when_empty = spec.fill_tails and max_epochs is not None
             streams.append(stream)
         # Image sources: each stream's resolver turns its sequences' image refs into pixels
         # (loader.vision.resolve); None for text sources.
@@ -215,6 +222,7 @@ class Lane:
         from loader.chat.block import OnlineChat  # jinja2 (~0.1 s to import): only online chat lanes load it
 
         return OnlineChat.of_manifest(manifest, tokenizer, source_name=source.name, seq_len=self.spec.seq_len,
+                                      overlong=self.spec.overlong,
                                       packing=self.spec.packing, wrap_tokens=self.spec.token_format.extra)
 
     def take_chat_rejects(self) -> Optional[dict]:
@@ -260,6 +268,9 @@ class Lane:
                 resolver.close()
 
     def _warn_stopped(self, source_id: int) -> None:
+        if all(self.stopped):  # the lane is done: finite data's configured end, not a change of mix
+            log.debug("lane %d: every source has stopped", self.lane_id)
+            return
         if source_id not in self._warned:
             self._warned.add(source_id)
             log.warning(

@@ -13,7 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+import numpy as np
+
 from loader.errors import LaneExhausted
+from loader.stages.features import FEATURES, IGNORE_INDEX
 from loader.stages.lane import Lane, LaneSpec
 from loader.io.manifest import Manifest
 from loader.stages.packing import PackedSequence, StateSnapshot
@@ -31,9 +34,40 @@ class Item:
 
 @dataclass(frozen=True)
 class End:
-    """The lane of ``global_index`` has no data left: the stream ends there."""
+    """The lane of ``global_index`` has no data left from that index on.
+
+    Where finite data ends at the first exhausted lane (``epoch_tail = "drop"``) the stream
+    ends there. Where tails are filled (``"fill"``) only that lane is done: ``lane_state`` is
+    its state then (every source stopped), and the consumer gives the lane's later indices
+    fill rows (:func:`fill_item`); ``final`` says that every lane of the producer is done,
+    so that it produces nothing more."""
 
     global_index: int
+    lane_state: Optional[dict] = None
+    final: bool = True
+
+
+FILL_SOURCE = -1  # the source id of a fill row (loader.metrics, batch["source_ids"])
+
+
+def fill_sequence(seq_len: int, pad_id: int, features: tuple[str, ...]) -> PackedSequence:
+    """A fill row: all padding, no supervised token (labels -100, every feature at its pad value:
+    ``loss_mask`` 0). Shared by every fill of a loader: collation copies it."""
+    return PackedSequence(
+        input_ids=np.full(seq_len, pad_id, dtype=np.int32),
+        labels=np.full(seq_len, IGNORE_INDEX, dtype=np.int32),
+        segment_starts=np.zeros(1, dtype=np.int32),
+        features={name: np.full(seq_len, FEATURES[name].pad, dtype=FEATURES[name].dtype) for name in features},
+        padding=seq_len,
+    )
+
+
+def fill_item(global_index: int, num_lanes: int, exhausted_state: Optional[dict], sequence: PackedSequence) -> Item:
+    """The fill row at ``global_index`` of a lane that ran out: its state is the lane's state at
+    exhaustion with ``outputs`` counting the fill (a fill is the lane's output at that index,
+    so a checkpoint's output counts match the stream position on every lane)."""
+    state = None if exhausted_state is None else dict(exhausted_state, outputs=global_index // num_lanes + 1)
+    return Item(global_index, FILL_SOURCE, sequence, state)
 
 
 def build_lanes(spec: LaneSpec, lane_ids: list[int], lane_states: dict[int, dict]) -> dict[int, Lane]:
@@ -69,26 +103,36 @@ def produce(
     world_size: int,
     start_position: int,
     snapshot_state: bool,
+    fill_tails: bool = False,
 ) -> Iterator[Item | End]:
+    """The items of ``lanes`` from ``start_position`` on. Without ``fill_tails`` the first
+    :class:`End` is the last item; with it, each lane's End says that lane is done (its later
+    indices are skipped: the consumer fills them) and the End of the last lane is ``final``."""
     position = start_position
+    done: set[int] = set()
     while True:
         global_index = rank + position * world_size
         position += 1
-        lane = lanes.get(global_index % num_lanes)
-        if lane is None:
+        lane_id = global_index % num_lanes
+        lane = lanes.get(lane_id)
+        if lane is None or lane_id in done:
             continue
-        item = produce_one(lane, global_index, snapshot_state)
+        item = produce_one(lane, global_index, snapshot_state, end_state=fill_tails)
+        if isinstance(item, End) and fill_tails:
+            done.add(lane_id)
+            item = End(global_index, item.lane_state, final=len(done) == len(lanes))
         yield item
-        if isinstance(item, End):
+        if isinstance(item, End) and item.final:
             return
 
 
-def produce_one(lane: Lane, global_index: int, snapshot_state: bool) -> Item | End:
-    """The item of ``global_index`` from its lane (the caller walks the indices in order)."""
+def produce_one(lane: Lane, global_index: int, snapshot_state: bool, end_state: bool = False) -> Item | End:
+    """The item of ``global_index`` from its lane (the caller walks the indices in order);
+    ``end_state``: an :class:`End` carries the lane's state (filled tails need it)."""
     try:
         source_id, sequence = lane.next_sequence(global_index)
     except LaneExhausted:
-        return End(global_index)
+        return End(global_index, lane.get_state() if snapshot_state or end_state else None)
     # Positional, and no rejects call for lanes without online chat: this runs per sequence.
     return Item(global_index, source_id, sequence, lane.get_state() if snapshot_state else None, None,
                 lane.take_chat_rejects() if lane.has_online_chat else None)

@@ -14,6 +14,9 @@ drop_regex         text    drops documents whose text matches ``pattern`` anywhe
                            (Python ``re.search``); ``ignore_case`` (default false)
 truncate_tokens    tokens  keeps the first ``max_tokens`` ids (and feature values) of
                            longer documents
+truncate_turns     tokens  chat: keeps a longer conversation up to the end of its last
+                           assistant turn (``loss_mask`` run of 1s) that ends within
+                           ``max_tokens``; drops it when none does (config ``overlong``)
 =================  ======  ================================================================
 """
 
@@ -22,6 +25,8 @@ from __future__ import annotations
 import functools
 import re
 from typing import Any, Optional, Sequence
+
+import numpy as np
 
 from loader.transforms.document import Document
 from loader.transforms.declare import transform
@@ -89,4 +94,26 @@ def truncate_tokens(doc: Document, max_tokens: int) -> Document:
                        features={name: values[:max_tokens] for name, values in doc.features.items()})
 
 
-BUILTINS = ("identity", "length_chars", "length_tokens", "drop_metadata", "drop_regex", "truncate_tokens")
+@transform(stage="tokens", version="1")
+def truncate_turns(doc: Document, max_tokens: int) -> Optional[Document]:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"truncate_turns: max_tokens must be an integer >= 1 (got {max_tokens!r})")
+    ids = doc.input_ids
+    if len(ids) <= max_tokens:
+        return doc
+    mask = doc.features.get("loss_mask")
+    if mask is None:
+        raise ValueError("truncate_turns: the document has no loss_mask (it cuts chat conversations, whose "
+                         "assistant turns the mask marks); use truncate_tokens for other documents")
+    head = np.asarray(mask[: max_tokens + 1], dtype=np.int8)
+    # a turn ends at position p (exclusive) where the mask steps from 1 to 0, or at the cut itself
+    # when the conversation goes on past it with the turn's last token at max_tokens - 1
+    ends = np.flatnonzero((head[:-1] == 1) & (head[1:] == 0)) + 1
+    if not len(ends):
+        return None
+    cut = int(ends[-1])
+    return doc.replace(input_ids=ids[:cut], features={name: values[:cut] for name, values in doc.features.items()})
+
+
+BUILTINS = ("identity", "length_chars", "length_tokens", "drop_metadata", "drop_regex", "truncate_tokens",
+            "truncate_turns")

@@ -98,7 +98,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                     batch.append(item)
                     if isinstance(item, End) or len(batch) >= items_per_message:
                         break
-                ended = not batch or isinstance(batch[-1], End)
+                ended = not batch or (isinstance(batch[-1], End) and batch[-1].final)
                 sequences = len(batch) - (1 if batch and isinstance(batch[-1], End) else 0)
                 if sequences:
                     descriptor = write_message(batch, segment.view(slot), segments)
@@ -125,7 +125,7 @@ def _start(input_path: str, start_position: int):
     lanes = build_lanes(spec, lane_ids, lane_states)
     start_reading(lanes, rank + start_position * world_size, num_lanes)  # every lane's block at once
     items = produce(lanes, num_lanes=num_lanes, rank=rank, world_size=world_size,
-                    start_position=start_position, snapshot_state=False)
+                    start_position=start_position, snapshot_state=False, fill_tails=spec.fill_tails)
     return lanes, _with_lane_states(items, lanes, num_lanes), segments
 
 

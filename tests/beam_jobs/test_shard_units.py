@@ -238,13 +238,13 @@ def test_help_documents_every_option_with_defaults(capsys):
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for option in ("--input", "--format", "--text-field", "--id-field", "--keep-fields", "--source-name",
-                   "--num-lanes", "--seed", "--tokenizer", "--token-compression", "--target-file-mb", "--output",
+                   "--num-lanes", "--lane-balance", "--seed", "--tokenizer", "--token-compression", "--target-file-mb", "--output",
                    "--overwrite", "--max-reject-fraction", "--messages-field", "--chat-template", "--chat-loss-on",
                    "--chat-max-tokens", "--chat-overflow", "--image-field", "--image-root", "--image-policy",
                    "--max-image-mb", "--max-image-pixels", "--max-image-aspect-ratio", "--max-images-per-document"):
         assert option in text
-    # the other 17 options, --transform/--dedup and the 7 image options
-    assert text.count("(default") == 17 + 2 + 7 and text.count("(required)") == 2
+    # the other 18 options (--lane-balance the 18th), --transform/--dedup and the 7 image options
+    assert text.count("(default") == 18 + 2 + 7 and text.count("(required)") == 2
 
 
 def test_parse_args_splits_job_and_pipeline_options():

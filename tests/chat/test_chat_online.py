@@ -30,6 +30,7 @@ from loader.chat import ConversationRejected, encode_conversation, load_chat_tem
 from loader.chat import block as chat_block
 from loader.chat.block import ONLINE_REJECT_REASONS, ChatConfigError
 from loader.checkpoint.state import StateError
+from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader
 from loader.stages.tokenizer import load_tokenizer
 from tests.chat.chat_factory import TEMPLATES_DIR, make_records
@@ -322,11 +323,17 @@ def test_best_fit_never_splits_a_conversation_and_positions_restart_per_conversa
     assert delivered == expected  # each conversation whole, once, in one sequence
 
 
-def test_a_pretokenized_chat_source_that_may_not_fit_is_refused_under_best_fit(unbounded, shards):
-    with pytest.raises(ChatConfigError, match="tokenized offline with no --chat-max-tokens.*--chat-max-tokens 255"):
+def test_a_pretokenized_chat_source_that_does_not_fit_is_refused_under_best_fit(unbounded, shards):
+    """Refused on its recorded longest conversation, not on the job's bound (issue 30)."""
+    longest = read_manifest(str(unbounded["base"] / "offline")).chat.longest_tokens
+    assert longest > SHORT_SEQ_LEN - 1
+    with pytest.raises(ChatConfigError, match=f"its longest conversation has {longest} tokens.*--chat-max-tokens 255"):
         ZephonLoader(_config([{"path": str(unbounded["base"] / "offline")}], "best_fit", seq_len=SHORT_SEQ_LEN))
-    with pytest.raises(ChatConfigError, match=f"--chat-max-tokens {MAX_TOKENS}, so some may be longer than seq_len=256"):
+    bounded = shards["offline"].chat.longest_tokens
+    assert SHORT_SEQ_LEN - 1 < bounded <= MAX_TOKENS
+    with pytest.raises(ChatConfigError, match=f"its longest conversation has {bounded} tokens, more than seq_len=256"):
         ZephonLoader(_config(_dataset(shards, "offline"), "best_fit", seq_len=SHORT_SEQ_LEN))
+    ZephonLoader(_config(_dataset(shards, "offline"), "best_fit", seq_len=bounded + 1)).close()  # it fits exactly
     ZephonLoader(_config([{"path": str(unbounded["base"] / "offline")}], "concat", seq_len=SHORT_SEQ_LEN)).close()
 
 

@@ -80,7 +80,7 @@ EXAMPLE = {
     "input": "gs://my-bucket/raw/a-*.jsonl,gs://my-bucket/raw/b-*.jsonl.gz",
     "output": "gs://my-bucket/datasets/web-v1",
     "format": "jsonl", "text_field": "body", "id_field": "id", "keep_fields": "url,lang",
-    "source_name": "web", "num_lanes": "256", "seed": "7", "tokenizer": "gs://my-bucket/tok/tokenizer.json",
+    "source_name": "web", "num_lanes": "256", "lane_balance": "documents", "seed": "7", "tokenizer": "gs://my-bucket/tok/tokenizer.json",
     "token_compression": "zstd", "target_file_mb": "128", "overwrite": "true", "max_reject_fraction": "0.05",
     "messages_field": "messages", "chat_template": "gs://my-bucket/tok/tokenizer_config.json",
     "chat_loss_on": "last", "chat_max_tokens": "4096", "chat_overflow": "truncate",

@@ -243,7 +243,8 @@ def test_batches_hold_each_images_pads_its_pixels_and_masked_labels(data):
                 assert ((labels != -100) <= (mask == 1)).all()
                 supervised = tokenizer.decode(ids[labels != -100].tolist())
                 assert "What is this" not in supervised and "You describe" not in supervised
-                assert "It is" in supervised
+                if not batch["fill"].all():  # the epoch's last micro-batches may be fill rows only
+                    assert "It is" in supervised
                 assert int((ids == pad).sum()) == int(np.prod(batch["image_grid_thw"], axis=1).sum()) // 4
     # the literal pad and the overlong conversation, each counted once; every image checked
     assert {reason: n for reason, n in rejects.items() if n} == {"too_long": 1, "image_placeholder_mismatch": 1}
