@@ -196,7 +196,7 @@ def test_existing_s3_output_is_refused_then_overwritten(moto_s3, tmp_path):
 def test_a_storage_failure_while_reading_an_input_fails_the_job():
     """The store failing is not bad data: the records are not rejected, the job stops."""
     from beam_jobs.outputs import ShardJobError
-    from beam_jobs.readers import _guarded
+    from beam_jobs.records import _guarded
 
     def reads():
         yield b"first line\n"
