@@ -410,6 +410,8 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
                     start, keep = None, {}
                     if index is not None:
                         first, start = index.nearest(lane_id, end)
+                        if start is not None:
+                            index.check_point(lane_id, first, start, lane.source_streams())
                         keep = dict(point_every=POINT_EVERY,
                                     on_point=lambda k, point, lane_id=lane_id: index.add(lane_id, k, point))
                     try:
