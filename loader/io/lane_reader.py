@@ -177,7 +177,8 @@ class LaneTokenStream:
             self.transforms = chat_transforms_for(transforms, seed=seed, source=source_name)
         else:
             self.transforms = chain_for(transforms, seed=seed, source=source_name, pretokenized=self.pretokenized,
-                                        feature_names=self.feature_names)
+                                        feature_names=self.feature_names,
+                                        vocab_size=(manifest.tokenizer or {}).get("vocab_size"))
         self._transform_columns = extra_columns(self.transforms, manifest)
         # A dataset sharded with --transform holds tombstones (dropped_by >= 0): skipped at decode,
         # counted like online drops, before the config's own transforms (the counters' order).
