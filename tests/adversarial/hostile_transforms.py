@@ -15,3 +15,9 @@ def set_id(doc, value: int, dtype: str = "int64"):
     if len(ids):
         ids[0] = value
     return doc.replace(input_ids=ids, features=dict(doc.features))
+
+
+@transform(stage="text")
+def keep_only(doc, key: str):
+    """Drops every document but the one with ``key``: a lane with one non-empty block."""
+    return doc if doc.key == key else None
