@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 from loader.errors import ZephonError
 from loader.workers.child import BOOTSTRAP
+from loader.workers.error_relay import worker_exception
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
 from loader.workers.shm import Segment, remove_stale_segments, slot_bytes
@@ -257,7 +258,7 @@ class WorkerPool:
         if run_id != self.run_id:
             return None
         if kind == "error":
-            raise WorkerError(f"loader worker {worker_id} failed:\n{message[2]}")
+            raise worker_exception(worker_id, message, WorkerError)
         slot, descriptor = message[2], message[3]
         decode = self.decoders[worker_id].decode
         if slot is None:

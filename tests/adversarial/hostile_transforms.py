@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from loader.transforms import transform
 
 
 @transform(stage="tokens")
-def set_id(doc, value: int, dtype: str = "int64"):
-    """Every document's first id replaced by ``value`` (as ``dtype``): out-of-range ids on demand."""
+def set_id(doc, value: int, dtype: str = "int64", outside_pid: int = 0):
+    """Every document's first id replaced by ``value`` (as ``dtype``): out-of-range ids on demand.
+    With ``outside_pid``, only in processes other than that one (a loader worker's, not the trainer's)."""
+    if outside_pid and os.getpid() == outside_pid:
+        return doc
     ids = np.asarray(doc.input_ids).astype(dtype)
     if len(ids):
         ids[0] = value
@@ -18,6 +23,9 @@ def set_id(doc, value: int, dtype: str = "int64"):
 
 
 @transform(stage="text")
-def keep_only(doc, key: str):
-    """Drops every document but the one with ``key``: a lane with one non-empty block."""
+def keep_only(doc, key: str, outside_pid: int = 0):
+    """Drops every document but the one with ``key``: a lane with one non-empty block.
+    With ``outside_pid``, only in processes other than that one."""
+    if outside_pid and os.getpid() == outside_pid:
+        return doc
     return doc if doc.key == key else None

@@ -1,0 +1,64 @@
+"""Errors raised inside loader workers reach the trainer as the project exception they were
+(issue 28, class 5): the same type, the message naming the worker, the worker's traceback
+kept as the cause; nothing left in ``/dev/shm`` or the process table afterwards.
+
+Many instances: out-of-range ids and a failing transform (``TransformError``), a lane with no
+token (``EmptyLaneError``), in-process and on 1 and 2 workers. The trainer produces the first
+items itself until the workers take over, so with workers each transform misbehaves only
+outside the trainer's process (``outside_pid``): the error is raised inside a worker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+from loader.checkpoint.state import StateError
+from loader.io.lane_reader import EmptyLaneError
+from loader.pipeline import ZephonLoader
+from loader.transforms.spec import TransformError
+from loader.workers.pool import WorkerError
+
+HAND_OVER_S = 60
+HOSTILE = "tests.adversarial.hostile_transforms:"
+CASES = {
+    "negative_id": ({"function": HOSTILE + "set_id", "args": {"value": -1}}, TransformError, "input_id -1"),
+    "id_past_int32": ({"function": HOSTILE + "set_id", "args": {"value": 2**40}}, TransformError, "input_id"),
+    "raises": ({"function": HOSTILE + "set_id", "args": {"value": 1, "dtype": "no-such-dtype"}}, TransformError,
+               "failed on document"),
+    "empty_lane": ({"function": HOSTILE + "keep_only", "args": {"key": "none"}}, EmptyLaneError, "every block"),
+}
+
+
+def _shm() -> set:
+    return {n for n in os.listdir("/dev/shm") if "zephon" in n.lower()} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_worker_error_is_the_original_project_exception(make_config, corpus, case, workers):
+    transform, error, text = CASES[case]
+    if workers:
+        transform = dict(transform, args=dict(transform["args"], outside_pid=os.getpid()))
+        if error is EmptyLaneError:  # the worker also finds the trainer's hand-over cursor past its (empty) block
+            error, text = (EmptyLaneError, StateError), r"every block|holds 0 (tokens|documents)"
+    path = corpus.text_path if case == "empty_lane" else corpus.pretokenized_path
+    config = make_config("concat", pretokenized=case != "empty_lane", num_workers=workers).replace(
+        datasets=[{"path": path, "transforms": [transform]}])
+    before_shm, before_children = _shm(), {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(error, match=text) as caught:
+        with ZephonLoader(config) as loader:
+            deadline = time.monotonic() + HAND_OVER_S
+            while time.monotonic() < deadline:  # past the hand-over to the workers (their start-up)
+                next(loader)
+    if workers:
+        assert str(caught.value).startswith("loader worker "), caught.value
+        assert isinstance(caught.value.__cause__, WorkerError) and "Traceback" in str(caught.value.__cause__)
+    assert not isinstance(caught.value, WorkerError) or error is WorkerError
+    assert _shm() <= before_shm
+    assert {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()} <= before_children
