@@ -6,8 +6,8 @@ transformers renders with no bound; here (docs/guides/what-is-checked.md):
 
 * **No clock.** ``strftime_now`` is offered as *undefined*: a template that guards it
   (``{% if strftime_now is defined %}``, as Llama 3's does) takes its own fixed fallback; one
-  that calls it anyway gets a ``ChatTemplateError`` naming the template and the fix (pass
-  the date as a template variable). transformers formats today's date, so two runs of one
+  that calls it anyway gets a ``ChatTemplateError`` naming the template and the fix (write
+  the date in the template, or pass it as a variable). transformers formats today's date, so two runs of one
   config would differ.
 * **Bounded work.** ``range`` draws from a budget of :data:`MAX_LOOP_ITERATIONS` per render
   (the sandbox bounds one range at 100,000 but not a loop nested in another), and a render
@@ -65,8 +65,8 @@ class _ClockUndefined(jinja2.Undefined):
     def _fail_with_undefined_error(self, *args, **kwargs):  # what calling (or printing) an Undefined does
         raise _LimitExceeded(
             "it calls strftime_now, which reads the clock: two runs of one config would render different "
-            "text. Guard it ({% if strftime_now is defined %}) or pass the date as a template variable "
-            "(e.g. date_string in the template's extra variables)")
+            "text. Guard it ({% if strftime_now is defined %}), or write the date in the template "
+            "({% set date_string = \"1 Jan 2025\" %}) or pass it as a variable (extra_variables)")
 
 
 def _budgeted_range(*args) -> "_CountedRange":
