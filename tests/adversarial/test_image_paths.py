@@ -70,3 +70,55 @@ def test_hostile_image_paths_are_counted_rejects_that_quote_nothing(tmp_path):
     for k, (name, why) in enumerate(hostile.items()):
         (record,) = [r for r in rejected if f"hostile {k}" in json.dumps(r)]
         assert why in json.dumps(record), (name, record)
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]], *, claim: tuple[str, int] = None) -> None:
+    """A WebDataset shard of ``members``; with ``claim``, a last member whose header gives that
+    size over a few bytes of data (and no end-of-archive block: the shard is cut)."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    data = buffer.getvalue()
+    if claim is not None:
+        data = data.rstrip(b"\0")  # the end-of-archive blocks off (the last member, text, ends in no zero)
+        data += b"\0" * (-len(data) % 512)
+        info = tarfile.TarInfo(claim[0])
+        info.size = claim[1]
+        data += info.tobuf(format=tarfile.GNU_FORMAT) + b"x" * 4096
+    path.write_bytes(data)
+
+
+@pytest.mark.timeout(90)
+def test_a_too_large_tar_member_is_a_counted_reject_and_the_tar_goes_on(tmp_path, monkeypatch):
+    import tarfile
+
+    extracted = []  # sizes of the members read into memory (the in-memory runner: this process)
+    real = tarfile.TarFile.extractfile
+    monkeypatch.setattr(tarfile.TarFile, "extractfile",
+                        lambda self, member: extracted.append(member.size) or real(self, member))
+    root = tmp_path / "in"
+    root.mkdir()
+    big = image_bytes(64, 64, "PNG", seed=3) + b"\0" * 1_300_000
+    members = []
+    for k in range(6):
+        image = big if k in (1, 4) else image_bytes(30 + k, 30, "PNG", seed=k)
+        members += [(f"s{k:03d}.png", image), (f"s{k:03d}.txt", f"caption {k}".encode())]
+    _tar(root / "shard-0.tar", members)
+    # a member claiming 16 GiB: never read into memory; the shard is cut after it
+    _tar(root / "shard-1.tar", [("t000.png", image_bytes(20, 20, "PNG", seed=8)), ("t000.txt", b"kept")],
+         claim=("t001.png", 16 * 2**30))
+    output = tmp_path / "out"
+    manifest = shard.run(["--input", str(root / "shard-0.tar"), str(root / "shard-1.tar"), "--output", str(output),
+                          "--num-lanes", "1", "--max-image-mb", "1", "--max-reject-fraction", "0.9",
+                          *IN_MEMORY_RUNNER])
+    rejected = _rejected(output)
+    reasons = sorted(r["reason"] for r in rejected)
+    assert manifest.documents == 4 + 1, reasons  # s0, s2, s3, s5 and t000: the tar goes on past s1 and s4
+    assert reasons.count("image_too_large") == 2 and "unreadable_file" in reasons, reasons
+    assert extracted and max(extracted) <= 2**20  # neither the 1.3 MB members nor the 16 GiB one was read
