@@ -39,6 +39,7 @@ never try to download Prism and behave the same on every machine.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import re
@@ -528,12 +529,29 @@ def _keyed_by_input_file(rejection: tuple) -> tuple[int, tuple]:
     return rejection[0], rejection
 
 
+# A traceback's last line naming a Zephon error: "loader.chat.template.ChatTemplateError: message".
+_RAISED_LINE = re.compile(r"^((?:loader|beam_jobs)(?:\.\w+)+)\.([A-Z]\w*): (.+?)(?: \[while running .*)?$", re.MULTILINE)
+
+
 def _job_error_message(exc: BaseException) -> Optional[str]:
-    """The message of a :class:`ShardJobError` raised on a worker, wherever the runner put it."""
+    """The message of a :class:`ShardJobError` raised on a worker, wherever the runner put it;
+    else of any other :class:`~loader.errors.ZephonError` a worker raised (the runner in
+    ``multi_processing`` mode hands back only its traceback text); None for anything else."""
     text = str(exc)
     # Runners may repeat the prefix when they wrap the error: skip every copy of it.
     match = re.search(f"(?:{re.escape(JOB_ERROR_PREFIX)})+" + r"(.*?)(?: \[while running|\\n|\n|$)", text)
-    return match.group(1) if match else None
+    if match:
+        return match.group(1)
+    if isinstance(exc, ZephonError):
+        return str(exc)
+    for module_name, class_name, message in reversed(_RAISED_LINE.findall(text)):
+        try:
+            raised = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(raised, type) and issubclass(raised, ZephonError):
+            return message
+    return None
 
 
 def _normalize_output(output: str) -> str:
@@ -695,8 +713,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def command(argv: Sequence[str]) -> int:
+    from loader.cli import debug_enabled
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("beam_jobs").setLevel(logging.INFO)
+    if not debug_enabled():  # Beam logs a failed job's worker tracebacks itself; ours is one line (--debug: all)
+        logging.getLogger("apache_beam").setLevel(logging.CRITICAL)
     options, pipeline_args = parse_args(list(argv))
     manifest = run_shard(options, pipeline_args, on_summary=lambda summary: print(summary.text()))
     assert manifest is not None

@@ -10,6 +10,7 @@ same on every run. The Beam job refuses a clock-reading template with one error 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -73,3 +74,28 @@ def test_the_beam_job_refuses_a_clock_reading_template_with_one_line(tmp_path, c
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("zephon shard: error:")]
     assert code != 0 and len(err) == 1 and "strftime_now" in err[0], err
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["in_memory", "multi_processing"])
+def test_a_failed_job_ends_with_one_zephon_error_line_in_every_running_mode(tmp_path, mode):
+    """The CLI in a subprocess (Beam's own logging as a user gets it): exit 1, the last line of
+    stderr is the one ``zephon shard: error:`` line, and Beam logs no ERROR record itself."""
+    import subprocess
+    import sys
+
+    (tmp_path / "clock.jinja").write_text(
+        "{% for m in messages %}{{ m.role }} {{ strftime_now('%H') }}: "
+        "{% generation %}{{ m.content }}{% endgeneration %}\n{% endfor %}")
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": MESSAGES}) + "\n" for _ in range(4)))
+    runner = ["--runner=FnApiRunner", f"--direct_running_mode={mode}"] + (
+        ["--direct_num_workers=2"] if mode == "multi_processing" else [])
+    done = subprocess.run([sys.executable, "-m", "loader.cli", "shard", "--input", str(tmp_path / "chat.jsonl"),
+                           "--output", str(tmp_path / "out"), "--messages-field", "messages", "--chat-template",
+                           str(tmp_path / "clock.jinja"), "--num-lanes", "1", *runner],
+                          capture_output=True, text=True, timeout=150, env={**os.environ, "ZEPHON_DEBUG": ""})
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert lines[-1].startswith("zephon shard: error:") and "strftime_now" in lines[-1], lines[-5:]
+    assert sum(line.startswith("zephon shard: error:") for line in lines) == 1
+    assert not any(line.startswith("ERROR apache_beam") for line in lines)
