@@ -121,6 +121,7 @@ class WorkerPool:
         self.waiters: list[PipeWaiter] = []  # one per message pipe
         self.segments: list[Segment] = []
         self.ready = [False] * num_workers
+        self.started_at = time.monotonic()  # for raise_if_slow_to_start
         self.run_id = 0
         self.decoders: list[StateDecoder] = []  # the current run's, one per worker
         self.input_dir = tempfile.mkdtemp(prefix="zephon-workers-")
@@ -181,6 +182,17 @@ class WorkerPool:
         for worker_id, process in enumerate(self.processes):
             if not process.is_alive():
                 raise self._died(worker_id)
+
+    def raise_if_slow_to_start(self, timeout_s: float) -> None:
+        """A worker that has not started ``timeout_s`` after the pool did (stopped, stuck in an
+        import or on storage) is an error, as a worker that stops producing later is: the
+        trainer would otherwise go on producing in-process forever and never hand over."""
+        if time.monotonic() - self.started_at <= timeout_s or self.all_ready():
+            return
+        waiting = [w for w, ready in enumerate(self.ready) if not ready]
+        pids = [self.processes[w].pid for w in waiting]
+        raise WorkerError(f"loader worker(s) {waiting} (pid {pids}) did not start within {timeout_s:.0f} s "
+                          "(worker_timeout_s): stopped, or stuck starting up (imports, storage)?")
 
     def healthy(self) -> bool:
         return all(p.is_alive() for p in self.processes)

@@ -62,3 +62,34 @@ def test_a_worker_error_is_the_original_project_exception(make_config, corpus, c
     assert not isinstance(caught.value, WorkerError) or error is WorkerError
     assert _shm() <= before_shm
     assert {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()} <= before_children
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_worker_stopped_before_the_hand_over_is_reported_within_worker_timeout_s(make_config, corpus, workers):
+    """The trainer produces in-process until every worker has started; a worker that never
+    starts (SIGSTOP) used to leave it producing forever. Now: WorkerError after worker_timeout_s."""
+    import signal
+
+    timeout_s = 3.0
+    config = make_config("concat", pretokenized=True, num_workers=workers, worker_timeout_s=timeout_s)
+    loader = ZephonLoader(config)
+    try:
+        next(loader)  # starts the pool: the workers are still importing
+        victims = list(loader._pool.processes)
+        os.kill(victims[-1].pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match=r"did not start within 3 s \(worker_timeout_s\)"):
+            while time.monotonic() - started < 60:
+                next(loader)
+        assert time.monotonic() - started < timeout_s + 10
+    finally:
+        for process in loader._pool.processes if loader._pool is not None else ():
+            try:
+                os.kill(process.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        loader.close()
+    assert not any(psutil.pid_exists(p.pid) and psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE
+                   for p in victims)
