@@ -40,3 +40,8 @@ class RecordRejected(ZephonError, ValueError):
     def __reduce__(self):
         # Beam and worker processes pickle exceptions; rebuild from both fields, not from args.
         return (type(self), (self.reason, self.detail))
+
+
+class SharedMemoryError(ZephonError, OSError):
+    """Shared memory (``/dev/shm``) too small for the loader workers' segments; the message says
+    how much is free and needed, and the fix (a larger ``/dev/shm``, fewer workers or prefetch)."""

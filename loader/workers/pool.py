@@ -31,7 +31,7 @@ from loader.workers.child import BOOTSTRAP
 from loader.workers.error_relay import worker_exception
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
-from loader.workers.shm import Segment, remove_stale_segments, slot_bytes
+from loader.workers.shm import SHM_DIR, Segment, remove_stale_segments, slot_bytes
 from loader.workers.state_delta import StateDecoder
 
 log = logging.getLogger(__name__)
@@ -284,6 +284,12 @@ class WorkerPool:
 
     def _died(self, worker_id: int) -> WorkerError:
         process = self.processes[worker_id]
+        if process.exitcode == -signal.SIGBUS:  # a write to a segment of a full tmpfs
+            return WorkerError(
+                f"loader worker {worker_id} (pid {process.pid}) died of SIGBUS: shared memory ({SHM_DIR}) is full, "
+                "so a page of its segment could not be allocated; enlarge it (docker run --shm-size=2g) or lower "
+                "num_workers or prefetch, and check what else fills it"
+            )
         return WorkerError(
             f"loader worker {worker_id} (pid {process.pid}) died with exit code {process.exitcode} "
             "without reporting an error (killed, or out of memory?)"

@@ -93,3 +93,43 @@ def test_a_worker_stopped_before_the_hand_over_is_reported_within_worker_timeout
         loader.close()
     assert not any(psutil.pid_exists(p.pid) and psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE
                    for p in victims)
+
+
+@pytest.mark.parametrize("free_bytes", [0, 512, 4096])
+def test_too_little_shared_memory_is_an_error_that_says_so(make_config, corpus, monkeypatch, free_bytes):
+    """A tmpfs too small for the segments (docker's 64 MB /dev/shm) is refused before a worker
+    maps it: a segment of a full tmpfs maps fine and dies of SIGBUS on its first write."""
+    from loader.errors import SharedMemoryError
+    from loader.workers import shm
+
+    real = os.statvfs
+
+    class Small:
+        def __init__(self, path):
+            stat = real(path)
+            self.f_frsize, self.f_bavail = 1, free_bytes
+
+    monkeypatch.setattr(shm.os, "statvfs", Small)
+    before_shm, before_children = _shm(), {p.pid for p in psutil.Process().children(recursive=True)}
+    config = make_config("concat", pretokenized=True, num_workers=2, prefetch=4)
+    with pytest.raises(SharedMemoryError, match=r"shared memory /dev/shm has .* MiB free.*--shm-size"):
+        with ZephonLoader(config) as loader:
+            next(loader)
+    assert _shm() <= before_shm
+    assert {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()} <= before_children
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_worker_killed_by_sigbus_is_reported_as_full_shared_memory(make_config, corpus):
+    import signal
+
+    loader = ZephonLoader(make_config("concat", pretokenized=True, num_workers=1))
+    try:
+        loader.wait_for_workers(60)
+        os.kill(loader._pool.processes[0].pid, signal.SIGBUS)
+        with pytest.raises(WorkerError, match=r"SIGBUS: shared memory \(/dev/shm\) is full"):
+            for _ in range(10_000):
+                next(loader)
+    finally:
+        loader.close()
