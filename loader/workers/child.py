@@ -60,7 +60,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
         os.nice(WORKER_NICENESS)
     except OSError:
         pass
-    segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"])
+    segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"], fd=setup["segment_fd"])
     messages.send(("ready", os.getpid()))
     flags = segment.flags
     items_per_message = setup["items_per_message"]

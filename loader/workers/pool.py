@@ -141,20 +141,26 @@ class WorkerPool:
         self.segments.append(segment)
         command_r, command_w = os.pipe()
         message_r, message_w = os.pipe()
+        segment_fd = os.open(segment.path, os.O_RDWR)  # the worker maps it by descriptor, not by name
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-c", BOOTSTRAP, str(command_r), str(message_w)],
-                pass_fds=(command_r, message_w), stdin=subprocess.DEVNULL, env=env,
+                pass_fds=(command_r, message_w, segment_fd), stdin=subprocess.DEVNULL, env=env,
             )
         finally:
             os.close(command_r)
             os.close(message_w)
+            os.close(segment_fd)
+        # Mapped here, open in the worker: the name can go now, so that a kill -9 of the trainer
+        # from here on leaves nothing in /dev/shm (only this instant's window remains, for
+        # remove_stale_segments of the next loader).
+        segment.unlink()
         self.processes.append(WorkerProcess(popen))
         self.commands.append(Connection(command_w, readable=False))
         self.messages.append(Connection(message_r, writable=False))
         self.waiters.append(PipeWaiter(self.messages[-1]))
         self.commands[-1].send({
-            "sys_path": list(sys.path), "segment_path": segment.path,
+            "sys_path": list(sys.path), "segment_path": segment.path, "segment_fd": segment_fd,
             "num_slots": self.num_slots, "slot_size": self.slot_size,
             "items_per_message": self.items_per_message,
         })
@@ -176,7 +182,7 @@ class WorkerPool:
 
     def _mark_ready(self, worker_id: int) -> None:
         self.ready[worker_id] = True
-        self.segments[worker_id].unlink()  # mapped on both sides: no name left to leak
+        self.segments[worker_id].unlink()  # already gone (_start_process); idempotent
 
     def raise_if_dead(self) -> None:
         for worker_id, process in enumerate(self.processes):

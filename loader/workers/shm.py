@@ -108,8 +108,11 @@ class Segment:
         return segment
 
     @classmethod
-    def attach(cls, path: str, num_slots: int, slot_size: int) -> "Segment":
-        fd = os.open(path, os.O_RDWR)
+    def attach(cls, path: str, num_slots: int, slot_size: int, fd: Optional[int] = None) -> "Segment":
+        """Map a segment by name, or by an inherited descriptor ``fd`` (its name may be gone: the
+        pool unlinks it once the worker holds it); the descriptor is closed once mapped."""
+        if fd is None:
+            fd = os.open(path, os.O_RDWR)
         try:
             return cls(path, num_slots, slot_size, mmap.mmap(fd, cls.size_of(num_slots, slot_size)))
         finally:

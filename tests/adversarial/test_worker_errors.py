@@ -133,3 +133,45 @@ def test_a_worker_killed_by_sigbus_is_reported_as_full_shared_memory(make_config
                 next(loader)
     finally:
         loader.close()
+
+
+TRAINER = """
+import sys, time
+from loader.pipeline import ZephonLoader
+from loader.config import LoaderConfig
+config = LoaderConfig.from_dict(__import__("json").loads(sys.argv[1]))
+loader = ZephonLoader(config)
+next(loader)  # the pool is started; the workers may still be importing (warm start)
+print("started", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wait_s", [0.0, 3.0], ids=["before-hand-over", "after"])
+def test_kill_9_of_the_trainer_leaves_nothing_in_dev_shm(make_config, corpus, wait_s):
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    config = make_config("concat", pretokenized=True, num_workers=2)
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(config.to_dict())],
+                               stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        assert trainer.stdout.readline().strip() == "started"
+        time.sleep(wait_s)
+        workers = [p.pid for p in psutil.Process(trainer.pid).children(recursive=True)]
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(f"zephon-{trainer.pid}-")]
+        assert len(workers) == 2 and names == []  # the names went when the workers were spawned
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(10)
+        deadline = time.monotonic() + 20
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers):
+            assert time.monotonic() < deadline, "workers outlived the killed trainer"
+            time.sleep(0.1)
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"zephon-{trainer.pid}-")] == []
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
