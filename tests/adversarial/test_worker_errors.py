@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 
-import psutil
 import pytest
 
 from loader.checkpoint.state import StateError
@@ -33,8 +32,38 @@ CASES = {
 }
 
 
+def _children(pid: int) -> set[int]:
+    """Live (not zombie) descendants of ``pid``, from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _shm() -> set:
-    return {n for n in os.listdir("/dev/shm") if "zephon" in n.lower()} if os.path.isdir("/dev/shm") else set()
+    """This process's segment names in /dev/shm (other sessions on the machine have their own)."""
+    prefix = f"zephon-{os.getpid()}-"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
 
 
 @pytest.mark.slow
@@ -50,7 +79,7 @@ def test_a_worker_error_is_the_original_project_exception(make_config, corpus, c
     path = corpus.text_path if case == "empty_lane" else corpus.pretokenized_path
     config = make_config("concat", pretokenized=case != "empty_lane", num_workers=workers).replace(
         datasets=[{"path": path, "transforms": [transform]}])
-    before_shm, before_children = _shm(), {p.pid for p in psutil.Process().children(recursive=True)}
+    before_shm, before_children = _shm(), _children(os.getpid())
     with pytest.raises(error, match=text) as caught:
         with ZephonLoader(config) as loader:
             deadline = time.monotonic() + HAND_OVER_S
@@ -61,7 +90,7 @@ def test_a_worker_error_is_the_original_project_exception(make_config, corpus, c
         assert isinstance(caught.value.__cause__, WorkerError) and "Traceback" in str(caught.value.__cause__)
     assert not isinstance(caught.value, WorkerError) or error is WorkerError
     assert _shm() <= before_shm
-    assert {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()} <= before_children
+    assert _children(os.getpid()) <= before_children
 
 
 @pytest.mark.slow
@@ -91,8 +120,7 @@ def test_a_worker_stopped_before_the_hand_over_is_reported_within_worker_timeout
             except ProcessLookupError:
                 pass
         loader.close()
-    assert not any(psutil.pid_exists(p.pid) and psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE
-                   for p in victims)
+    assert not any(_running(p.pid) for p in victims)
 
 
 @pytest.mark.parametrize("free_bytes", [0, 512, 4096])
@@ -110,13 +138,13 @@ def test_too_little_shared_memory_is_an_error_that_says_so(make_config, corpus, 
             self.f_frsize, self.f_bavail = 1, free_bytes
 
     monkeypatch.setattr(shm.os, "statvfs", Small)
-    before_shm, before_children = _shm(), {p.pid for p in psutil.Process().children(recursive=True)}
+    before_shm, before_children = _shm(), _children(os.getpid())
     config = make_config("concat", pretokenized=True, num_workers=2, prefetch=4)
     with pytest.raises(SharedMemoryError, match=r"shared memory /dev/shm has .* MiB free.*--shm-size"):
         with ZephonLoader(config) as loader:
             next(loader)
     assert _shm() <= before_shm
-    assert {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()} <= before_children
+    assert _children(os.getpid()) <= before_children
 
 
 @pytest.mark.slow
@@ -162,13 +190,13 @@ def test_kill_9_of_the_trainer_leaves_nothing_in_dev_shm(make_config, corpus, wa
     try:
         assert trainer.stdout.readline().strip() == "started"
         time.sleep(wait_s)
-        workers = [p.pid for p in psutil.Process(trainer.pid).children(recursive=True)]
+        workers = sorted(_children(trainer.pid))
         names = [n for n in os.listdir("/dev/shm") if n.startswith(f"zephon-{trainer.pid}-")]
         assert len(workers) == 2 and names == []  # the names went when the workers were spawned
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait(10)
         deadline = time.monotonic() + 20
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers):
+        while any(_running(p) for p in workers):
             assert time.monotonic() < deadline, "workers outlived the killed trainer"
             time.sleep(0.1)
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"zephon-{trainer.pid}-")] == []
