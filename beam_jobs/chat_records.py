@@ -37,7 +37,6 @@ instead of mixing two encodings.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -47,6 +46,7 @@ import numpy as np
 from loader.chat import encode_conversation, load_chat_template, parse_conversation
 from loader.chat.encode import render_conversation
 from loader.chat.record import ChatRecord
+from loader.chat.record import template_fingerprint as manifest_template_fingerprint
 from loader.stages.tokenizer import describe, load_tokenizer
 
 TOOLS_FIELD = "tools"  # the record-level tools list (JSON schemas), passed to the template
@@ -104,11 +104,9 @@ def conversation_json(conversation) -> str:
 
 
 def template_fingerprint(template) -> str:
-    """A stable digest of a loaded template: its sources, special tokens and variables."""
-    content = {"sources": dict(template.sources), "special_tokens": dict(template.special_tokens),
-               "template_name": template.template_name, "extra_variables": dict(template.extra_variables)}
-    blob = json.dumps(content, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
-    return hashlib.sha256(blob).hexdigest()
+    """A stable digest of a loaded template: its sources, special tokens and variables (the
+    loader checks a stored ``chat.template`` against it: :func:`loader.chat.record.template_fingerprint`)."""
+    return manifest_template_fingerprint(template_record(template))
 
 
 def _lone_surrogate(value: Any) -> Optional[str]:

@@ -33,6 +33,13 @@ The document's ``text`` is its text segments concatenated; where the images stan
 ``segments`` list (:mod:`loader.vision.segments`). The third element of an image document,
 which sizes the lane files (``--target-file-mb``) and row groups, counts the text bytes plus
 the encoded image bytes, so image bytes are what bounds a file and a row group.
+
+Paths are confined (docs/guides/what-is-checked.md): a relative path may not climb out of its
+root (``../`` past it: an ``image_unreadable`` reject naming the path, nothing read); only a
+path the record writes as absolute (or a URL) is used as given. A local image must be a
+regular file (a FIFO or device is refused without being opened for a blocking read) and is
+read at most ``--max-image-mb`` + 1 bytes, so a file that grows is refused too. A reject's
+detail never quotes the file's bytes.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from __future__ import annotations
 import argparse
 import os
 import posixpath
+import stat
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -49,7 +57,7 @@ from beam_jobs.job_files import JOB_STORAGE_OPTIONS
 from beam_jobs.records import IMAGE_RECORDS, RecordConverter, _InvalidUtf8, _json_type_name, register_converter
 from loader.errors import ImageOptionError, ImagePolicyError
 from loader.io import storage
-from loader.io.backends import is_remote
+from loader.io.backends import backend_for, is_remote
 from loader.vision.images import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_BYTES,
@@ -100,7 +108,8 @@ def add_image_arguments(parser: argparse.ArgumentParser) -> None:
                             "the list naming the members of an interleaved document (default: none)")
     group.add_argument("--image-root", default=None, metavar="DIR",
                        help="directory (local, gs:// or s3://) that relative image paths are resolved against "
-                            "(default: the directory of the input file naming them)")
+                            "(default: the directory of the input file naming them); a relative path that climbs "
+                            "out of it (../) is rejected, absolute paths and URLs are used as written")
     group.add_argument("--image-policy", default=None, metavar="SPEC",
                        help="image-processing policy whose visual-token count of each image is recorded in "
                             "the lane (image_visual_tokens): 'fixed', 'dynamic' or a JSON object such as "
@@ -351,8 +360,16 @@ def resolve_image_path(root: str, name: str) -> str:
         return name
     if is_remote(root):
         scheme, rest = root.split("://", 1)
-        return f"{scheme}://{posixpath.normpath(posixpath.join(rest, name))}"
-    return os.path.normpath(os.path.join(root, name))
+        resolved, base = posixpath.normpath(posixpath.join(rest, name)), posixpath.normpath(rest)
+        if posixpath.commonpath([resolved, base]) != base:
+            raise _Reject("image_unreadable", f"{name!r} climbs out of its root {root} (relative image paths stay "
+                          "inside it; write the path absolute, or set --image-root to a folder that holds it)")
+        return f"{scheme}://{resolved}"
+    resolved, base = os.path.normpath(os.path.join(root, name)), os.path.normpath(root or ".")
+    if os.path.commonpath([os.path.abspath(resolved), os.path.abspath(base)]) != os.path.abspath(base):
+        raise _Reject("image_unreadable", f"{name!r} climbs out of its root {root} (relative image paths stay inside "
+                      "it; write the path absolute, or set --image-root to a folder that holds it)")
+    return resolved
 
 
 def read_image_file(path: str, limits: ImageLimits) -> bytes:
@@ -361,12 +378,24 @@ def read_image_file(path: str, limits: ImageLimits) -> bytes:
     the supported ones)."""
     try:
         if not is_remote(path):
-            size = os.stat(path).st_size
-            if size > limits.max_bytes:  # never read a huge file into memory just to refuse it
-                raise _Reject("image_too_large", f"{path}: {size} bytes, above the limit of {limits.max_bytes} "
-                              "(--max-image-mb)")
-            with open(path, "rb") as handle:
-                return handle.read()
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever
+            descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            with os.fdopen(descriptor, "rb") as handle:
+                info = os.fstat(descriptor)
+                if not stat.S_ISREG(info.st_mode):
+                    raise _Reject("image_unreadable", f"{path}: not a regular file (a FIFO, device, socket or "
+                                  "directory); name image files only")
+                if info.st_size > limits.max_bytes:  # never read a huge file into memory just to refuse it
+                    raise _Reject("image_too_large", f"{path}: {info.st_size} bytes, above the limit of "
+                                  f"{limits.max_bytes} (--max-image-mb)")
+                data = handle.read(limits.max_bytes + 1)
+            if len(data) > limits.max_bytes:  # it grew since the fstat
+                raise _Reject("image_too_large", f"{path}: more than {limits.max_bytes} bytes (--max-image-mb)")
+            return data
+        size = backend_for(path).stat(path, JOB_STORAGE_OPTIONS).size
+        if size > limits.max_bytes:  # never fetch a huge object just to refuse it
+            raise _Reject("image_too_large", f"{path}: {size} bytes, above the limit of {limits.max_bytes} "
+                          "(--max-image-mb)")
         return storage.read_bytes(path, JOB_STORAGE_OPTIONS)
     except (FileNotFoundError, storage.StorageNotFoundError):
         raise _Reject("image_missing", f"{path} does not exist") from None

@@ -39,6 +39,7 @@ never try to download Prism and behave the same on every machine.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import re
@@ -78,7 +79,7 @@ from beam_jobs.outputs import WriteRejectedFn, commit_manifest, prepare_output
 from beam_jobs.progress import ShardSummary, expect, expect_lane_files, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from loader.chat import LOSS_ON_CHOICES, OVERFLOW_CHOICES, load_chat_template
-from loader.cli import run_command
+from loader.cli import debug_enabled, run_command
 from loader.errors import (
     ChatTemplateError,
     ConfigError,
@@ -88,6 +89,7 @@ from loader.errors import (
     ShardConfigError,
     ShardError,
     TransformError,
+    ZephonError,
 )
 from loader.io.backends import UnsupportedSchemeError, backend_for
 from loader.io.manifest import DOCUMENT_REJECT_REASONS, Manifest, read_manifest
@@ -550,12 +552,29 @@ def _keyed_by_input_file(rejection: tuple) -> tuple[int, tuple]:
     return rejection[0], rejection
 
 
+# A traceback's last line naming a Zephon error: "loader.chat.template.ChatTemplateError: message".
+_RAISED_LINE = re.compile(r"^((?:loader|beam_jobs)(?:\.\w+)+)\.([A-Z]\w*): (.+?)(?: \[while running .*)?$", re.MULTILINE)
+
+
 def _job_error_message(exc: BaseException) -> Optional[str]:
-    """The message of a :class:`ShardJobError` raised on a worker, wherever the runner put it."""
+    """The message of a :class:`ShardJobError` raised on a worker, wherever the runner put it;
+    else of any other :class:`~loader.errors.ZephonError` a worker raised (the runner in
+    ``multi_processing`` mode hands back only its traceback text); None for anything else."""
     text = str(exc)
     # Runners may repeat the prefix when they wrap the error: skip every copy of it.
     match = re.search(f"(?:{re.escape(JOB_ERROR_PREFIX)})+" + r"(.*?)(?: \[while running|\\n|\n|$)", text)
-    return match.group(1) if match else None
+    if match:
+        return match.group(1)
+    if isinstance(exc, ZephonError):
+        return str(exc)
+    for module_name, class_name, message in reversed(_RAISED_LINE.findall(text)):
+        try:
+            raised = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(raised, type) and issubclass(raised, ZephonError):
+            return message
+    return None
 
 
 def _normalize_output(output: str) -> str:
@@ -728,6 +747,8 @@ def command(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("beam_jobs").setLevel(logging.INFO)
     logging.getLogger("apache_beam.runners.common").addFilter(_OwnJobErrors())
+    if not debug_enabled():  # Beam logs a failed job's worker tracebacks itself; ours is one line (--debug: all)
+        logging.getLogger("apache_beam").setLevel(logging.CRITICAL)
     options, pipeline_args = parse_args(list(argv))
     manifest = run_shard(options, pipeline_args, on_summary=lambda summary: print(summary.text()))
     assert manifest is not None

@@ -230,3 +230,8 @@ class ShardJobError(ZephonError, RuntimeError):
 
     def __init__(self, message: str):
         super().__init__(JOB_ERROR_PREFIX + message)
+
+
+class SharedMemoryError(ZephonError, OSError):
+    """Shared memory (``/dev/shm``) too small for the loader workers' segments; the message says
+    how much is free and needed, and the fix (a larger ``/dev/shm``, fewer workers or prefetch)."""

@@ -768,6 +768,7 @@ class ZephonLoader:
             self._run = _Run(self, self._pool, warm_start=self._pool is not None and not self._pool.all_ready())
         elif self._run.warm_start and self._step_items is None and not self._ahead:
             self._pool.raise_if_dead()  # a worker that died starting up is an error, not a slow start
+            self._pool.raise_if_slow_to_start(self.config.worker_timeout_s)
             if self._pool.all_ready():
                 warm = self._run
                 tokenizes = self.spec.tokenizer_json is not None  # text or chat sources

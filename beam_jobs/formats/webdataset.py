@@ -22,13 +22,17 @@ no end-of-archive block) yields the samples before the failure plus one ``unread
 rejection, like every input format (:mod:`beam_jobs.readers`); the sample being read when it
 failed is never a document. A shard must end with tar's all-zero end-of-archive block (every
 tar writer writes it), so a cut even at a member boundary is found.
+
+An image member whose tar header gives a size above ``--max-image-mb`` is never read into
+memory (the stream skips it block by block): its sample is an ``image_too_large`` reject and
+the samples after it are read as usual.
 """
 
 from __future__ import annotations
 
 import json
 import tarfile
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 from beam_jobs import job_files
 from beam_jobs.image_records import ImageRecordConverter, _MISSING, _Reject
@@ -36,7 +40,16 @@ from beam_jobs.inputs import InputFile
 from beam_jobs.records import _guarded, _ReadFailure, _unreadable, register_format
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-Sample = tuple  # (sample key, {extension: bytes}) in member order
+Sample = tuple  # (sample key, {extension: bytes or OversizeMember}) in member order
+
+
+class OversizeMember:
+    """An image member left unread: its header's size is above the image limit."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
 
 
 def split_member_name(name: str) -> tuple[str, str]:
@@ -66,8 +79,9 @@ class _StrictTarInfo(tarfile.TarInfo):
                                     "or damaged (a whole tar ends with its all-zero end-of-archive block)") from None
 
 
-def iter_samples(stream) -> Iterator[Sample]:
-    """The samples of a tar stream, in member order; raises on a damaged or cut shard."""
+def iter_samples(stream, max_image_bytes: Optional[int] = None) -> Iterator[Sample]:
+    """The samples of a tar stream, in member order; raises on a damaged or cut shard. An image
+    member above ``max_image_bytes`` (by its header) is an :class:`OversizeMember`, unread."""
     key, members = None, {}
     with tarfile.open(fileobj=stream, mode="r|", tarinfo=_StrictTarInfo) as archive:
         for member in archive:
@@ -78,6 +92,9 @@ def iter_samples(stream) -> Iterator[Sample]:
                 yield key, members
                 members = {}
             key = member_key
+            if max_image_bytes is not None and _is_image_member(extension) and member.size > max_image_bytes:
+                members[extension] = OversizeMember(member.size)  # tarfile skips its data on the next member
+                continue
             handle = archive.extractfile(member)
             members[extension] = handle.read() if handle is not None else b""
     if key is not None:
@@ -88,12 +105,16 @@ def _is_image_member(extension: str) -> bool:
     return extension.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS
 
 
-def _member_source(key: str, members: dict[str, bytes]):
+def _member_source(key: str, members: dict, max_image_bytes: Optional[int]):
     def read_member(name: str) -> bytes:
         candidates = (name.lower(), split_member_name(name)[1] if name.startswith(key + ".") else None)
         for candidate in candidates:
             if candidate is not None and candidate in members:
-                return members[candidate]
+                value = members[candidate]
+                if isinstance(value, OversizeMember):
+                    raise _Reject("image_too_large", f"member {key}.{candidate}: {value.size} bytes by its tar header, "
+                                  f"above the limit of {max_image_bytes} (--max-image-mb); not read")
+                return value
         raise _Reject("image_missing", f"sample {key!r} has no member {name!r} (members: {', '.join(sorted(members))})")
 
     return read_member
@@ -137,8 +158,9 @@ def read_webdataset(input_file: InputFile, converter: ImageRecordConverter) -> I
     """Every sample of one shard as ``(True, document)`` or ``(False, rejection)``."""
     def samples() -> Iterator[Sample]:
         with job_files.open_read(input_file.path) as handle:
-            yield from iter_samples(handle)
+            yield from iter_samples(handle, max_image_bytes)
 
+    max_image_bytes = converter.images.limits.max_bytes
     record_index = -1
     for item in _guarded(samples()):
         if isinstance(item, _ReadFailure):
@@ -153,4 +175,4 @@ def read_webdataset(input_file: InputFile, converter: ImageRecordConverter) -> I
             yield False, converter.reject(record_index, rejected.reason, rejected.detail, raw)
             continue
         yield converter.convert_parts(record, record_index, raw, image_value if image_value is not None else _MISSING,
-                                      _member_source(key, members))
+                                      _member_source(key, members, max_image_bytes))

@@ -7,6 +7,8 @@ template or tokenizer code: every reader of a manifest loads it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -50,8 +52,12 @@ class ChatRecord:
         return data
 
     def fingerprint_content(self) -> dict[str, Any]:
+        # template_origin: where the job read the template (a path of its machine); longest_tokens:
+        # a statistic of the lane files, which the fingerprint covers already (their SHA-256s), so
+        # that recording it kept the fingerprints of re-sharded datasets.
         content = self.to_dict()
         content.pop("template_origin", None)
+        content.pop("longest_tokens", None)
         return content
 
     @classmethod
@@ -85,7 +91,13 @@ class ChatRecord:
                             f"(got {data['template_fingerprint']!r:.80})")
         template = data.get("template")
         if template is not None:
-            problems += [f"template.{p}" for p in _template_problems(template)]
+            template_problems = _template_problems(template)
+            problems += [f"template.{p}" for p in template_problems]
+            fingerprint = data.get("template_fingerprint")
+            if not template_problems and isinstance(fingerprint, str) and template_fingerprint(template) != fingerprint:
+                problems.append(f"field 'template' does not hash to its 'template_fingerprint' {fingerprint} "
+                                f"(it hashes to {template_fingerprint(template)}): the stored template was edited; "
+                                "re-shard with the template you mean, or restore the manifest")
         elif data.get("tokenized") is False:
             problems.append("field 'template' is missing: a dataset tokenized online needs the template it renders with")
         origin = data.get("template_origin")
@@ -94,6 +106,16 @@ class ChatRecord:
         if problems:
             raise ManifestError(f"{where}: " + "; ".join(problems))
         return cls(**{name: data.get(name) for name in known})
+
+
+def template_fingerprint(template: dict[str, Any]) -> str:
+    """The digest of a template record (``chat.template``: sources, special tokens, variables,
+    name) the Beam job stores as ``chat.template_fingerprint`` and the loader checks it against."""
+    content = {"sources": dict(template["sources"]), "special_tokens": dict(template.get("special_tokens") or {}),
+               "template_name": template.get("template_name"),
+               "extra_variables": dict(template.get("extra_variables") or {})}
+    blob = json.dumps(content, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()
 
 
 def _template_problems(template: Any) -> list[str]:

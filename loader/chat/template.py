@@ -10,9 +10,13 @@ for character (tested against ``apply_chat_template(..., tokenize=False)``):
 
 - the environment: ``transformers/utils/chat_template_utils.py::_cached_compile_jinja_template``
   (``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the
-  ``loopcontrols`` extension; ``raise_exception``, ``strftime_now``, a ``tojson`` filter that
+  ``loopcontrols`` extension; ``raise_exception``, a ``tojson`` filter that
   does not HTML-escape and accepts ``indent`` / ``separators`` / ``sort_keys``, a limited
-  ``dict`` and an underscore-refusing ``namespace``; jinja2 >= 3.1.6);
+  ``dict`` and an underscore-refusing ``namespace``; jinja2 >= 3.1.6). Two deliberate
+  differences, for determinism and bounded work (:mod:`loader.chat.render_limits`):
+  ``strftime_now`` is undefined (a guarded call takes the template's fallback, an unguarded
+  one is a ``ChatTemplateError``), and a render's loops, time, output and ``*`` / ``**``
+  results are bounded;
 - the ``{% generation %}...{% endgeneration %}`` tag (``AssistantTracker`` there): renders its
   body unchanged and, while tracking, records the character span of the body in the text
   rendered so far;
@@ -39,7 +43,6 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime
 from itertools import accumulate
 from typing import Any, Optional
 
@@ -48,9 +51,10 @@ import jinja2.exceptions
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 import numpy as np
 
+from loader.chat import render_limits
+from loader.chat.render_limits import BoundedEnvironment
 from loader.chat.shipped import resolve_template
 from loader.errors import ChatTemplateError
 from loader.io import storage
@@ -139,10 +143,6 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(format):
-    return datetime.now().strftime(format)
-
-
 class _TemplateDict:
     # transformers' limited `dict`: callable and fromkeys, no attribute access to type internals.
     def __call__(self, *args, **kwargs):
@@ -174,19 +174,19 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             )
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
+def _environment() -> BoundedEnvironment:
     version = tuple(int(part) for part in re.findall(r"\d+", jinja2.__version__)[:3])
     if version < MIN_JINJA2_VERSION:
         raise ChatTemplateError(
             f"chat templates need jinja2 >= 3.1.6 (older versions have sandbox escapes); "
             f"installed: {jinja2.__version__}. Fix: pip install -U 'jinja2>=3.1.6'"
         )
-    env = ImmutableSandboxedEnvironment(
+    env = BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTracker, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    render_limits.install(env)  # strftime_now undefined (no clock), a budgeted range
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
     return env
@@ -356,14 +356,20 @@ class ChatTemplate:
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }
+        return render_limits.run_bounded(lambda: self._render(compiled, variables, track_generation), self.origin,
+                                         ChatTemplateError)
+
+    @staticmethod
+    def _render(compiled, variables: dict, track_generation: bool) -> RenderedChat:
+        """One render, its chunks under :func:`render_limits.bounded_chunks` (time, size)."""
         if not track_generation:
-            return RenderedChat(compiled.render(**variables))
+            return RenderedChat("".join(render_limits.bounded_chunks(compiled.generate(**variables))))
         yielded: list[str] = []
         marks: list[tuple[int, int]] = []
         context = compiled.new_context(variables)
         with compiled.environment.zephon_generation_tracker.track(yielded, marks):
             try:  # as Template.render, but the blocks land in a list the tracker can count
-                yielded.extend(compiled.root_render_func(context))  # appends one by one, in C
+                yielded.extend(render_limits.bounded_chunks(compiled.root_render_func(context)))
             except Exception:
                 compiled.environment.handle_exception()
         if not marks:

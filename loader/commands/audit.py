@@ -185,9 +185,15 @@ def _lane_outputs_before(global_index: int, lane: int, num_lanes: int) -> int:
 
 def concat_cursor(stream: ProvenanceStream, position: int) -> Optional[dict]:
     """The stream state at wrapped token ``position`` of the lane's endless stream, or None
-    past its last epoch. Reads the lengths of the row groups of one file at most."""
+    past its last epoch. Reads the lengths of the row groups of one file at most, or of every
+    file when the lanes hold tombstones (``zephon shard --transform``) and documents are wrapped:
+    a file's rows then overcount its documents, whose BOS/EOS are in the stream."""
     extra = stream.token_format.extra
-    file_tokens = [(entry.tokens or 0) + extra * entry.rows for entry in stream.files]
+    if extra and stream.tombstone_transforms:
+        file_tokens = [sum(stream.block_tokens(f, g) for g in range(stream._num_row_groups(f)))
+                       for f in range(len(stream.files))]
+    else:
+        file_tokens = [(entry.tokens or 0) + extra * entry.rows for entry in stream.files]
     epoch, rest = divmod(position, sum(file_tokens))
     if stream.max_epochs is not None and epoch >= stream.max_epochs:
         return None
@@ -425,6 +431,8 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
                     start, keep = None, {}
                     if index is not None:
                         first, start = index.nearest(lane_id, end)
+                        if start is not None:
+                            index.check_point(lane_id, first, start, lane.source_streams())
                         keep = dict(point_every=POINT_EVERY,
                                     on_point=lambda k, point, lane_id=lane_id: index.add(lane_id, k, point))
                     try:

@@ -46,7 +46,11 @@ DIFFERENT_EXIT = 1
 TROUBLE_EXIT = 2
 CONFIG_SUFFIXES = (".toml", ".json")
 LOG_FORMAT = "`STEP SHA256 [name=count ...] [supervised: name=count ...]`, as `zephon fingerprints` prints"
-COUNT = re.compile(r"([^=\s]+)=(\d+)")
+# ASCII digits, at most 18: str.isdigit() accepts "²" and int() refuses it, and int() refuses
+# strings of more than 4,300 digits (both bare ValueErrors otherwise).
+NUMBER = r"[0-9]{1,18}"
+COUNT = re.compile(rf"([^=\s]+)=({NUMBER})")
+STEP = re.compile(NUMBER)
 # LoaderConfig fields that never change the batches (their FIELD_DOCS: the configuration reference).
 RUNTIME_FIELDS = frozenset({
     "micro_batch_size", "num_workers", "prefetch", "cache_dir", "cache_max_bytes", "verify_checksums",
@@ -79,8 +83,9 @@ def parse_log_line(text: str, where: str) -> StepFingerprint:
     if len(parts) < 2:
         raise DiffError(f"{where}: expected {LOG_FORMAT} {got}")
     step, sha = parts[0], parts[1]
-    if not step.isdigit():
-        raise DiffError(f"{where}: the step must be a non-negative integer, got {step!r}; expected {LOG_FORMAT}")
+    if not STEP.fullmatch(step):
+        raise DiffError(f"{where}: the step must be a non-negative integer (ASCII digits, at most 18), got "
+                        f"{step!r:.80}; expected {LOG_FORMAT}")
     if not SHA256_HEX.fullmatch(sha):
         raise DiffError(f"{where}: the hash must be 64 lowercase hex digits, got {sha!r:.80}; expected {LOG_FORMAT}")
     rest = parts[2:]

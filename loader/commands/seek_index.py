@@ -9,24 +9,33 @@ a loss spike pays for one replay, not one each).
 
 One JSON file per run: ``DIR/<key>.json``, ``key`` the SHA-256 of the header a resume is checked
 against (:func:`run_key`), so a point is never used for another run.
-The file is data only (integers, booleans), validated when read, and carries the SHA-256 of
-its points: a point changed by hand or a truncated file is refused with
-:class:`SeekIndexError` naming the file, never replayed from. Points are
+The file is data only (integers, booleans), validated when read, and sealed: it carries an
+HMAC-SHA256 of its points under a per-user secret key (:func:`seal_key`, a 0600 file
+``$XDG_CONFIG_HOME/zephon/seek-index.key`` created on first use). A plain digest would not be a
+seal (whoever edits the file recomputes it); without the key, an edited, re-digested or
+truncated file is refused with :class:`SeekIndexError` naming the file, never replayed from.
+Whoever can read the key (the user's own account) can still forge a file: the docs say so
+(docs/guides/what-is-checked.md). A point used is also checked against the run's lanes (every
+cursor and piece names a block of its epoch, :meth:`SeekIndex.check_point`), so an index of
+another build of the data cannot index past a lane. Points are
 :func:`loader.commands.audit_replay.compact_lane_state` values.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from loader.errors import SeekIndexError
 
-SEEK_INDEX_VERSION = 1
+SEEK_INDEX_VERSION = 2  # 2: an HMAC seal ("hmac_sha256") instead of a plain SHA-256
+KEY_FILE = os.path.join("zephon", "seek-index.key")  # under $XDG_CONFIG_HOME (default ~/.config)
 POINT_EVERY = 1024  # lane outputs between two points: ~1-3 KB of JSON a point at 16 open bins
 
 
@@ -39,8 +48,31 @@ def run_key(resume_header: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _digest(lanes: dict) -> str:
-    return hashlib.sha256(json.dumps(lanes, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def seal_key() -> bytes:
+    """This user's secret seek-index key, created (32 random bytes, mode 0600) on first use."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    path = os.path.join(base, KEY_FILE)
+    try:
+        with open(path, "rb") as handle:
+            key = handle.read()
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        key = secrets.token_bytes(32)
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another audit created it first: use that one
+            return seal_key()
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(key)
+    if len(key) < 32:
+        raise SeekIndexError(f"the seek-index key {path} holds {len(key)} bytes, not 32: delete it (every seek index "
+                             "sealed with it is then replayed again)")
+    return key
+
+
+def _seal(lanes: dict) -> str:
+    blob = json.dumps(lanes, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(seal_key(), blob, hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -87,7 +119,7 @@ class SeekIndex:
         lanes = {str(lane): {str(k): point for k, point in sorted(points.items())}
                  for lane, points in sorted(self.points.items())}
         data = {"format": "zephon-seek-index", "version": SEEK_INDEX_VERSION, "key": self.key,
-                "point_every": POINT_EVERY, "sha256": _digest(lanes), "lanes": lanes}
+                "point_every": POINT_EVERY, "hmac_sha256": _seal(lanes), "lanes": lanes}
         directory = os.path.dirname(self.path) or "."
         os.makedirs(directory, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=directory, prefix=".seek-", suffix=".json")
@@ -115,8 +147,10 @@ class SeekIndex:
         lanes = data.get("lanes")
         if not isinstance(lanes, dict):
             raise self._error("has no \"lanes\" object")
-        if data.get("sha256") != _digest(lanes):
-            raise self._error("was changed or cut short after it was written (its points do not match their sha256)")
+        seal = data.get("hmac_sha256")
+        if not isinstance(seal, str) or not hmac.compare_digest(seal, _seal(lanes)):
+            raise self._error("was changed or cut short after it was written, or sealed with another user's key "
+                              "(its points do not match their hmac_sha256)")
         for lane, points in lanes.items():
             if not (isinstance(lane, str) and lane.isdigit() and isinstance(points, dict)):
                 raise self._error(f"has a malformed entry at lanes.{lane}")
@@ -125,6 +159,23 @@ class SeekIndex:
                 if not (outputs.isdigit() and int(outputs) > 0):
                     raise self._error(f"has a malformed point key at {where} (a positive output count)")
                 self._check_point(point, where)
+
+    def check_point(self, lane_id: int, outputs: int, point: dict, streams: list) -> None:
+        """A point about to be replayed from names only blocks of its lane's epochs."""
+        for s, (source, stream) in enumerate(zip(point["sources"], streams)):
+            at = f"lanes.{lane_id}.{outputs}.sources.{s}.packer"
+            packer = source["packer"]
+            cursor = packer["stream"]
+            places = [(cursor["epoch"], cursor["block"], f"{at}.stream")]
+            places += [(p[0], p[1], f"{at}.bins.{b}") for b, bin_ in enumerate(packer["bins"]) for p in bin_[2]]
+            max_epochs = stream.max_epochs
+            for epoch, block, where in places:
+                if max_epochs is not None and epoch > max_epochs:
+                    raise self._error(f"has epoch {epoch} at {where} but the source reads {max_epochs} epoch(s)")
+                blocks = len(stream.blocks_of_epoch(epoch))
+                if block >= blocks:
+                    raise self._error(f"has block {block} at {where} but lane {lane_id}'s epoch {epoch} has "
+                                      f"{blocks} block(s)")
 
     def _check_point(self, point: Any, where: str) -> None:
         sources = point.get("sources") if isinstance(point, dict) else None

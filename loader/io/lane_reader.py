@@ -171,7 +171,8 @@ class LaneTokenStream:
             self.transforms = chat_transforms_for(transforms, seed=seed, source=source_name)
         else:
             self.transforms = chain_for(transforms, seed=seed, source=source_name, pretokenized=self.pretokenized,
-                                        feature_names=self.feature_names)
+                                        feature_names=self.feature_names,
+                                        vocab_size=(manifest.tokenizer or {}).get("vocab_size"))
         self._transform_columns = extra_columns(self.transforms, manifest)
         # A dataset sharded with --transform holds tombstones (dropped_by >= 0): skipped at decode,
         # counted like online drops, before the config's own transforms (the counters' order).
@@ -181,7 +182,9 @@ class LaneTokenStream:
         self._counts_before = TransformCounts.zeros(self.counted_transforms) if self.counting else None
         self._restored_counts: Optional[tuple[TransformCounts, bool]] = None
         self._counts_memo: list = [None, None]  # counts without / with the current block (see _counts_at)
-        self._empty_blocks_in_a_row = 0  # a whole epoch of them is an error, not a hang (_note_block_left)
+        # (file, row group) of the blocks left empty since the last one with tokens: all of the
+        # lane's blocks is an error, not a hang (_note_block_left)
+        self._empty_blocks: set[tuple[int, int]] = set()
 
     @property
     def feature_names(self) -> tuple[str, ...]:
@@ -628,13 +631,24 @@ class LaneTokenStream:
                 self.exhausted = True
 
     def _note_block_left(self) -> None:
-        """Refuse a lane left without tokens for a whole epoch of blocks in a row: every
-        conversation rejected online (chat), every document dropped (transforms, or tombstones of
-        ``zephon shard --transform``). Its stream would otherwise search for a token forever."""
+        """Refuse a lane left without tokens in every one of its blocks: every conversation
+        rejected online (chat), every document dropped (transforms, or tombstones of ``zephon
+        shard --transform``). Its stream would otherwise search for a token forever.
+
+        Counted by block identity, not by blocks in a row: a run of empty blocks as long as an
+        epoch can span two epochs, each shuffled, and miss the block with tokens (the tail of
+        one epoch and the head of the next may hold the same empty blocks twice). Whether a
+        block is empty does not depend on the epoch (its rows are permuted, not changed)."""
         empty = self._block is not None and self._block_key == (self.epoch, self.block_index) \
             and len(self._block.tokens) == 0
-        self._empty_blocks_in_a_row = self._empty_blocks_in_a_row + 1 if empty else 0
-        if empty and not self.ends_when_empty and self._empty_blocks_in_a_row >= len(self.blocks_of_epoch(self.epoch)):
+        if not empty:
+            self._empty_blocks.clear()
+            return
+        if self.ends_when_empty:  # finite data with filled tails: such a lane is simply done
+            return
+        blocks = self.blocks_of_epoch(self.epoch)
+        self._empty_blocks.add(tuple(blocks[self.block_index]))
+        if len(self._empty_blocks) >= len(blocks):
             raise EmptyLaneError(self._empty_lane_message())
 
     def _empty_lane_message(self) -> str:
@@ -653,7 +667,7 @@ class LaneTokenStream:
         else:
             reason = "every document is empty (no tokens, and no BOS/EOS configured)"
             fix = "configure bos/eos tokens, or re-shard without the empty documents"
-        return f"{where}: {reason} for a whole epoch of blocks in a row: the lane can never produce a sequence; {fix}"
+        return f"{where}: {reason} in every block of the lane: it can never produce a sequence; {fix}"
 
     def at_document_start(self) -> bool:
         """True when the next token is a document's first (or nothing is left)."""
@@ -708,7 +722,7 @@ class LaneTokenStream:
         block_index = self.block_index
         self.block_index, self.offset = view.where(position)
         if self.block_index != block_index:  # past a block that held documents
-            self._empty_blocks_in_a_row = 0
+            self._empty_blocks.clear()
 
     def state_at(self, view: DocumentsView, position: int) -> dict:
         """The state with the cursor at a virtual position of ``view``."""

@@ -430,7 +430,7 @@ class Manifest:
     def from_json(cls, text: str, where: str = MANIFEST_NAME) -> "Manifest":
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
         return cls.from_dict(data, where)
 
@@ -467,4 +467,11 @@ def read_manifest(dataset_path: str, storage_options=None) -> Manifest:
             "(the Beam job writes the manifest last; an interrupted job leaves none). "
             "Run `zephon shard ... --output DATASET` to create one."
         )
-    return Manifest.from_json(storage.read_bytes(location, storage_options).decode("utf-8"), location)
+    raw = storage.read_bytes(location, storage_options)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{location} is not UTF-8 text (byte {exc.start}: {exc.reason}): the Beam job writes "
+                            "it as UTF-8 JSON, so it is damaged or not a manifest; re-run the Beam job or restore "
+                            "it") from None
+    return Manifest.from_json(text, location)

@@ -38,6 +38,8 @@ from loader.io.blocks import Block
 from loader.io.integrity import FIX, check_row_group
 from loader.io.manifest import TOMBSTONE_COLUMN
 from loader.io.lane_reader import LaneTokenStream
+from loader.transforms.chain import TransformCounts
+from loader.transforms.rows import with_tombstones
 
 AUDIT_FEATURES = ("audit_document", "audit_offset")
 EPOCH_SHIFT = 40  # audit_document = epoch << EPOCH_SHIFT | lane_row
@@ -80,6 +82,7 @@ class ProvenanceStream(LaneTokenStream):
         self.reads = ReadLog()
         self._origin_blocks: dict[tuple[int, int], Block] = {}  # blocks of resolved bin pieces (piece_features)
         self._lengths: dict[tuple[int, int], np.ndarray] = {}
+        self._tombstones: dict[tuple[int, int], np.ndarray] = {}  # per offline transform, of a row group
         self._group_row_starts: dict[int, np.ndarray] = {}
         file_rows = [entry.rows for entry in self.files]
         self._file_row_starts = np.concatenate([[0], np.cumsum(file_rows)]).astype(np.int64)
@@ -113,7 +116,10 @@ class ProvenanceStream(LaneTokenStream):
                 lengths = np.array([len(e.ids) for e in encoded], dtype=np.int64)
             if self.tombstone_transforms:  # dropped offline: no document at all (lane_reader skips them)
                 dropped = parquet.read_row_group(row_group, columns=[TOMBSTONE_COLUMN], use_threads=False).column(0)
-                lengths[np.asarray(dropped.to_pylist()) >= 0] = -1
+                dropped_by = np.asarray(dropped.to_pylist(), dtype=np.int64)
+                lengths[dropped_by >= 0] = -1
+                self._tombstones[key] = np.bincount(dropped_by[dropped_by >= 0],
+                                                    minlength=len(self.tombstone_transforms))
             self._lengths[key] = lengths
         return self._lengths[key]
 
@@ -157,8 +163,12 @@ class ProvenanceStream(LaneTokenStream):
         first_row = self.lane_row(file_ordinal, row_group, 0)
         documents = (epoch << EPOCH_SHIFT) | (first_row + rows)
         offsets = np.arange(total, dtype=np.int64) - np.repeat(doc_starts[:-1], wrapped)
-        return Block(tokens=np.zeros(total, dtype=np.int32), doc_starts=doc_starts,
-                     features={"audit_document": np.repeat(documents, wrapped), "audit_offset": offsets})
+        block = Block(tokens=np.zeros(total, dtype=np.int32), doc_starts=doc_starts,
+                      features={"audit_document": np.repeat(documents, wrapped), "audit_offset": offsets})
+        if self.counting:  # the tombstones' counters, as the training stream's block has them (restores use them)
+            counts = with_tombstones(self._tombstones.get((file_ordinal, row_group)), None, self.transforms)
+            block.transform_counts = counts if counts is not None else TransformCounts.zeros(self.counted_transforms)
+        return block
 
     # -- open best-fit bins of a checkpoint ----------------------------------------------
     def piece_features(self, origin: tuple[int, int, int], length: int, doc_starts: np.ndarray,

@@ -26,6 +26,7 @@ from loader.transforms.document import Document, RowFetcher
 from loader.transforms.spec import TransformSpec
 
 CHECK_DOCUMENTS = 8  # documents per function and process checked for determinism (two calls each)
+ID_LIMIT = 2**31  # lane files store ids as int32
 UNCHANGED = object()  # apply_rows: the row's document came back as it was
 
 
@@ -77,8 +78,12 @@ class TransformChain:
     """The transforms of one source, imported and ready (see the module docstring)."""
 
     def __init__(self, specs: Sequence[TransformSpec], *, seed: int, source: str, pretokenized: bool,
-                 feature_names: Sequence[str] = (), first_position: int = 0, records: bool = False) -> None:
+                 feature_names: Sequence[str] = (), first_position: int = 0, records: bool = False,
+                 vocab_size: Optional[int] = None) -> None:
         self.specs = tuple(specs)  # resolved: stage and version filled in
+        # Ids a tokens transform may return: [0, vocab_size), or [0, 2**31) when the vocabulary is
+        # unknown (lane files hold int32: a larger id would wrap into another valid-looking one).
+        self.id_limit = int(vocab_size) if vocab_size else ID_LIMIT
         # Position of specs[0] in the whole chain (its seeds, its name in messages): the Beam job
         # runs a chain's tokens-stage tail as a chain of its own, after tokenization.
         self.first_position = first_position
@@ -276,6 +281,15 @@ class TransformChain:
             if not isinstance(ids, np.ndarray) or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
                 raise TransformError(f"{self._where(position)} returned input_ids that are not a 1-D integer "
                                      f"array for document {before.key!r} (got {type(ids).__name__})")
+            if ids.size:
+                low, high = int(ids.min()), int(ids.max())
+                if low < 0 or high >= self.id_limit:
+                    bad = low if low < 0 else high
+                    limit = (f"the vocabulary size {self.id_limit}" if self.id_limit != ID_LIMIT
+                             else "2**31 (ids are stored as int32)")
+                    raise TransformError(
+                        f"{self._where(position)} returned input_id {bad} for document {before.key!r}: ids must be "
+                        f">= 0 and below {limit}; return ids of the source's tokenizer")
             features = dict(result.features)
             if sorted(features) != sorted(self.feature_names):
                 raise TransformError(f"{self._where(position)} returned features {sorted(features)} for document "
@@ -308,7 +322,7 @@ _chains: dict[tuple, TransformChain] = {}
 
 
 def chain_for(specs: Sequence[TransformSpec], *, seed: int, source: str, pretokenized: bool,
-              feature_names: Sequence[str] = ()) -> Optional[TransformChain]:
+              feature_names: Sequence[str] = (), vocab_size: Optional[int] = None) -> Optional[TransformChain]:
     """The process's chain of these transforms for one source (None without transforms): the
     lanes of a source share it, so each function is imported and checked once per process."""
     if not specs:
@@ -316,9 +330,9 @@ def chain_for(specs: Sequence[TransformSpec], *, seed: int, source: str, pretoke
     import json
 
     key = (json.dumps([s.to_entry() for s in specs], sort_keys=True), seed, source, pretokenized,
-           tuple(feature_names))
+           tuple(feature_names), vocab_size)
     chain = _chains.get(key)
     if chain is None:
         chain = _chains[key] = TransformChain(specs, seed=seed, source=source, pretokenized=pretokenized,
-                                              feature_names=feature_names)
+                                              feature_names=feature_names, vocab_size=vocab_size)
     return chain

@@ -173,7 +173,9 @@ def _decoded(data: Optional[bytes], limits: ImageLimits) -> tuple[Image.Image, s
         if other is not None:
             raise ImageRejected("image_unsupported_format", f"a {other} image; supported formats are "
                                 f"{', '.join(SUPPORTED_FORMATS)}")
-        raise ImageRejected("image_undecodable", f"not an image Pillow can identify (first bytes {data[:8]!r})")
+        # The bytes are never quoted: a path may have named any file (../../etc/passwd).
+        raise ImageRejected("image_undecodable", f"not an image Pillow can identify ({len(data)} bytes, no JPEG, "
+                            "PNG or WebP signature)")
     cut = _structurally_truncated(data, image_format)
     if cut is not None:
         raise ImageRejected("image_truncated", cut)

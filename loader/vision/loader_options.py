@@ -36,9 +36,10 @@ def resolve_image_options(config, manifests, source_names, tokenizer) -> Optiona
         raise ConfigError(f"sources {names} hold images: packing must be \"best_fit\" (got {config.packing!r}); "
                           "concat packing cuts documents anywhere, and a cut inside an image's placeholder tokens "
                           "would split the image across two sequences")
-    if config.mixing_unit == "token" and len(manifests) > 1:
+    if config.mixing_unit == "token":  # refused with one source too: the docs promise it, whatever the count
         raise ConfigError(f"sources {names} hold images: mixing_unit = \"token\" is not supported with image "
-                          "sources; use mixing_unit = \"sequence\"")
+                          "sources (it would cut documents inside an image's placeholders); use mixing_unit = "
+                          "\"sequence\"")
     for k, name in enumerate(source_names):
         if name in names and config.source_transforms(k):
             raise ConfigError(f"datasets[{k}] ({name!r}): transforms do not apply to image sources yet; filter "

@@ -14,12 +14,20 @@ again rather than kept in the block: a best-fit bin or a restored checkpoint may
 a row group read long ago. The last :data:`CACHED_ROW_GROUPS` row groups' bytes are cached,
 so the usual case (the sequence's documents come from the block being consumed) reads each
 row group's image column once.
+
+Every image's bytes are checked before they are decoded (one verification layer with the token
+columns, :mod:`loader.io.integrity`): the row group is read with Parquet page checksums
+verified, and the bytes' SHA-256 must be the ``image_sha256`` the Beam job stored beside them.
+This detects corruption (a flipped bit, a damaged copy); it is not a seal: whoever edits a
+lane file can rewrite both columns (docs/guides/what-is-checked.md).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import hashlib
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +40,17 @@ from loader.vision.block import decode_ref
 from loader.vision.reasons import ImageRejected
 
 CACHED_ROW_GROUPS = 2
+IMAGE_COLUMNS = ("image_bytes", "image_sha256")
+
+
+def verify_image_bytes(data, stored_sha256, where: str) -> None:
+    """An image's bytes read back from a lane file hash to the SHA-256 stored beside them."""
+    if not isinstance(data, bytes):
+        raise LaneDataError(f"{where}: the stored image is null; the file is corrupt (re-run the Beam job)")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != stored_sha256:
+        raise LaneDataError(f"{where}: the image's SHA-256 {digest} is not the {stored_sha256!r:.80} stored with it: "
+                            "the lane file is corrupt; re-run the Beam job or restore the file from a good copy")
 
 
 @dataclass
@@ -68,7 +87,8 @@ class ImageResolver:
         self.stream = stream
         self.options = options
         self.limits = limits  # loader.vision.images.ImageLimits the job checked the images against
-        self._row_groups: OrderedDict = OrderedDict()  # (epoch, block) -> list<binary> column, rows in replay order
+        # (epoch, block) -> (image_bytes, image_sha256) list columns, rows in replay order
+        self._row_groups: OrderedDict = OrderedDict()
         self._open: tuple = ()  # (file ordinal, ParquetFile, handle)
 
     def attach(self, sequence) -> None:
@@ -103,20 +123,21 @@ class ImageResolver:
         file_ordinal, row_group = stream.blocks_of_epoch(epoch)[block]
         where = f"{storage.join(stream.dataset_path, stream.files[file_ordinal].path)}: row group {row_group}, " \
                 f"row {row}, image {image}"
-        column = self._row_groups.get((epoch, block))
-        if column is None:
-            column = self._read(epoch, file_ordinal, row_group, where)
-            self._row_groups[(epoch, block)] = column
+        columns = self._row_groups.get((epoch, block))
+        if columns is None:
+            columns = self._read(epoch, file_ordinal, row_group, where)
+            self._row_groups[(epoch, block)] = columns
             while len(self._row_groups) > CACHED_ROW_GROUPS:
                 self._row_groups.popitem(last=False)
         else:
             self._row_groups.move_to_end((epoch, block))
         try:
-            images = column[row].values
-            data = images[image].as_py()
+            data = columns[0][row].values[image].as_py()
+            stored = columns[1][row].values[image].as_py()
         except (IndexError, AttributeError) as exc:
             raise LaneDataError(f"{where}: no such image in the lane file ({exc}); the file changed since its "
                                 "block was read (re-run the Beam job)") from exc
+        verify_image_bytes(data, stored, where)
         return data, where
 
     def _read(self, epoch: int, file_ordinal: int, row_group: int, where: str) -> pa.Array:
@@ -124,18 +145,21 @@ class ImageResolver:
         if not self._open or self._open[0] != file_ordinal:
             self.close()
             handle = storage.open_lane_file(stream.dataset_path, stream.files[file_ordinal], stream.storage_options)
-            self._open = (file_ordinal, pq.ParquetFile(handle, pre_buffer=False), handle)
+            self._open = (file_ordinal, pq.ParquetFile(handle, pre_buffer=False, page_checksum_verification=True),
+                          handle)
         try:
-            table = self._open[1].read_row_group(row_group, columns=["image_bytes"], use_threads=False)
+            table = self._open[1].read_row_group(row_group, columns=list(IMAGE_COLUMNS), use_threads=False)
         except Exception as exc:  # whatever pyarrow raises on bad bytes
             raise LaneDataError(f"{where}: the image_bytes column cannot be read ({type(exc).__name__}: {exc}); "
                                 "the file is corrupt (re-run the Beam job)") from exc
-        column = table.column(0)
-        column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-        if epoch > 0:  # the rows in the order the block was built in (loader.order.epochs)
-            order = stream._row_order(epoch, file_ordinal, row_group, len(column))
-            column = pc.take(column, pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)]))
-        return column
+        columns = []
+        for column in table.columns:
+            column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            if epoch > 0:  # the rows in the order the block was built in (loader.order.epochs)
+                order = stream._row_order(epoch, file_ordinal, row_group, len(column))
+                column = pc.take(column, pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)]))
+            columns.append(column)
+        return tuple(columns)
 
     def close(self) -> None:
         if self._open:

@@ -12,7 +12,8 @@ Protocol (``multiprocessing.connection`` framing over two pipes)::
                         ("stop",)                                       or end-of-file: exit
     worker -> trainer   ("ready", pid)
                         ("items", run_id, slot or None, descriptor)     see loader.workers.messages
-                        ("error", run_id, traceback text)
+                        ("error", run_id, traceback text, pickled ZephonError or None)
+                                                            (loader.workers.error_relay)
 
 Slots go back to the worker through their flag bytes in the segment
 (:mod:`loader.workers.shm`), not through the pipe. A ``start`` reclaims every slot (the
@@ -26,10 +27,10 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import traceback
 from multiprocessing.connection import Connection
 
 from loader.stages.producer import End, build_lanes, produce, start_reading
+from loader.workers.error_relay import error_message
 from loader.workers.messages import write_message
 from loader.workers.pipes import PipeWaiter
 from loader.workers.shm import Segment
@@ -59,7 +60,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
         os.nice(WORKER_NICENESS)
     except OSError:
         pass
-    segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"])
+    segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"], fd=setup["segment_fd"])
     messages.send(("ready", os.getpid()))
     flags = segment.flags
     items_per_message = setup["items_per_message"]
@@ -87,7 +88,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                         lanes, items, segments = _start(input_path, start_position)
                     except BaseException:  # noqa: BLE001 - the trainer gets the traceback
                         lanes, items = {}, None
-                        messages.send(("error", run_id, traceback.format_exc()))
+                        messages.send(error_message(run_id))
             slot = segment.free_slot()
             if slot is None:  # `prefetch` messages ahead of the trainer: wait for it
                 command_waiter.ready(_SLOT_WAIT_S)
@@ -111,7 +112,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                     items = None
             except BaseException:  # noqa: BLE001 - everything must reach the trainer, with its traceback
                 items = None
-                messages.send(("error", run_id, traceback.format_exc()))
+                messages.send(error_message(run_id))
     except (BrokenPipeError, ConnectionResetError):  # the trainer is gone
         return
     finally:

@@ -28,9 +28,10 @@ from typing import Optional, Sequence
 
 from loader.errors import WorkerError
 from loader.workers.child import BOOTSTRAP
+from loader.workers.error_relay import worker_exception
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
-from loader.workers.shm import Segment, remove_stale_segments, slot_bytes
+from loader.workers.shm import SHM_DIR, Segment, remove_stale_segments, slot_bytes
 from loader.workers.state_delta import StateDecoder
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class WorkerPool:
         self.waiters: list[PipeWaiter] = []  # one per message pipe
         self.segments: list[Segment] = []
         self.ready = [False] * num_workers
+        self.started_at = time.monotonic()  # for raise_if_slow_to_start
         self.run_id = 0
         self.decoders: list[StateDecoder] = []  # the current run's, one per worker
         self.input_dir = tempfile.mkdtemp(prefix="zephon-workers-")
@@ -135,20 +137,26 @@ class WorkerPool:
         self.segments.append(segment)
         command_r, command_w = os.pipe()
         message_r, message_w = os.pipe()
+        segment_fd = os.open(segment.path, os.O_RDWR)  # the worker maps it by descriptor, not by name
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-c", BOOTSTRAP, str(command_r), str(message_w)],
-                pass_fds=(command_r, message_w), stdin=subprocess.DEVNULL, env=env,
+                pass_fds=(command_r, message_w, segment_fd), stdin=subprocess.DEVNULL, env=env,
             )
         finally:
             os.close(command_r)
             os.close(message_w)
+            os.close(segment_fd)
+        # Mapped here, open in the worker: the name can go now, so that a kill -9 of the trainer
+        # from here on leaves nothing in /dev/shm (only this instant's window remains, for
+        # remove_stale_segments of the next loader).
+        segment.unlink()
         self.processes.append(WorkerProcess(popen))
         self.commands.append(Connection(command_w, readable=False))
         self.messages.append(Connection(message_r, writable=False))
         self.waiters.append(PipeWaiter(self.messages[-1]))
         self.commands[-1].send({
-            "sys_path": list(sys.path), "segment_path": segment.path,
+            "sys_path": list(sys.path), "segment_path": segment.path, "segment_fd": segment_fd,
             "num_slots": self.num_slots, "slot_size": self.slot_size,
             "items_per_message": self.items_per_message,
         })
@@ -170,12 +178,23 @@ class WorkerPool:
 
     def _mark_ready(self, worker_id: int) -> None:
         self.ready[worker_id] = True
-        self.segments[worker_id].unlink()  # mapped on both sides: no name left to leak
+        self.segments[worker_id].unlink()  # already gone (_start_process); idempotent
 
     def raise_if_dead(self) -> None:
         for worker_id, process in enumerate(self.processes):
             if not process.is_alive():
                 raise self._died(worker_id)
+
+    def raise_if_slow_to_start(self, timeout_s: float) -> None:
+        """A worker that has not started ``timeout_s`` after the pool did (stopped, stuck in an
+        import or on storage) is an error, as a worker that stops producing later is: the
+        trainer would otherwise go on producing in-process forever and never hand over."""
+        if time.monotonic() - self.started_at <= timeout_s or self.all_ready():
+            return
+        waiting = [w for w, ready in enumerate(self.ready) if not ready]
+        pids = [self.processes[w].pid for w in waiting]
+        raise WorkerError(f"loader worker(s) {waiting} (pid {pids}) did not start within {timeout_s:.0f} s "
+                          "(worker_timeout_s): stopped, or stuck starting up (imports, storage)?")
 
     def healthy(self) -> bool:
         return all(p.is_alive() for p in self.processes)
@@ -253,7 +272,7 @@ class WorkerPool:
         if run_id != self.run_id:
             return None
         if kind == "error":
-            raise WorkerError(f"loader worker {worker_id} failed:\n{message[2]}")
+            raise worker_exception(worker_id, message, WorkerError)
         slot, descriptor = message[2], message[3]
         decode = self.decoders[worker_id].decode
         if slot is None:
@@ -267,6 +286,12 @@ class WorkerPool:
 
     def _died(self, worker_id: int) -> WorkerError:
         process = self.processes[worker_id]
+        if process.exitcode == -signal.SIGBUS:  # a write to a segment of a full tmpfs
+            return WorkerError(
+                f"loader worker {worker_id} (pid {process.pid}) died of SIGBUS: shared memory ({SHM_DIR}) is full, "
+                "so a page of its segment could not be allocated; enlarge it (docker run --shm-size=2g) or lower "
+                "num_workers or prefetch, and check what else fills it"
+            )
         return WorkerError(
             f"loader worker {worker_id} (pid {process.pid}) died with exit code {process.exitcode} "
             "without reporting an error (killed, or out of memory?)"

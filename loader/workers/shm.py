@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.errors import SharedMemoryError
 from loader.stages.features import FEATURES, slot_bytes_per_token
 
 SHM_DIR = "/dev/shm"
@@ -42,6 +43,19 @@ PREFIX = "zephon-"
 
 def _shm_dir() -> str:
     return SHM_DIR if os.path.isdir(SHM_DIR) else os.environ.get("TMPDIR", "/tmp")
+
+
+def check_free_space(directory: str, size: int, worker_id: int) -> None:
+    """Refuse a segment the shared-memory file system cannot hold now: a segment of a full
+    tmpfs maps without complaint and kills the worker with SIGBUS when it is first written.
+    (Space taken by other processes later can still do that: the pool then names /dev/shm.)"""
+    stat = os.statvfs(directory)
+    free = stat.f_bavail * stat.f_frsize
+    if free < size:
+        raise SharedMemoryError(
+            f"shared memory {directory} has {free / 2**20:.1f} MiB free, loader worker {worker_id}'s segment needs "
+            f"{size / 2**20:.1f} MiB: enlarge it (docker run --shm-size=2g, a bigger tmpfs), or lower num_workers "
+            "or prefetch")
 
 
 def slot_bytes(seq_len: int, items_per_message: int, features: Optional[Sequence[str]] = None) -> int:
@@ -81,10 +95,12 @@ class Segment:
 
     @classmethod
     def create(cls, num_slots: int, slot_size: int, worker_id: int) -> "Segment":
-        path = os.path.join(_shm_dir(), f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-w{worker_id}")
+        directory = _shm_dir()
+        size = cls.size_of(num_slots, slot_size)
+        check_free_space(directory, size, worker_id)
+        path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-w{worker_id}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            size = cls.size_of(num_slots, slot_size)
             os.ftruncate(fd, size)
             segment = cls(path, num_slots, slot_size, mmap.mmap(fd, size))
         finally:
@@ -92,8 +108,11 @@ class Segment:
         return segment
 
     @classmethod
-    def attach(cls, path: str, num_slots: int, slot_size: int) -> "Segment":
-        fd = os.open(path, os.O_RDWR)
+    def attach(cls, path: str, num_slots: int, slot_size: int, fd: Optional[int] = None) -> "Segment":
+        """Map a segment by name, or by an inherited descriptor ``fd`` (its name may be gone: the
+        pool unlinks it once the worker holds it); the descriptor is closed once mapped."""
+        if fd is None:
+            fd = os.open(path, os.O_RDWR)
         try:
             return cls(path, num_slots, slot_size, mmap.mmap(fd, cls.size_of(num_slots, slot_size)))
         finally:

@@ -18,6 +18,13 @@ from loader.config import LoaderConfig
 from tests.dataset_factory import synthetic_texts, write_dataset
 from tests.loader.conftest import tokenizer, tokenizer_path  # noqa: F401 - shared fixtures
 
+
+@pytest.fixture(autouse=True)
+def _seek_index_key_home(tmp_path_factory, monkeypatch):
+    """The seek-index key (loader.commands.seek_index.seal_key) under a temporary config home,
+    never the user's own ~/.config."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.getbasetemp() / "config-home"))
+
 NUM_LANES = 4
 SEQ_LEN = 32
 GLOBAL_BATCH = 8

@@ -100,7 +100,7 @@ def test_a_changed_or_foreign_seek_index_is_refused_by_name(make_config, tmp_pat
     outputs = next(iter(points))
     points[outputs]["sources"][0]["packer"]["stream"]["offset"] += 1  # one token: a silent difference
     path.write_text(json.dumps(data))
-    with pytest.raises(SeekIndexError, match=f"{path}.*sha256"):
+    with pytest.raises(SeekIndexError, match=f"{path}.*hmac_sha256"):
         audit_step(config, 30, seek_index=str(index))
 
     path.write_text(path.read_text()[:100])  # cut short

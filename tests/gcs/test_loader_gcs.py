@@ -241,11 +241,12 @@ def test_deleted_lane_object_in_a_worker(copy_of_text_dataset):
     start = time.monotonic()
     with ZephonLoader(make_config([remote], num_workers=1)) as loader:  # one worker: ~4 s less than two
         loader.wait_for_workers(30)  # the worker path, not the trainer's warm start
-        with pytest.raises(WorkerError) as caught:
+        with pytest.raises(StorageNotFoundError) as caught:  # the worker's own exception (issue 28)
             for _ in range(STEPS * loader.topology.micro_steps_per_step):
                 next(loader)
     text = str(caught.value)
-    assert f"{url} does not exist" in text and "StorageNotFoundError" in text
+    assert text.startswith("loader worker 0: ") and f"{url} does not exist" in text
+    assert isinstance(caught.value.__cause__, WorkerError) and "StorageNotFoundError" in str(caught.value.__cause__)
     # Well below worker_timeout_s (30 s here): the error is reported, not waited out.
     assert time.monotonic() - start < 25
 

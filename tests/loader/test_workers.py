@@ -1,8 +1,8 @@
 """Worker processes: failures reach the trainer within seconds, never a hang; no stray processes.
 
-A worker that raises (here: a corrupt lane file) surfaces as ``WorkerError`` carrying the
-worker's traceback; a worker killed with SIGKILL surfaces as ``WorkerError`` too, also when
-it died in the middle of writing a message to its queue; ``close()`` and garbage collection
+A worker that raises (here: a corrupt lane file) surfaces as the project exception it raised,
+named ``loader worker N: ...``, its cause a ``WorkerError`` carrying the worker's traceback; a
+worker killed with SIGKILL surfaces as ``WorkerError``, also when it died in the middle of writing a message to its queue; ``close()`` and garbage collection
 end the worker processes, and a closed loader continues exactly where the trainer stopped.
 """
 
@@ -73,16 +73,18 @@ def test_worker_exception_surfaces_with_its_traceback(make_config, dataset_copy,
     loader.wait_for_workers(30)  # the worker path, not the warm start
     started = time.monotonic()
     try:
-        with pytest.raises(WorkerError) as info:
+        with pytest.raises(error) as info:  # the worker's own project exception (issue 28)
             drain(loader)
         elapsed = time.monotonic() - started
         pids = [p.pid for p in loader._run.processes]
     finally:
         loader.close()
-    message = str(info.value)
+    message, cause = str(info.value), str(info.value.__cause__)
     assert elapsed < SURFACE_WITHIN_S, f"the worker's error took {elapsed:.1f} s to reach the trainer"
-    assert "Traceback (most recent call last)" in message, f"no worker traceback in: {message}"
-    assert f"{error.__module__}.{error.__name__}" in message and path in message and words in message
+    assert message.startswith("loader worker 0: ") and path in message and words in message
+    assert isinstance(info.value.__cause__, WorkerError)
+    assert "Traceback (most recent call last)" in cause, f"no worker traceback in: {cause}"
+    assert f"{error.__module__}.{error.__name__}" in cause
     assert pids_alive(pids) == [], "close() left worker processes behind"
 
 

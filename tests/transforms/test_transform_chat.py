@@ -157,7 +157,7 @@ def test_records_transforms_are_refused_on_other_sources_and_in_chat_jobs(chat_s
 
 @pytest.mark.parametrize("case", ["chat_rejects", "chat_transform_drops", "text_transform_drops"])
 def test_a_lane_that_can_never_produce_a_token_is_one_error(chat_shards, transform_corpus, case):
-    """One counter and one error for every cause: an epoch of blocks in a row without a token."""
+    """One counter and one error for every cause: every block of the lane without a token."""
     if case == "text_transform_drops":
         from tests.transforms.conftest import loader_config
 
@@ -169,5 +169,5 @@ def test_a_lane_that_can_never_produce_a_token_is_one_error(chat_shards, transfo
         config, reason = _config(chat_shards["online"], [{"function": F + "drop_all", "stage": "records"}]), (
             r"every document is dropped by its transforms \(tests.transforms.functions:drop_all\) or rejected online")
     with ZephonLoader(config) as loader:
-        with pytest.raises(EmptyLaneError, match=rf"lane 0 of source '\w+' .*: {reason}.* for a whole epoch"):
+        with pytest.raises(EmptyLaneError, match=rf"lane 0 of source '\w+' .*: {reason}.* in every block of the lane"):
             next(loader)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from beam_jobs.image_lanes import IMAGE_COLUMNS
-from beam_jobs.image_records import ImageRecordConverter, ImageSpec, document_parts, resolve_image_path
+from beam_jobs.image_records import ImageRecordConverter, ImageSpec, _Reject, document_parts, resolve_image_path
 from beam_jobs.inputs import InputFile
 from beam_jobs.lane_files import lane_schema, serialize_lane_file, sort_rows
 from beam_jobs.readers import RecordSpec, read_records
@@ -178,7 +178,11 @@ def test_image_root_is_the_base_of_relative_paths(tmp_path):
 
 def test_resolve_image_path():
     assert resolve_image_path("/data/in", "imgs/a.jpg") == "/data/in/imgs/a.jpg"
-    assert resolve_image_path("/data/in", "../x/a.jpg") == "/data/x/a.jpg"
+    for climbing in ("../x/a.jpg", "imgs/../../a.jpg", "../../etc/passwd"):  # confined to the root (issue 28)
+        with pytest.raises(_Reject, match="climbs out of its root"):
+            resolve_image_path("/data/in", climbing)
+    with pytest.raises(_Reject, match="climbs out of its root"):
+        resolve_image_path("gs://b/in/", "../a.jpg")
     assert resolve_image_path("gs://b/in/", "imgs/../a.jpg") == "gs://b/in/a.jpg"
     assert resolve_image_path("gs://b/in/", "gs://c/a.jpg") == "gs://c/a.jpg"
     assert resolve_image_path("/data/in", "/abs/a.jpg") == "/abs/a.jpg"
