@@ -149,3 +149,27 @@ def test_bad_storage_flag_values_are_one_error_line(tmp_path, capsys):
     assert code == 2 and len(err) == 1
     assert err[0] == ("zephon shard: error: --s3-region must be a non-empty string, or absent (got ''); "
                       "--storage-retry-max-attempts must be an integer >= 1 (got 0)")
+
+
+def test_named_images_are_read_with_the_flags(no_endpoint_variable, moto_s3, tmp_path):
+    """``ReadFiles`` reads an image job's named images from an s3:// --image-root with the flags' endpoint."""
+    from beam_jobs import shard
+    from tests.vision.image_factory import image_bytes
+
+    options = StorageOptions(s3_endpoint_url=no_endpoint_variable)
+    images = tmp_path / "images"
+    images.mkdir()
+    records = []
+    for i in range(4):
+        data = image_bytes(24 + i, 16 + i, "PNG", seed=i)
+        (images / f"{i}.png").write_bytes(data)
+        storage.write_atomically(moto_s3.url(f"flags/images/{i}.png"), data, options)
+        records.append(json.dumps({"id": f"im-{i}", "image": f"{i}.png", "text": f"picture {i}"}))
+    (tmp_path / "records.jsonl").write_text("\n".join(records) + "\n")
+    common = ["--input", str(tmp_path / "records.jsonl"), "--id-field", "id", "--num-lanes", "2",
+              "--image-field", "image", "--runner=FnApiRunner"]
+    local = shard.run([*common, "--output", str(tmp_path / "local"), "--image-root", str(images)])
+    remote = shard.run([*common, "--output", str(tmp_path / "remote"), "--image-root", moto_s3.url("flags/images"),
+                        "--s3-endpoint-url", no_endpoint_variable])
+    assert remote.documents == 4 and sum(remote.rejected.values()) == 0
+    assert remote.dataset_fingerprint == local.dataset_fingerprint
