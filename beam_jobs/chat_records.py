@@ -47,6 +47,7 @@ from loader.chat import encode_conversation, load_chat_template, parse_conversat
 from loader.chat.encode import render_conversation
 from loader.chat.record import ChatRecord
 from loader.chat.record import template_fingerprint as manifest_template_fingerprint
+from loader.io.storage_options import StorageOptions
 from loader.stages.tokenizer import describe, load_tokenizer
 
 TOOLS_FIELD = "tools"  # the record-level tools list (JSON schemas), passed to the template
@@ -135,9 +136,11 @@ class ChatEncoder:
         self.tokenizer = tokenizer
 
     @classmethod
-    def load(cls, spec: ChatSpec) -> "ChatEncoder":
-        template = load_chat_template(spec.template_path)
-        tokenizer = load_tokenizer(spec.tokenizer_path) if spec.tokenized else None
+    def load(cls, spec: ChatSpec, storage_options: Optional[StorageOptions] = None) -> "ChatEncoder":
+        """Load the template and tokenizer (remote ones read with ``storage_options``), checking their
+        fingerprints against the launch's."""
+        template = load_chat_template(spec.template_path, storage_options=storage_options)
+        tokenizer = load_tokenizer(spec.tokenizer_path, storage_options) if spec.tokenized else None
         checks = [("--chat-template", spec.template_path, spec.template_fingerprint, template_fingerprint(template))]
         if tokenizer is not None:
             checks.append(("--tokenizer", spec.tokenizer_path, spec.tokenizer_fingerprint,

@@ -26,6 +26,7 @@ from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
 from beam_jobs.dedup import DedupExact, dedup_report
 from beam_jobs.transform_steps import COUNTS_TAG, TransformDocumentsFn, is_live, transforms_report
+from loader.io.storage_options import StorageOptions
 from loader.transforms.spec import TransformSpec
 
 
@@ -44,13 +45,15 @@ class CurateDocuments(beam.PTransform):
     """documents -> ``(curated documents, report)``; ``report`` holds one dict (see the module docstring)."""
 
     def __init__(self, specs: Sequence[TransformSpec], dedup: Optional[str], *, seed: int, source: str,
-                 keep_fields: Sequence[str], output: str, text_is_fixed: bool = False, label=None):
+                 keep_fields: Sequence[str], output: str, text_is_fixed: bool = False,
+                 storage_options: StorageOptions = StorageOptions(), label=None):
         super().__init__(label)
         self.specs = tuple(specs)  # every --transform (the report's); the text-stage ones run here
         self.dedup = dedup
         self.seed, self.source, self.keep_fields = seed, source, tuple(keep_fields)
         self.output = output
         self.text_is_fixed = text_is_fixed
+        self.storage_options = storage_options  # the _dedup/ list is written with them
 
     def expand(self, documents):
         side_inputs: dict = {"outcome_counts": None, "removed": None, "groups": None, "list_files": None}
@@ -67,7 +70,7 @@ class CurateDocuments(beam.PTransform):
                 documents, tombstones = documents | "SplitTombstones" >> beam.Partition(
                     lambda document, _: 0 if is_live(document) else 1, 2)
         if self.dedup == "exact":
-            documents, removed, groups, list_files = documents | "DedupExact" >> DedupExact(self.output)
+            documents, removed, groups, list_files = documents | "DedupExact" >> DedupExact(self.output, storage_options=self.storage_options)
             side_inputs.update(removed=AsSingleton(removed), groups=AsSingleton(groups), list_files=AsList(list_files))
         if tombstones is not None:
             documents = (documents, tombstones) | "RejoinTombstones" >> beam.Flatten()

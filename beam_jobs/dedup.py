@@ -32,6 +32,7 @@ from typing import Iterable, Iterator
 import apache_beam as beam
 
 from beam_jobs.outputs import DEDUP_DIR, join_output, write_atomically
+from loader.io.storage_options import StorageOptions
 
 DEDUP_MODES = ("exact",)
 NORMALIZATION = "nfkc-casefold-whitespace-v1"
@@ -91,8 +92,9 @@ def _bucket_of(removed: tuple) -> tuple[int, tuple]:
 class WriteRemovedListFn(beam.DoFn):
     """``(bucket, removed triples)`` -> ``_dedup/removed-BBBBB.jsonl``, sorted; yields its relative path."""
 
-    def __init__(self, output: str):
+    def __init__(self, output: str, *, storage_options: StorageOptions = StorageOptions()):
         self.output = output
+        self.storage_options = storage_options
 
     def process(self, element: tuple) -> Iterator[str]:
         bucket, removed = element
@@ -100,16 +102,18 @@ class WriteRemovedListFn(beam.DoFn):
                  for digest, kept, key in sorted(removed)]
         relative_path = f"{DEDUP_DIR}/{REMOVED_FILE_FORMAT.format(bucket=bucket)}"
         body = "".join(line + "\n" for line in lines)
-        write_atomically(join_output(self.output, relative_path), body.encode("utf-8", "backslashreplace"))
+        write_atomically(join_output(self.output, relative_path), body.encode("utf-8", "backslashreplace"),
+                         self.storage_options)
         yield relative_path
 
 
 class DedupExact(beam.PTransform):
     """documents -> ``(kept documents, removed count, duplicate groups count, list files)``."""
 
-    def __init__(self, output: str, label=None):
+    def __init__(self, output: str, label=None, *, storage_options: StorageOptions = StorageOptions()):
         super().__init__(label)
         self.output = output
+        self.storage_options = storage_options
 
     def expand(self, documents):
         grouped = (
@@ -123,7 +127,7 @@ class DedupExact(beam.PTransform):
             removed
             | "KeyRemovedByBucket" >> beam.Map(_bucket_of)
             | "GroupRemovedByBucket" >> beam.GroupByKey()
-            | "WriteRemovedList" >> beam.ParDo(WriteRemovedListFn(self.output))
+            | "WriteRemovedList" >> beam.ParDo(WriteRemovedListFn(self.output, storage_options=self.storage_options))
         )
         removed_count = removed | "CountRemoved" >> beam.combiners.Count.Globally()
         groups_count = grouped[GROUPS_TAG] | "CountDuplicateGroups" >> beam.combiners.Count.Globally()

@@ -53,11 +53,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from beam_jobs.image_lanes import IMAGE_COLUMNS
 from beam_jobs.inputs import InputFile
-from beam_jobs.job_files import JOB_STORAGE_OPTIONS
 from beam_jobs.records import IMAGE_RECORDS, RecordConverter, _InvalidUtf8, _json_type_name, register_converter
 from loader.errors import ImageOptionError, ImagePolicyError
 from loader.io import storage
 from loader.io.backends import backend_for, is_remote
+from loader.io.storage_options import StorageOptions
 from loader.vision.images import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_BYTES,
@@ -347,7 +347,7 @@ class ImageRecordConverter(RecordConverter):
 
     def read_file(self, name: str) -> bytes:
         """The bytes of an image file named by a record (module docstring: path resolution)."""
-        return read_image_file(resolve_image_path(self.image_root, name), self.images.limits)
+        return read_image_file(resolve_image_path(self.image_root, name), self.images.limits, self.spec.storage)
 
 
 def _directory_of(path: str) -> str:
@@ -372,7 +372,7 @@ def resolve_image_path(root: str, name: str) -> str:
     return resolved
 
 
-def read_image_file(path: str, limits: ImageLimits) -> bytes:
+def read_image_file(path: str, limits: ImageLimits, storage_options: StorageOptions = StorageOptions()) -> bytes:
     """Read one image file: local, or remote through the storage backend of its scheme
     (:mod:`loader.io.storage`; an unsupported scheme is an ``image_unreadable`` reject naming
     the supported ones)."""
@@ -392,11 +392,11 @@ def read_image_file(path: str, limits: ImageLimits) -> bytes:
             if len(data) > limits.max_bytes:  # it grew since the fstat
                 raise _Reject("image_too_large", f"{path}: more than {limits.max_bytes} bytes (--max-image-mb)")
             return data
-        size = backend_for(path).stat(path, JOB_STORAGE_OPTIONS).size
+        size = backend_for(path).stat(path, storage_options).size
         if size > limits.max_bytes:  # never fetch a huge object just to refuse it
             raise _Reject("image_too_large", f"{path}: {size} bytes, above the limit of {limits.max_bytes} "
                           "(--max-image-mb)")
-        return storage.read_bytes(path, JOB_STORAGE_OPTIONS)
+        return storage.read_bytes(path, storage_options)
     except (FileNotFoundError, storage.StorageNotFoundError):
         raise _Reject("image_missing", f"{path} does not exist") from None
     except (OSError, storage.StorageError) as exc:

@@ -34,6 +34,7 @@ from typing import BinaryIO, Iterator, Optional
 
 from beam_jobs import job_files
 from beam_jobs.inputs import InputFile
+from loader.io.storage_options import StorageOptions
 
 STREAM_BUFFER_BYTES = 1 << 20
 PARQUET_MAGIC = b"PAR1"
@@ -106,10 +107,10 @@ class ZstdFramesReader(io.RawIOBase):
 
 
 @contextlib.contextmanager
-def open_stream(input_file: InputFile) -> Iterator[BinaryIO]:
+def open_stream(input_file: InputFile, storage_options: StorageOptions) -> Iterator[BinaryIO]:
     """A buffered binary stream of the file's decompressed bytes (:func:`beam_jobs.job_files.open_read`)."""
     with contextlib.ExitStack() as stack:
-        raw = stack.enter_context(job_files.open_read(input_file.path))
+        raw = stack.enter_context(job_files.open_read(input_file.path, storage_options))
         # Decompress here rather than through Beam's CompressedFile: the C stream readers
         # are much faster at line iteration, and behave the same on every filesystem.
         if input_file.compression == "gzip":
@@ -122,12 +123,12 @@ def open_stream(input_file: InputFile) -> Iterator[BinaryIO]:
         yield stack.enter_context(io.BufferedReader(stream, buffer_size=STREAM_BUFFER_BYTES))
 
 
-def find_corruption(input_file: InputFile) -> Optional[Exception]:
+def find_corruption(input_file: InputFile, storage_options: StorageOptions) -> Optional[Exception]:
     """The error of a compressed file whose data is corrupt (not just cut short), else None."""
     if input_file.compression == "none":
         return None
     try:
-        with job_files.open_read(input_file.path) as raw:
+        with job_files.open_read(input_file.path, storage_options) as raw:
             if input_file.compression == "zstd":
                 ZstdFramesReader(raw).discard_all()
             else:

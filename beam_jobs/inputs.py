@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 from loader.errors import InputError
 from loader.io import backends
 from loader.io.backends import UnsupportedSchemeError
+from loader.io.storage_options import StorageOptions
 
 FORMATS = ("jsonl", "parquet", "text", "webdataset")  # webdataset: image jobs (beam_jobs.formats.webdataset)
 COMPRESSIONS = ("none", "gzip", "zstd")
@@ -125,7 +126,7 @@ def infer_compression(path: str) -> str:
     return "none"
 
 
-def _match_pattern(pattern: str) -> dict[str, int]:
+def _match_pattern(pattern: str, storage_options: StorageOptions) -> dict[str, int]:
     from beam_jobs import job_files  # imports apache_beam: only when the job lists its inputs
 
     if not is_remote(pattern) and os.path.isdir(pattern):
@@ -134,7 +135,7 @@ def _match_pattern(pattern: str) -> dict[str, int]:
             f"(or {pattern.rstrip('/')}/** for every file below it)."
         )
     try:
-        sizes = job_files.match(pattern)
+        sizes = job_files.match(pattern, storage_options)
     except UnsupportedSchemeError as exc:
         raise InputError(f"--input {exc}") from exc
     except Exception as exc:  # BeamIOError wraps the per-pattern cause; StorageError names the object
@@ -146,7 +147,8 @@ def _match_pattern(pattern: str) -> dict[str, int]:
     return sizes
 
 
-def expand_inputs(patterns: Sequence[str], explicit_format: Optional[str] = None) -> list[InputFile]:
+def expand_inputs(patterns: Sequence[str], explicit_format: Optional[str] = None, *,
+                  storage_options: StorageOptions = StorageOptions()) -> list[InputFile]:
     """Every file matched by the patterns, sorted by path, each at most once.
 
     Raises :class:`InputError` naming the pattern when one matches nothing or only empty
@@ -159,7 +161,7 @@ def expand_inputs(patterns: Sequence[str], explicit_format: Optional[str] = None
         raise InputError(f"--format must be one of {', '.join(FORMATS)} (got {explicit_format!r})")
     normalized = [normalize_pattern(p) for p in patterns]
     root = input_root(normalized)
-    sizes = {path: size for pattern in normalized for path, size in _match_pattern(pattern).items()}
+    sizes = {path: size for pattern in normalized for path, size in _match_pattern(pattern, storage_options).items()}
     paths = sorted(sizes)
     if all(size == 0 for size in sizes.values()):
         raise InputError(f"--input {' '.join(patterns)} matches only empty files ({len(paths)}, e.g. {paths[0]}): "

@@ -8,9 +8,12 @@ gcsio; local writes by the ``.inprogress`` + rename pattern of FIELD-NOTES). The
 (``s3://``) go through the backend itself: reads pinned to the version seen at open, writes
 as one atomic PUT, errors that name the object and the fix, one retry budget.
 
-The job's remote backends are configured the way their client libraries are (for S3:
-``AWS_*`` variables, profiles, ``AWS_ENDPOINT_URL``), which worker processes inherit;
-:data:`JOB_STORAGE_OPTIONS` holds the rest (retry budget, read-ahead).
+How the job reaches a remote backend is a :class:`~loader.io.storage_options.StorageOptions`
+that every function here takes: the job's ``--s3-*`` and ``--storage-*`` flags
+(:func:`add_storage_arguments`), else the client library's own lookup (for S3: ``AWS_*``
+variables, profiles, ``AWS_ENDPOINT_URL``). It is an argument, never a module global, so
+each step that does I/O carries it in its constructor arguments and a worker process of any
+runner (Dataflow, ``multi_processing``) unpickles the options the job was launched with.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from loader.io.backends import backend_for
 from loader.io.storage_options import StorageOptions
 
 INPROGRESS_SUFFIX = ".inprogress"
-JOB_STORAGE_OPTIONS = StorageOptions()
 READ_BUFFER_BYTES = 1024**2  # line iteration over a ranged reader: one request per window, not per line
 
 
@@ -36,11 +38,11 @@ def uses_beam_filesystem(path: str) -> bool:
     return backend_for(path).beam_filesystem
 
 
-def open_read(path: str) -> BinaryIO:
+def open_read(path: str, storage_options: StorageOptions) -> BinaryIO:
     """A binary stream of the file's stored (still compressed) bytes, seekable."""
     if uses_beam_filesystem(path):
         return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
-    return io.BufferedReader(storage.open_input(path, JOB_STORAGE_OPTIONS), buffer_size=READ_BUFFER_BYTES)
+    return io.BufferedReader(storage.open_input(path, storage_options), buffer_size=READ_BUFFER_BYTES)
 
 
 def _static_prefix(pattern: str) -> str:
@@ -48,17 +50,17 @@ def _static_prefix(pattern: str) -> str:
     return pattern if match is None else pattern[: match.start()]
 
 
-def match(pattern: str) -> dict[str, int]:
+def match(pattern: str, storage_options: StorageOptions) -> dict[str, int]:
     """``{path: size}`` of every file ``pattern`` matches (``*`` within a directory, ``**`` across)."""
     if uses_beam_filesystem(pattern):
         (result,) = FileSystems.match([pattern])
         return {m.path: m.size_in_bytes for m in result.metadata_list}
     regex = re.compile(FileSystem.translate_pattern(pattern))  # Beam's glob syntax: every scheme matches alike
-    listed = backend_for(pattern).list_objects(_static_prefix(pattern), JOB_STORAGE_OPTIONS)
+    listed = backend_for(pattern).list_objects(_static_prefix(pattern), storage_options)
     return {obj.url: obj.size for obj in listed if regex.fullmatch(obj.url)}
 
 
-def write_atomically(path: str, data: bytes) -> None:
+def write_atomically(path: str, data: bytes, storage_options: StorageOptions) -> None:
     """``data`` under ``path``, never visible half-written.
 
     Beam's filesystems: ``path + '.inprogress'``, then a rename; a retried bundle rewrites
@@ -66,7 +68,7 @@ def write_atomically(path: str, data: bytes) -> None:
     atomic write (one S3 PUT: the object appears whole or not at all).
     """
     if not uses_beam_filesystem(path):
-        storage.write_atomically(path, data, JOB_STORAGE_OPTIONS)
+        storage.write_atomically(path, data, storage_options)
         return
     temporary = path + INPROGRESS_SUFFIX
     handle = FileSystems.create(temporary, compression_type=CompressionTypes.UNCOMPRESSED)
@@ -77,8 +79,8 @@ def write_atomically(path: str, data: bytes) -> None:
     FileSystems.rename([temporary], [path])
 
 
-def delete(path: str) -> None:
+def delete(path: str, storage_options: StorageOptions) -> None:
     if uses_beam_filesystem(path):
         FileSystems.delete([path])
         return
-    backend_for(path).delete(path, JOB_STORAGE_OPTIONS)
+    backend_for(path).delete(path, storage_options)

@@ -52,6 +52,7 @@ from beam_jobs.image_lanes import (
 from beam_jobs.outputs import join_output, write_atomically
 from beam_jobs.transform_steps import TokenStage, ENTRY_COUNTS
 from loader.io.manifest import CONVERSATION_COLUMN, TOMBSTONE_COLUMN, FileEntry, lane_file_path
+from loader.io.storage_options import StorageOptions
 from loader.order.hashing import file_bucket, lane_of_key, order_key_of
 from loader.stages.tokenizer import describe, load_tokenizer
 
@@ -372,7 +373,8 @@ class WriteLaneFileFn(beam.DoFn):
     def __init__(self, output: str, keep_fields: Sequence[str], tokenizer_path: Optional[str],
                  tokenizer_fingerprint: Optional[str], token_compression: str = DEFAULT_TOKEN_COMPRESSION,
                  encoded: bool = False, conversations: bool = False, images: bool = False,
-                 visual_tokens: bool = False, tombstones: bool = False, token_stage: Optional[dict] = None):
+                 visual_tokens: bool = False, tombstones: bool = False, token_stage: Optional[dict] = None,
+                 storage_options: StorageOptions = StorageOptions()):
         # tombstones: a --transform job, whose rows end with their (dropped_by, layout bytes) marker;
         # token_stage: the TokenStage arguments of its tokens-stage transforms (built on the worker).
         self.tombstones = tombstones
@@ -386,6 +388,7 @@ class WriteLaneFileFn(beam.DoFn):
         self.images = images
         self.visual_tokens = visual_tokens
         self.output = output
+        self.storage_options = storage_options  # --s3-*, --storage-*: lane files written, the tokenizer read with them
         self.token_compression = token_compression
         self.keep_fields = tuple(keep_fields)
         self.tokenizer_path = tokenizer_path
@@ -403,7 +406,7 @@ class WriteLaneFileFn(beam.DoFn):
         if self.tokenizer_path is None:
             return
 
-        self.tokenizer = load_tokenizer(self.tokenizer_path)
+        self.tokenizer = load_tokenizer(self.tokenizer_path, self.storage_options)
         actual = describe(self.tokenizer).fingerprint
         if actual != self.tokenizer_fingerprint:
             raise RuntimeError(
@@ -432,7 +435,7 @@ class WriteLaneFileFn(beam.DoFn):
             if self.token_stage is not None:
                 extra[ENTRY_COUNTS] = self.token_stage.entry_counts()
         relative_path = lane_file_path(lane_id, part)
-        write_atomically(join_output(self.output, relative_path), serialized.data)
+        write_atomically(join_output(self.output, relative_path), serialized.data, self.storage_options)
         self.files_counter.inc()
         self.rows_counter.inc(serialized.rows)
         self.bytes_counter.inc(len(serialized.data))

@@ -32,6 +32,7 @@ from loader.errors import OutputExistsError, ShardJobError
 from loader.errors import JOB_ERROR_PREFIX  # noqa: F401  (also importable from here)
 from loader.io.backends import is_remote
 from loader.io.manifest import DOCUMENT_REJECT_REASONS, MANIFEST_NAME, REJECTED_DIR, FileEntry, Manifest
+from loader.io.storage_options import StorageOptions
 from loader.vision.record import ImagesRecord
 
 logger = logging.getLogger(__name__)
@@ -51,16 +52,16 @@ def join_output(output: str, relative_path: str) -> str:
     return output.rstrip("/") + "/" + relative_path
 
 
-def write_atomically(path: str, data: bytes) -> None:
+def write_atomically(path: str, data: bytes, storage_options: StorageOptions) -> None:
     """``data`` under ``path``, never half-written under that name (:func:`beam_jobs.job_files.write_atomically`)."""
-    job_files.write_atomically(path, data)
+    job_files.write_atomically(path, data, storage_options)
 
 
 # ---------------------------------------------------------------------------------------
 # Existing output.
 
 
-def existing_dataset_parts(output: str) -> list[str]:
+def existing_dataset_parts(output: str, storage_options: StorageOptions = StorageOptions()) -> list[str]:
     """What of a (possibly partial) dataset exists at ``output``, as relative names."""
     if is_local(output):
         if not os.path.isdir(output):
@@ -70,17 +71,17 @@ def existing_dataset_parts(output: str) -> list[str]:
                 or n.startswith("lane=")]
     found = []
     for pattern in (MANIFEST_NAME, MANIFEST_NAME + INPROGRESS_SUFFIX, "lane=*/*", REJECTED_DIR + "/*", DEDUP_DIR + "/*"):
-        found += [path[len(output.rstrip("/")) + 1:] for path in job_files.match(join_output(output, pattern))]
+        found += [path[len(output.rstrip("/")) + 1:] for path in job_files.match(join_output(output, pattern), storage_options)]
     return sorted(found)
 
 
-def prepare_output(output: str, overwrite: bool) -> None:
+def prepare_output(output: str, overwrite: bool, *, storage_options: StorageOptions = StorageOptions()) -> None:
     """Refuse to write into an existing dataset unless ``overwrite``; then clear it.
 
     The old manifest goes first, so an interrupted clean-up never leaves a manifest that
     points at deleted files.
     """
-    existing = existing_dataset_parts(output)
+    existing = existing_dataset_parts(output, storage_options)
     if not existing:
         return
     if not overwrite:
@@ -99,7 +100,7 @@ def prepare_output(output: str, overwrite: bool) -> None:
             else:
                 os.remove(path)
         else:
-            job_files.delete(path)
+            job_files.delete(path, storage_options)
 
 
 # ---------------------------------------------------------------------------------------
@@ -118,8 +119,9 @@ def rejection_to_json(rejection: tuple) -> str:
 class WriteRejectedFn(beam.DoFn):
     """``(file_index, rejections)`` -> ``_rejected/rejected-FFFFF.jsonl`` sorted by record index."""
 
-    def __init__(self, output: str):
+    def __init__(self, output: str, *, storage_options: StorageOptions = StorageOptions()):
         self.output = output
+        self.storage_options = storage_options
 
     def process(self, element: tuple) -> Iterator[str]:
         file_index, rejections = element
@@ -127,7 +129,8 @@ class WriteRejectedFn(beam.DoFn):
         body = "".join(rejection_to_json(r) + "\n" for r in ordered)
         # Lone surrogates can only come from the excerpt of a bad record; keep them visible.
         relative_path = f"{REJECTED_DIR}/{REJECTED_FILE_FORMAT.format(file_index=file_index)}"
-        write_atomically(join_output(self.output, relative_path), body.encode("utf-8", "backslashreplace"))
+        write_atomically(join_output(self.output, relative_path), body.encode("utf-8", "backslashreplace"),
+                         self.storage_options)
         yield relative_path
 
 
@@ -204,6 +207,7 @@ def commit_manifest(
     curation: Optional[dict] = None,
     images: Optional[dict] = None,
     lane_assignment: Optional[str] = None,
+    storage_options: StorageOptions = StorageOptions(),
 ) -> dict:
     """Check the reject fraction, then write ``manifest.json`` atomically. Returns its dict.
 
@@ -263,7 +267,7 @@ def commit_manifest(
     data = manifest.to_dict()
     data.update(curation)  # counts only: not part of the dataset fingerprint (the files are)
     text = manifest.to_json() if not curation else json.dumps(data, indent=1, sort_keys=False) + "\n"
-    write_atomically(join_output(output, MANIFEST_NAME), text.encode("utf-8"))
+    write_atomically(join_output(output, MANIFEST_NAME), text.encode("utf-8"), storage_options)
     logger.info("committed %s: %d documents in %d files, fingerprint %s",
                 join_output(output, MANIFEST_NAME), documents, len(files), manifest.dataset_fingerprint)
     return data

@@ -95,7 +95,7 @@ class ReadDocumentsFn(beam.DoFn):
 
     def setup(self) -> None:
         if self.spec.chat is not None:
-            self.chat_encoder = ChatEncoder.load(self.spec.chat)
+            self.chat_encoder = ChatEncoder.load(self.spec.chat, self.spec.storage)
 
     def process(self, file_tuple: tuple) -> Iterator:
         input_file = InputFile.from_tuple(file_tuple)

@@ -22,6 +22,7 @@ from beam_jobs.input_streams import find_corruption
 from beam_jobs.inputs import InputFile
 from loader.chat.conversations import ConversationRejected
 from loader.errors import ShardJobError, StorageError
+from loader.io.storage_options import StorageOptions
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class RecordSpec:
     keep_fields: tuple[str, ...] = ()
     chat: Optional[ChatSpec] = None  # --messages-field: records are conversations (beam_jobs.chat_records)
     images: Optional[Any] = None  # an image job: beam_jobs.image_records.ImageSpec
+    storage: StorageOptions = StorageOptions()  # how input files (and named images) are read: --s3-*, --storage-*
 
     @property
     def content_fields(self) -> tuple[str, ...]:
@@ -218,7 +220,7 @@ class RecordConverter:
 
 def _corrupt_stream_rejection(input_file: InputFile, converter: RecordConverter) -> Optional[Rejection]:
     """The rejection of a compressed file whose data is corrupt: nothing of it is kept."""
-    error = find_corruption(input_file)
+    error = find_corruption(input_file, converter.spec.storage)
     if error is None:
         return None
     return _unreadable(converter, 0, error, note=(

@@ -78,6 +78,7 @@ from beam_jobs.lane_files import (
 from beam_jobs.outputs import WriteRejectedFn, commit_manifest, prepare_output
 from beam_jobs.progress import ShardSummary, expect, expect_lane_files, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
+from beam_jobs.storage_flags import add_storage_arguments, check_storage_options, storage_options_from_args
 from loader.chat import LOSS_ON_CHOICES, OVERFLOW_CHOICES, load_chat_template
 from loader.cli import debug_enabled, run_command
 from loader.errors import (
@@ -93,6 +94,7 @@ from loader.errors import (
 )
 from loader.io.backends import UnsupportedSchemeError, backend_for
 from loader.io.manifest import DOCUMENT_REJECT_REASONS, Manifest, read_manifest
+from loader.io.storage_options import StorageOptions
 from loader.kinds.chat import REJECT_REASONS
 from loader.kinds.image import IMAGE_DOCUMENT_REJECT_REASONS
 from loader.stages.tokenizer import describe, load_tokenizer
@@ -137,6 +139,7 @@ class ShardOptions:
     transforms: tuple[TransformSpec, ...] = ()  # --transform, in order (docs/guides/transforms.md)
     dedup: Optional[str] = None  # --dedup: None or "exact"
     images: Optional[ImageSpec] = None  # an image job (--image-*, WebDataset input): docs/guides/images.md
+    storage: StorageOptions = StorageOptions()  # --s3-*, --storage-* (beam_jobs.storage_flags), given to every I/O step
 
     @property
     def chat(self) -> bool:
@@ -223,7 +226,7 @@ class ShardOptions:
 
     def record_spec(self, chat: Optional[ChatSpec] = None) -> RecordSpec:
         return RecordSpec(text_field=self.text_field, id_field=self.id_field, keep_fields=self.keep_fields,
-                          chat=chat, images=self.images)
+                          chat=chat, images=self.images, storage=self.storage)
 
     def chat_spec(self, tokenizer_fingerprint: Optional[str], template_fingerprint: str) -> ChatSpec:
         return ChatSpec(
@@ -335,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "as one space), the one with the smallest key; the removed ones are listed in "
                                "_dedup/removed-*.jsonl (default: off)")
     add_image_arguments(parser)
+    add_storage_arguments(parser)
     parser.add_argument("--output", required=True,
                         help="(required) dataset directory to write (local, gs:// or s3://); created if missing, "
                              "refused if it is a file")
@@ -374,6 +378,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
         transforms=_transform_specs(known.transforms),
         dedup=known.dedup,
         images=image_spec_from_args(known),
+        storage=storage_options_from_args(known),
     )
     return options, pipeline_args
 
@@ -471,7 +476,8 @@ class ShardDataset(beam.PTransform):
         if self.transforms or opts.dedup:  # --transform, --dedup (beam_jobs.curation)
             documents, curation = documents | "Curate" >> CurateDocuments(
                 self.transforms, opts.dedup, seed=opts.seed, source=opts.resolved_source_name,
-                keep_fields=opts.keep_fields, output=opts.output, text_is_fixed=opts.chat)
+                keep_fields=opts.keep_fields, output=opts.output, text_is_fixed=opts.chat,
+                storage_options=opts.storage)
 
         # Without --num-lanes the lane count comes from the keys (beam_jobs.lane_count).
         balanced = opts.lane_balance == "documents"
@@ -506,13 +512,14 @@ class ShardDataset(beam.PTransform):
                 opts.token_compression, encoded=opts.chat and not opts.chat_online,
                 conversations=opts.chat_online, images=opts.images is not None,
                 visual_tokens=opts.images is not None and opts.images.policy is not None,
-                tombstones=bool(self.transforms), token_stage=token_stage_args(opts, self.transforms)))
+                tombstones=bool(self.transforms), token_stage=token_stage_args(opts, self.transforms),
+                storage_options=opts.storage))
         )
         rejected_files = (
             rejections
             | "KeyRejectsByFile" >> beam.Map(_keyed_by_input_file)
             | "GroupRejectsByFile" >> beam.GroupByKey()
-            | "WriteRejected" >> beam.ParDo(WriteRejectedFn(opts.output))
+            | "WriteRejected" >> beam.ParDo(WriteRejectedFn(opts.output, storage_options=opts.storage))
         )
         reject_counts = (
             rejections
@@ -525,6 +532,7 @@ class ShardDataset(beam.PTransform):
             | "CommitManifest" >> beam.Map(
                 commit_manifest,
                 output=opts.output,
+                storage_options=opts.storage,
                 seed=opts.seed,
                 num_lanes=num_lanes,
                 source_name=opts.resolved_source_name,
@@ -634,12 +642,12 @@ def load_chat_spec(options: ShardOptions) -> ChatSpec:
     """The chat job's :class:`ChatSpec`, with the template and tokenizer loaded once here to
     refuse unusable ones before the job starts (the workers check they are still the same)."""
     try:
-        template = load_chat_template(options.chat_template)
+        template = load_chat_template(options.chat_template, storage_options=options.storage)
     except (ChatTemplateError, OSError) as exc:
         raise ShardConfigError(f"--chat-template {options.chat_template}: {exc}") from exc
     if options.tokenizer is None:  # online: the loader renders and tokenizes
         return options.chat_spec(None, template_fingerprint(template))
-    tokenizer = load_tokenizer(options.tokenizer)
+    tokenizer = load_tokenizer(options.tokenizer, options.storage)
     if tokenizer.truncation is not None or tokenizer.padding is not None:
         # encode_conversation would refuse it on every record, on the workers
         raise ShardConfigError(
@@ -657,14 +665,16 @@ def preflight(options: ShardOptions) -> tuple[list[InputFile], Optional[dict]]:
     lane count that leaves a lane empty can only be known from the records in general; the
     job then fails in ``CommitManifest`` (:func:`beam_jobs.outputs.check_every_lane_has_documents`).
     """
+    check_storage_options(options.storage, (*options.inputs, options.output, options.tokenizer, options.chat_template,
+                                            options.images.image_root if options.images is not None else None))
     check_output_location(options.output)
-    input_files = expand_inputs(options.inputs, options.format)
+    input_files = expand_inputs(options.inputs, options.format, storage_options=options.storage)
     check_inputs_against_options(options, input_files)
     tokenizer_info = None
     if options.tokenizer is not None:
-        tokenizer_info = describe(load_tokenizer(options.tokenizer)).to_dict()
+        tokenizer_info = describe(load_tokenizer(options.tokenizer, options.storage)).to_dict()
     if not options.overwrite:
-        prepare_output(options.output, overwrite=False)  # raises OutputExistsError naming what is there
+        prepare_output(options.output, overwrite=False, storage_options=options.storage)  # raises OutputExistsError naming what is there
     return input_files, tokenizer_info
 
 
@@ -685,9 +695,10 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
     chat_record = None
     if chat is not None:  # the manifest's "chat" entry (online: with the template the loader renders with)
 
-        chat_record = chat.manifest_record(load_chat_template(chat.template_path)).to_dict()
+        chat_record = chat.manifest_record(load_chat_template(chat.template_path,
+                                                              storage_options=options.storage)).to_dict()
     if options.overwrite:
-        prepare_output(options.output, overwrite=True)
+        prepare_output(options.output, overwrite=True, storage_options=options.storage)
     logger.info("sharding %d input files into %s lanes at %s", len(input_files),
                 "an automatic count of" if options.num_lanes is None else options.num_lanes, options.output)
 
@@ -707,7 +718,7 @@ def run_shard(options: ShardOptions, pipeline_args: Sequence[str] = (), *, wait:
         if message is not None:
             raise ShardError(message) from exc
         raise
-    manifest = read_manifest(options.output)
+    manifest = read_manifest(options.output, options.storage)
     summary = ShardSummary.of(manifest, time.monotonic() - started, query_counters(result), len(input_files),
                               sum(f.size_bytes or 0 for f in input_files),
                               lanes_note=lane_count_note(manifest.num_lanes) if options.num_lanes is None else None)

@@ -76,7 +76,7 @@ def parse_jsonl_line(raw_line: bytes) -> Union[dict, LineRejection]:
 @register_format("jsonl")
 def _read_jsonl(input_file: InputFile, converter: RecordConverter) -> Iterator[tuple[bool, tuple]]:
     def lines() -> Iterator[bytes]:
-        with open_stream(input_file) as stream:
+        with open_stream(input_file, converter.spec.storage) as stream:
             yield from stream
 
     corrupt = _corrupt_stream_rejection(input_file, converter)

@@ -46,7 +46,7 @@ def _read_parquet(input_file: InputFile, converter: RecordConverter) -> Iterator
     wanted = [*spec.content_fields, *([spec.id_field] if spec.id_field else []), *spec.keep_fields]
 
     def batches():
-        with job_files.open_read(input_file.path) as handle:
+        with job_files.open_read(input_file.path, spec.storage) as handle:
             check_parquet_magic(handle)
             parquet_file = pq.ParquetFile(handle, page_checksum_verification=True)
             present = [n for n in dict.fromkeys(wanted) if n in parquet_file.schema_arrow.names]

@@ -18,7 +18,7 @@ from beam_jobs.records import (
 @register_format("text")
 def _read_text(input_file: InputFile, converter: RecordConverter) -> Iterator[tuple[bool, tuple]]:
     def whole_file() -> Iterator[bytes]:
-        with open_stream(input_file) as stream:
+        with open_stream(input_file, converter.spec.storage) as stream:
             yield stream.read()
 
     corrupt = _corrupt_stream_rejection(input_file, converter)

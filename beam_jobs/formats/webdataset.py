@@ -157,7 +157,7 @@ def sample_record(key: str, members: dict[str, bytes], converter: ImageRecordCon
 def read_webdataset(input_file: InputFile, converter: ImageRecordConverter) -> Iterator[tuple[bool, tuple]]:
     """Every sample of one shard as ``(True, document)`` or ``(False, rejection)``."""
     def samples() -> Iterator[Sample]:
-        with job_files.open_read(input_file.path) as handle:
+        with job_files.open_read(input_file.path, converter.spec.storage) as handle:
             yield from iter_samples(handle, max_image_bytes)
 
     max_image_bytes = converter.images.limits.max_bytes

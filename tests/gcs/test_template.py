@@ -10,6 +10,8 @@ import tomllib
 
 import pytest
 
+from loader.io.storage_options import StorageOptions
+
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,6 +89,8 @@ EXAMPLE = {
     "image_field": "image", "image_root": "gs://my-bucket/images", "image_policy": "dynamic", "max_image_mb": "16",
     "max_image_pixels": "16777216", "max_image_aspect_ratio": "50", "max_images_per_document": "32",
     "transform": 'drop_regex:{"pattern": "lorem"}', "dedup": "exact",
+    "s3_endpoint_url": "https://minio.internal:9000", "s3_region": "eu-central-1", "s3_profile": "datasets",
+    "storage_retry_max_attempts": "12", "storage_retry_deadline_s": "300", "storage_request_timeout_s": "30.5",
 }
 
 
@@ -109,6 +113,9 @@ def test_launcher_arguments_reach_the_job(monkeypatch):
     assert (options.text_field, options.id_field, options.target_file_mb) == ("body", "id", 128.0)
     assert options.token_compression == "zstd"
     assert pipeline_args == ["--project=p", "--region=europe-west4", "--runner=DataflowRunner"]
+    assert options.storage == StorageOptions(s3_endpoint_url="https://minio.internal:9000", s3_region="eu-central-1",
+                                             s3_profile="datasets", retry_max_attempts=12, retry_deadline_s=300.0,
+                                             request_timeout_s=30.5)
     images, _ = shard.parse_args(main.to_job_argv(
         ["--input=gs://b/x", "--output=gs://b/y"] + [f"--{k}={EXAMPLE[k]}" for k in sorted(image_keys)]))
     assert (images.images.image_field, images.images.image_root, images.images.policy["kind"]) == (
