@@ -204,6 +204,7 @@ def commit_manifest(
     curation: Optional[dict] = None,
     images: Optional[dict] = None,
     lane_assignment: Optional[str] = None,
+    kind: Optional[str] = None,
 ) -> dict:
     """Check the reject fraction, then write ``manifest.json`` atomically. Returns its dict.
 
@@ -221,6 +222,7 @@ def commit_manifest(
     """
     del rejected_files
     # lane_assignment: "balanced" where the job dealt documents by rank (beam_jobs.lane_balance)
+    # kind: the named lane kind of a --kind job (loader.kinds.base), the manifest's "kind" entry
     if chat is not None and chat.get("tokenized"):  # the longest conversation, exactly (loader.chat.block)
         chat = {**chat, "longest_tokens": max((int(e.get("longest_tokens", 0)) for e in file_entries), default=0) or None}
     if images is not None:
@@ -259,6 +261,7 @@ def commit_manifest(
         tombstones=tombstones,
         transforms=tuple(curation.get("transforms", ())) if tombstones or "transforms" in curation else (),
         lane_assignment=lane_assignment,
+        kind=kind,
     ).with_fingerprint()
     data = manifest.to_dict()
     data.update(curation)  # counts only: not part of the dataset fingerprint (the files are)

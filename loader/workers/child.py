@@ -29,6 +29,7 @@ import signal
 import traceback
 from multiprocessing.connection import Connection
 
+from loader.kinds.base import import_kind_modules
 from loader.stages.producer import End, build_lanes, produce, start_reading
 from loader.workers.messages import write_message
 from loader.workers.pipes import PipeWaiter
@@ -59,6 +60,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
         os.nice(WORKER_NICENESS)
     except OSError:
         pass
+    import_kind_modules(setup["kind_modules"])  # the trainer's named lane kinds, before any manifest is read
     segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"])
     messages.send(("ready", os.getpid()))
     flags = segment.flags
