@@ -68,7 +68,10 @@ class LaneKind:
     named: ClassVar[bool] = False  # chosen by the manifest's ``kind`` entry, not by matches()
 
     def matches(self, *, pretokenized: bool, chat: Any, images: Any) -> bool:
-        """Whether a lane of this description is of this kind (exactly one kind matches a lane)."""
+        """Whether a lane of this description is of this kind (exactly one built-in kind matches a
+        lane); a named kind matches none (the manifest names it)."""
+        if self.named:
+            return False
         raise NotImplementedError(f"{type(self).__name__}.matches")
 
     def lane_columns(self, schema_names: set) -> tuple[str, ...]:

@@ -22,9 +22,9 @@ import tests.kinds.utf8_bytes_kind as utf8_bytes_kind  # registers the kind (loa
 from beam_jobs import shard
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.config import LoaderConfig
-from loader.errors import ManifestError, ShardConfigError
+from loader.errors import ConfigError, ManifestError, ShardConfigError
 from loader.io.manifest import Manifest, read_manifest
-from loader.kinds.base import kind_modules, lane_kind, named_kinds
+from loader.kinds.base import kind_modules, lane_kind, named_kinds, register_kind, unregister_kind
 from loader.pipeline import ZephonLoader
 from tests.resume_harness import LoaderRun, check_resume
 
@@ -137,3 +137,35 @@ def test_batches_are_the_same_on_every_topology_and_across_resumes(dataset, pack
         return LoaderRun(config.replace(num_workers=num_workers, micro_batch_size=micro), world_size)
 
     check_resume(make, steps=STEPS, cut_points=[3, 7], expected=reference)
+
+
+def test_kind_module_imports_the_kind_for_the_job_and_a_missing_one_is_an_error(tmp_path):
+    options, _ = shard.parse_args(["--input", "x.jsonl", "--output", str(tmp_path / "o"),
+                                   "--kind-module", "tests.kinds.utf8_bytes_kind", "--kind", utf8_bytes_kind.NAME])
+    assert options.kind == utf8_bytes_kind.NAME and options.record_spec().kind == utf8_bytes_kind.NAME
+    with pytest.raises(ShardConfigError, match=r"--kind-module: No module named 'no_such_kinds'"):
+        shard.parse_args(["--input", "x.jsonl", "--output", str(tmp_path / "o"), "--kind-module", "no_such_kinds"])
+
+
+def test_a_kind_defined_in_main_is_refused_when_workers_need_it(monkeypatch):
+    class ScriptKind(utf8_bytes_kind.Utf8BytesKind):
+        name = "script-bytes"
+
+    monkeypatch.setattr(ScriptKind, "__module__", "__main__")
+    register_kind(ScriptKind())
+    try:
+        with pytest.raises(ConfigError, match=r"'script-bytes' is defined in the __main__ script.*num_workers=0"):
+            kind_modules()
+    finally:
+        unregister_kind("script-bytes")
+    assert kind_modules() == ("tests.kinds.utf8_bytes_kind",)
+
+
+def test_the_manifest_kind_entry_is_checked(dataset):
+    path, _ = dataset
+    with open(f"{path}/manifest.json") as fh:
+        data = json.load(fh)
+    with pytest.raises(ManifestError, match=r"field 'kind' must be absent or a lane kind's name \(got 3\)"):
+        Manifest.from_dict({**data, "kind": 3})
+    with pytest.raises(ManifestError, match=r"field 'kind' \('utf8-bytes'\) names a lane kind of its own.*'tokenizer'"):
+        Manifest.from_dict({**data, "tokenizer": {"fingerprint": "0" * 64, "vocab_size": 256}})
