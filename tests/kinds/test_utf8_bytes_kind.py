@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from contextlib import closing
 
 import numpy as np
@@ -118,11 +119,27 @@ def test_the_tokens_are_the_documents_utf8_bytes(dataset, packing):
     assert len(whole) >= 20 and multibyte >= 10
 
 
+def _run_on(config, world_size: int, num_workers: int, micro: int) -> LoaderRun:
+    """A run whose worker processes (if any) serve from its first batch: without the wait the
+    loader reads in-process until they are ready (its warm start), and a short run might never
+    reach them, so the kind's import in the workers would go untested."""
+    run = LoaderRun(config.replace(num_workers=num_workers, micro_batch_size=micro), world_size)
+    deadline = time.monotonic() + 60
+    while num_workers and not all(loader._pool.all_ready() for loader in run.loaders):
+        assert time.monotonic() < deadline, "worker processes did not start"
+        time.sleep(0.05)
+    return run
+
+
 def _lines(config, world_size: int, num_workers: int, micro: int) -> list[str]:
-    with closing(LoaderRun(config.replace(num_workers=num_workers, micro_batch_size=micro), world_size)) as run:
-        return run.run(STEPS)
+    with closing(_run_on(config, world_size, num_workers, micro)) as run:
+        lines = run.run(STEPS)
+        assert all(not loader._run.warm_start for loader in run.loaders) or not num_workers  # the workers served
+        return lines
 
 
+@pytest.mark.slow  # ~40 s each on 2 busy cores: 7 loader runs, 3 of them starting worker processes
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])
 def test_batches_are_the_same_on_every_topology_and_across_resumes(dataset, packing):
     path, _ = dataset
@@ -134,7 +151,7 @@ def test_batches_are_the_same_on_every_topology_and_across_resumes(dataset, pack
 
     def make(k: int) -> LoaderRun:
         world_size, num_workers, micro = RESUME[k % len(RESUME)]
-        return LoaderRun(config.replace(num_workers=num_workers, micro_batch_size=micro), world_size)
+        return _run_on(config, world_size, num_workers, micro)
 
     check_resume(make, steps=STEPS, cut_points=[3, 7], expected=reference)
 
