@@ -11,7 +11,10 @@ which :meth:`loader.io.manifest.Manifest.from_dict` calls for that key.
 
 Each kind is a module that registers itself when imported; :mod:`loader.kinds` imports the
 built-in ones, so they are registered whenever this module is. A new kind is one more module:
-subclass :class:`LaneKind`, call :func:`register_kind` (see docs/DESIGN.md, "How to add a kind").
+subclass :class:`LaneKind` with ``named = True``, call :func:`register_kind` (see
+docs/DESIGN.md, "How to add a kind", and docs/guides/kinds.md). The built-in kinds are matched
+from a lane's flags; a named kind by the manifest's ``kind`` entry (:func:`lane_kind`), and
+worker processes import the modules of the named kinds (:func:`kind_modules`).
 
 This module imports nothing of the project beyond the error types and the block types the
 protocol names, so every layer may import it.
