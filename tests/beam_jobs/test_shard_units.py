@@ -241,10 +241,11 @@ def test_help_documents_every_option_with_defaults(capsys):
                    "--num-lanes", "--lane-balance", "--seed", "--tokenizer", "--token-compression", "--target-file-mb", "--output",
                    "--overwrite", "--max-reject-fraction", "--messages-field", "--chat-template", "--chat-loss-on",
                    "--chat-max-tokens", "--chat-overflow", "--image-field", "--image-root", "--image-policy",
-                   "--max-image-mb", "--max-image-pixels", "--max-image-aspect-ratio", "--max-images-per-document"):
+                   "--max-image-mb", "--max-image-pixels", "--max-image-aspect-ratio", "--max-images-per-document",
+                   "--kind", "--kind-module"):
         assert option in text
-    # the other 18 options (--lane-balance the 18th), --transform/--dedup and the 7 image options
-    assert text.count("(default") == 18 + 2 + 7 and text.count("(required)") == 2
+    # the other 18 options (--lane-balance the 18th), --transform/--dedup, the 7 image options and --kind/--kind-module
+    assert text.count("(default") == 18 + 2 + 7 + 2 and text.count("(required)") == 2
 
 
 def test_parse_args_splits_job_and_pipeline_options():
