@@ -186,3 +186,17 @@ def test_the_manifest_kind_entry_is_checked(dataset):
         Manifest.from_dict({**data, "kind": 3})
     with pytest.raises(ManifestError, match=r"field 'kind' \('utf8-bytes'\) names a lane kind of its own.*'tokenizer'"):
         Manifest.from_dict({**data, "tokenizer": {"fingerprint": "0" * 64, "vocab_size": 256}})
+
+
+def test_the_loader_refuses_a_dataset_whose_kind_no_module_registers(dataset):
+    path, _ = dataset
+    unregister_kind(utf8_bytes_kind.NAME)
+    try:
+        with pytest.raises(ManifestError, match=r"field 'kind' is 'utf8-bytes', which no imported module registers"):
+            loader = ZephonLoader(_config(path))
+            try:
+                next(iter(loader))
+            finally:
+                loader.close()
+    finally:
+        register_kind(utf8_bytes_kind.UTF8_BYTES)
