@@ -208,6 +208,7 @@ def commit_manifest(
     images: Optional[dict] = None,
     lane_assignment: Optional[str] = None,
     storage_options: StorageOptions = StorageOptions(),
+    kind: Optional[str] = None,
 ) -> dict:
     """Check the reject fraction, then write ``manifest.json`` atomically. Returns its dict.
 
@@ -225,6 +226,7 @@ def commit_manifest(
     """
     del rejected_files
     # lane_assignment: "balanced" where the job dealt documents by rank (beam_jobs.lane_balance)
+    # kind: the named lane kind of a --kind job (loader.kinds.base), the manifest's "kind" entry
     if chat is not None and chat.get("tokenized"):  # the longest conversation, exactly (loader.chat.block)
         chat = {**chat, "longest_tokens": max((int(e.get("longest_tokens", 0)) for e in file_entries), default=0) or None}
     if images is not None:
@@ -263,6 +265,7 @@ def commit_manifest(
         tombstones=tombstones,
         transforms=tuple(curation.get("transforms", ())) if tombstones or "transforms" in curation else (),
         lane_assignment=lane_assignment,
+        kind=kind,
     ).with_fingerprint()
     data = manifest.to_dict()
     data.update(curation)  # counts only: not part of the dataset fingerprint (the files are)

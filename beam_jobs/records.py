@@ -43,6 +43,7 @@ class RecordSpec:
     chat: Optional[ChatSpec] = None  # --messages-field: records are conversations (beam_jobs.chat_records)
     images: Optional[Any] = None  # an image job: beam_jobs.image_records.ImageSpec
     storage: StorageOptions = StorageOptions()  # how input files (and named images) are read: --s3-*, --storage-*
+    kind: Optional[str] = None  # --kind: the named lane kind whose registered converter reads the records
 
     @property
     def content_fields(self) -> tuple[str, ...]:
@@ -269,11 +270,18 @@ def register_converter(kind: str) -> Callable[[type], type]:
 
 
 def record_kind(spec: RecordSpec) -> str:
-    """Which converter reads the records of ``spec``: :data:`IMAGE_CHAT_RECORDS`, :data:`IMAGE_RECORDS`
-    or :data:`TEXT_RECORDS`."""
+    """Which converter reads the records of ``spec``: a named lane kind's (``--kind``), else
+    :data:`IMAGE_CHAT_RECORDS`, :data:`IMAGE_RECORDS` or :data:`TEXT_RECORDS`."""
+    if spec.kind is not None:
+        return spec.kind
     if spec.images is not None:
         return IMAGE_CHAT_RECORDS if spec.chat is not None else IMAGE_RECORDS
     return TEXT_RECORDS
+
+
+def registered_converters() -> tuple[str, ...]:
+    """The record kinds that have a converter (a named lane kind registers its own)."""
+    return tuple(_CONVERTERS)
 
 
 def converter_for(spec: RecordSpec, input_file: InputFile,

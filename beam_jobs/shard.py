@@ -79,6 +79,7 @@ from beam_jobs.outputs import WriteRejectedFn, commit_manifest, prepare_output
 from beam_jobs.progress import ShardSummary, expect, expect_lane_files, query_counters, reset_stages
 from beam_jobs.readers import REJECTED_TAG, ReadDocumentsFn, RecordSpec
 from beam_jobs.storage_flags import add_storage_arguments, check_storage_options, storage_options_from_args
+from beam_jobs.records import registered_converters
 from loader.chat import LOSS_ON_CHOICES, OVERFLOW_CHOICES, load_chat_template
 from loader.cli import debug_enabled, run_command
 from loader.errors import (
@@ -95,6 +96,7 @@ from loader.errors import (
 from loader.io.backends import UnsupportedSchemeError, backend_for
 from loader.io.manifest import DOCUMENT_REJECT_REASONS, Manifest, read_manifest
 from loader.io.storage_options import StorageOptions
+from loader.kinds.base import import_kind_modules, named_kinds
 from loader.kinds.chat import REJECT_REASONS
 from loader.kinds.image import IMAGE_DOCUMENT_REJECT_REASONS
 from loader.stages.tokenizer import describe, load_tokenizer
@@ -140,6 +142,7 @@ class ShardOptions:
     dedup: Optional[str] = None  # --dedup: None or "exact"
     images: Optional[ImageSpec] = None  # an image job (--image-*, WebDataset input): docs/guides/images.md
     storage: StorageOptions = StorageOptions()  # --s3-*, --storage-* (beam_jobs.storage_flags), given to every I/O step
+    kind: Optional[str] = None  # --kind: a named lane kind's job (loader.kinds.base; docs/guides/kinds.md)
 
     @property
     def chat(self) -> bool:
@@ -186,9 +189,23 @@ class ShardOptions:
         if self.dedup is not None and self.dedup not in DEDUP_MODES:
             problems.append(f"--dedup must be one of {', '.join(DEDUP_MODES)} (got {self.dedup!r})")
         problems += self._chat_problems()
+        problems += self._kind_problems()
         problems += image_option_problems(self)
         if problems:
             raise ShardConfigError("; ".join(problems))
+
+    def _kind_problems(self) -> list[str]:
+        if self.kind is None:
+            return []
+        if self.kind not in named_kinds() or self.kind not in registered_converters():
+            return [f"--kind {self.kind!r} is not a registered lane kind with a record converter (registered: "
+                    f"{', '.join(k for k in named_kinds() if k in registered_converters()) or 'none'}); "
+                    "name the module that registers it with --kind-module"]
+        given = [flag for flag, value in (("--tokenizer", self.tokenizer), ("--messages-field", self.messages_field),
+                                          ("--image-*", self.images)) if value is not None]
+        if given:
+            return [f"--kind {self.kind} makes its own tokens from the text; it cannot be combined with {', '.join(given)}"]
+        return []
 
     def _chat_problems(self) -> list[str]:
         problems = []
@@ -226,7 +243,7 @@ class ShardOptions:
 
     def record_spec(self, chat: Optional[ChatSpec] = None) -> RecordSpec:
         return RecordSpec(text_field=self.text_field, id_field=self.id_field, keep_fields=self.keep_fields,
-                          chat=chat, images=self.images, storage=self.storage)
+                          chat=chat, images=self.images, storage=self.storage, kind=self.kind)
 
     def chat_spec(self, tokenizer_fingerprint: Optional[str], template_fingerprint: str) -> ChatSpec:
         return ChatSpec(
@@ -294,6 +311,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "zstd): lz4 decodes fastest, which is what a CPU-bound loader replays every "
                              "epoch; zstd stores fewer bytes; none skips decompression "
                              "(default: %(default)s)")
+    parser.add_argument("--kind", default=None, metavar="NAME",
+                        help="a named lane kind (a plug-in: docs/guides/kinds.md) whose record converter reads "
+                             "the records and whose loader decoder makes the tokens from the text column; "
+                             "recorded in the manifest's 'kind' entry (registered now: "
+                             f"{', '.join(named_kinds()) or 'none'}; more with --kind-module) "
+                             "(default: none, a built-in kind chosen by the other flags)")
+    parser.add_argument("--kind-module", dest="kind_modules", action="append", default=[], metavar="MODULE",
+                        help="an importable Python module that registers lane kinds (register_kind, "
+                             "register_converter), imported before --kind is checked; repeatable (default: none)")
     parser.add_argument("--target-file-mb", type=float, default=DEFAULT_TARGET_FILE_MB,
                         help="target text MiB per lane file: files_per_lane = max(1, ceil(total text bytes "
                              "/ num_lanes / target)); also bounds a writer's memory (default: %(default)s)")
@@ -354,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
     """``(job options, Beam pipeline args)``; unknown flags are pipeline options."""
     known, pipeline_args = build_parser().parse_known_args(list(argv))
+    try:
+        import_kind_modules(known.kind_modules)  # --kind-module: registers the kinds --kind may name
+    except ImportError as exc:
+        raise ShardConfigError(f"--kind-module: {exc}; the module must be importable (on sys.path)") from exc
     options = ShardOptions(
         inputs=tuple(known.inputs),
         output=known.output,
@@ -379,6 +409,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
         dedup=known.dedup,
         images=image_spec_from_args(known),
         storage=storage_options_from_args(known),
+        kind=known.kind,
     )
     return options, pipeline_args
 
@@ -552,6 +583,7 @@ class ShardDataset(beam.PTransform):
                 images=opts.images.manifest_record(0).to_dict() if opts.images is not None else None,
                 curation=AsSingleton(curation) if curation is not None else None,
                 lane_assignment="balanced" if balanced else None,
+                kind=opts.kind,
             )
         )
 

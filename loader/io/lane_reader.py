@@ -40,7 +40,7 @@ from loader.io.integrity import FIX, check_footer, check_no_unlisted_files, chec
 from loader.io.manifest import CONVERSATION_COLUMN, MANIFEST_NAME, TOMBSTONE_COLUMN, FileEntry, Manifest
 from loader.io.read_ahead import READ_AHEAD_BLOCKS, ReadAheadQueue, prepare_later
 from loader.io.reject_tally import RejectTally
-from loader.kinds.base import BlockSource, kind_for
+from loader.kinds.base import BlockSource, lane_kind
 from loader.metrics import note_row_group_read
 from loader.order.epochs import epoch_blocks, row_order
 from loader.stages.features import Feature, column_features, slice_features
@@ -106,7 +106,7 @@ class LaneTokenStream:
         # (loader.chat.block), whose rejects the tally reports once per block entered.
         self.chat = chat
         # The lane's kind (loader.kinds) decodes its row groups and names the columns it adds.
-        self.kind = kind_for(pretokenized=manifest.pretokenized, chat=chat, images=images)
+        self.kind = lane_kind(manifest.kind, pretokenized=manifest.pretokenized, chat=chat, images=images)
         self._kind_columns = self.kind.lane_columns({c.get("name") for c in manifest.schema})
         # Online rejects of chat and image blocks, reported once per block entered.
         self.chat_rejects = RejectTally() if self.kind.rejects_online else None

@@ -215,6 +215,10 @@ class Manifest:
     # hash order goes to lane r mod L, so lane sizes differ by at most one; beam_jobs.lane_balance).
     # In the fingerprint only when present. The loader reads lanes alike either way.
     lane_assignment: Optional[str] = None
+    # The lane kind of a dataset of a named (non-built-in) kind (loader.kinds.base.LaneKind.named,
+    # ``zephon shard --kind NAME``): the loader decodes its lanes with the kind registered under
+    # that name. Absent for every built-in kind, and in the fingerprint only when present.
+    kind: Optional[str] = None
 
     # -- derived views -------------------------------------------------------------------
     @property
@@ -274,6 +278,8 @@ class Manifest:
             content["images"] = self.images.to_dict()
         if self.lane_assignment is not None:  # likewise
             content["lane_assignment"] = self.lane_assignment
+        if self.kind is not None:  # likewise
+            content["kind"] = self.kind
         blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -301,6 +307,7 @@ class Manifest:
             **({"chat": self.chat.to_dict()} if self.chat is not None else {}),
             **({"images": self.images.to_dict()} if self.images is not None else {}),
             **({"lane_assignment": self.lane_assignment} if self.lane_assignment is not None else {}),
+            **({"kind": self.kind} if self.kind is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -357,6 +364,12 @@ class Manifest:
         if data.get("lane_assignment") not in (None,) + LANE_ASSIGNMENTS:
             problems.append(f"field 'lane_assignment' must be absent or one of {list(LANE_ASSIGNMENTS)} "
                             f"(got {data['lane_assignment']!r:.80})")
+        if "kind" in data and (not isinstance(data["kind"], str) or not data["kind"]):
+            problems.append(f"field 'kind' must be absent or a lane kind's name (got {data['kind']!r:.80})")
+        elif "kind" in data and (data.get("tokenizer") is not None or any(data.get(e.key) is not None
+                                                                         for e in manifest_entries())):
+            problems.append(f"field 'kind' ({data['kind']!r}) names a lane kind of its own, so the dataset can "
+                            "have no 'tokenizer' nor any kind's entry (" + ", ".join(e.key for e in manifest_entries()) + ")")
         if problems:
             raise ManifestError(f"{where}: " + "; ".join(problems))
         num_lanes = data["num_lanes"]
@@ -412,6 +425,7 @@ class Manifest:
                 tombstones=tombstones,
                 transforms=tombstone_transforms,
                 lane_assignment=data.get("lane_assignment"),
+                kind=data.get("kind"),
             )
             recorded = manifest.dataset_fingerprint
             actual = manifest.compute_fingerprint()

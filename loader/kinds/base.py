@@ -11,7 +11,10 @@ which :meth:`loader.io.manifest.Manifest.from_dict` calls for that key.
 
 Each kind is a module that registers itself when imported; :mod:`loader.kinds` imports the
 built-in ones, so they are registered whenever this module is. A new kind is one more module:
-subclass :class:`LaneKind`, call :func:`register_kind` (see docs/DESIGN.md, "How to add a kind").
+subclass :class:`LaneKind` with ``named = True``, call :func:`register_kind` (see
+docs/DESIGN.md, "How to add a kind", and docs/guides/kinds.md). The built-in kinds are matched
+from a lane's flags; a named kind by the manifest's ``kind`` entry (:func:`lane_kind`), and
+worker processes import the modules of the named kinds (:func:`kind_modules`).
 
 This module imports nothing of the project beyond the error types and the block types the
 protocol names, so every layer may import it.
@@ -19,9 +22,11 @@ protocol names, so every layer may import it.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
+from loader.errors import ConfigError, ManifestError
 from loader.io.blocks import Block, TokenFormat
 from loader.stages.features import Feature
 
@@ -53,13 +58,23 @@ class BlockSource:
 
 class LaneKind:
     """The protocol of a kind of lane data (module docstring). Subclasses set :attr:`name` and
-    implement :meth:`matches` and :meth:`decode`; the rest have defaults for kinds without them."""
+    implement :meth:`matches` and :meth:`decode`; the rest have defaults for kinds without them.
+
+    A *named* kind (:attr:`named`; every kind outside the built-ins) is never matched from a
+    lane's flags: its datasets record its name in the manifest's ``kind`` entry (written by
+    ``zephon shard --kind NAME``) and the loader picks it by that name (:func:`lane_kind`).
+    Its lanes hold a ``text`` column (the job's untokenized output) which its :meth:`decode`
+    turns into tokens; :meth:`matches` need not be implemented."""
 
     name: ClassVar[str]
     rejects_online: ClassVar[bool] = False  # its blocks count refused documents (``reject_counts``)
+    named: ClassVar[bool] = False  # chosen by the manifest's ``kind`` entry, not by matches()
 
     def matches(self, *, pretokenized: bool, chat: Any, images: Any) -> bool:
-        """Whether a lane of this description is of this kind (exactly one kind matches a lane)."""
+        """Whether a lane of this description is of this kind (exactly one built-in kind matches a
+        lane); a named kind matches none (the manifest names it)."""
+        if self.named:
+            return False
         raise NotImplementedError(f"{type(self).__name__}.matches")
 
     def lane_columns(self, schema_names: set) -> tuple[str, ...]:
@@ -108,14 +123,63 @@ def registered_kinds() -> tuple[LaneKind, ...]:
     return tuple(_KINDS.values())
 
 
+def named_kinds() -> tuple[str, ...]:
+    """The names of the registered named kinds (``zephon shard --kind`` choices)."""
+    return tuple(name for name, kind in _KINDS.items() if kind.named)
+
+
 def kind_for(*, pretokenized: bool, chat: Any = None, images: Any = None) -> LaneKind:
-    """The one registered kind that matches a lane of this description."""
-    found = [k for k in _KINDS.values() if k.matches(pretokenized=pretokenized, chat=chat, images=images)]
+    """The one registered built-in kind that matches a lane of this description."""
+    found = [k for k in _KINDS.values()
+             if not k.named and k.matches(pretokenized=pretokenized, chat=chat, images=images)]
     if len(found) != 1:
         described = f"pretokenized={pretokenized}, chat={chat is not None}, images={images is not None}"
         raise ValueError(f"{len(found)} lane kinds match a lane with {described} (registered: "
                          f"{', '.join(_KINDS) or 'none'}); exactly one must")
     return found[0]
+
+
+def kind_named(name: str, where: str = "the manifest") -> LaneKind:
+    """The registered named kind ``name`` (a manifest's ``kind`` entry); an unknown one is a
+    :class:`~loader.errors.ManifestError` that lists the registered named kinds."""
+    kind = _KINDS.get(name)
+    if kind is None or not kind.named:
+        raise ManifestError(
+            f"{where}: field 'kind' is {name!r}, which no imported module registers (registered named kinds: "
+            f"{', '.join(named_kinds()) or 'none'}); import the module that registers it (register_kind) "
+            "before building the loader")
+    return kind
+
+
+def lane_kind(name: Optional[str], *, pretokenized: bool, chat: Any = None, images: Any = None) -> LaneKind:
+    """The kind of a lane: the named kind of the manifest's ``kind`` entry when it has one,
+    else the built-in kind its flags match (:func:`kind_for`)."""
+    if name is not None:
+        return kind_named(name)
+    return kind_for(pretokenized=pretokenized, chat=chat, images=images)
+
+
+def kind_modules() -> tuple[str, ...]:
+    """The modules that registered the named kinds, for worker processes to import
+    (:func:`import_kind_modules`): a worker is a fresh interpreter, which has imported only
+    the built-in kinds. A kind defined in ``__main__`` cannot be imported there by name."""
+    modules = []
+    for kind in _KINDS.values():
+        module = type(kind).__module__
+        if kind.named and module not in modules:
+            if module == "__main__":
+                raise ConfigError(
+                    f"lane kind {kind.name!r} is defined in the __main__ script, which worker processes cannot "
+                    "import; move it to an importable module (on sys.path) and import that, or set num_workers=0")
+            modules.append(module)
+    return tuple(modules)
+
+
+def import_kind_modules(modules: Sequence[str]) -> None:
+    """Import the modules of :func:`kind_modules` (in a worker, with the trainer's ``sys.path``),
+    skipping kinds already registered."""
+    for module in modules:
+        importlib.import_module(module)
 
 
 def register_manifest_entry(entry: ManifestEntry) -> ManifestEntry:

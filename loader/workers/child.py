@@ -29,6 +29,7 @@ import pickle
 import signal
 from multiprocessing.connection import Connection
 
+from loader.kinds.base import import_kind_modules
 from loader.stages.producer import End, build_lanes, produce, start_reading
 from loader.workers.error_relay import error_message
 from loader.workers.messages import write_message
@@ -60,6 +61,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
         os.nice(WORKER_NICENESS)
     except OSError:
         pass
+    import_kind_modules(setup["kind_modules"])  # the trainer's named lane kinds, before any manifest is read
     segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"], fd=setup["segment_fd"])
     messages.send(("ready", os.getpid()))
     flags = segment.flags

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Optional, Sequence
 
 from loader.errors import WorkerError
+from loader.kinds.base import kind_modules
 from loader.workers.child import BOOTSTRAP
 from loader.workers.error_relay import worker_exception
 from loader.workers.messages import read_message
@@ -155,8 +156,11 @@ class WorkerPool:
         self.commands.append(Connection(command_w, readable=False))
         self.messages.append(Connection(message_r, writable=False))
         self.waiters.append(PipeWaiter(self.messages[-1]))
+        # The worker imports the modules of the named lane kinds (loader.kinds.base.kind_modules):
+        # it is a fresh interpreter, where only the built-in kinds are registered.
         self.commands[-1].send({
-            "sys_path": list(sys.path), "segment_path": segment.path, "segment_fd": segment_fd,
+            "sys_path": list(sys.path), "kind_modules": kind_modules(), "segment_path": segment.path,
+            "segment_fd": segment_fd,
             "num_slots": self.num_slots, "slot_size": self.slot_size,
             "items_per_message": self.items_per_message,
         })

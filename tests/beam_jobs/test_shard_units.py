@@ -243,10 +243,11 @@ def test_help_documents_every_option_with_defaults(capsys):
                    "--chat-max-tokens", "--chat-overflow", "--image-field", "--image-root", "--image-policy",
                    "--max-image-mb", "--max-image-pixels", "--max-image-aspect-ratio", "--max-images-per-document",
                    "--s3-endpoint-url", "--s3-region", "--s3-profile", "--storage-retry-max-attempts",
-                   "--storage-retry-deadline-s", "--storage-request-timeout-s"):
+                   "--storage-retry-deadline-s", "--storage-request-timeout-s", "--kind", "--kind-module"):
         assert option in text
-    # the other 18 options (--lane-balance the 18th), --transform/--dedup, the 7 image and the 6 storage options
-    assert text.count("(default") == 18 + 2 + 7 + 6 and text.count("(required)") == 2
+    # the other 18 options (--lane-balance the 18th), --transform/--dedup, the 7 image options, the 6 storage
+    # options and --kind/--kind-module
+    assert text.count("(default") == 18 + 2 + 7 + 6 + 2 and text.count("(required)") == 2
 
 
 def test_parse_args_splits_job_and_pipeline_options():
