@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from loader.checkpoint import migrations as checkpoint_migrations, schema as checkpoint_schema, state as state_mod
 from loader.io.lane_reader import TRANSFORMS_CHANGED
+from loader.order.data_parallel import initialized_distributed
 from loader.order.mixing import MixingSchedule, MixturePhase
 from loader.stages.producer import build_lanes
 from loader.transforms import resume as transform_resume
@@ -136,9 +137,8 @@ class CheckpointSession:
         local = self.state_dict(step=step)
         if self.topology.world_size == 1:
             return state_mod.merge_rank_states([local])
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
+        dist = initialized_distributed()
+        if dist is None:
             raise state_mod.StateError(
                 f"global_state_dict() with world_size={self.topology.world_size} gathers the ranks' states "
                 "through torch.distributed, which is not initialised; gather state_dict(step=t) of every "

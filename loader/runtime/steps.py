@@ -6,6 +6,7 @@ import collections
 import logging
 
 from loader.model_inputs.loss_tokens import GlobalCounter, data_parallel_share, sum_over_ranks
+from loader.order.data_parallel import initialized_distributed
 from loader.stages.producer import FILL_SOURCE, Item
 
 # The loader's one logger, whichever of its modules logs (what users filter on).
@@ -134,9 +135,8 @@ class StepDelivery:
             return True
         available = agreed or self.step_available()
         loss_tokens = self._collator.loss_tokens(self._step_items) if counts and available else 0
-        import torch.distributed as dist
-
-        if self.topology.world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist = initialized_distributed()
+        if self.topology.world_size > 1 and dist is not None:
             if self._end_group is None:  # gloo: CPU ints work whatever the training backend
                 self._end_group = dist.new_group(backend="gloo")
             # One collective for both: ranks that cannot finish the step, and the loss tokens.
