@@ -47,7 +47,7 @@ from loader.runtime.handover import Run, WorkerHandOver
 from loader.runtime.plan import plan_loader
 from loader.runtime.session import CheckpointSession
 from loader.runtime.steps import StepDelivery
-from loader.stages.collate import OUTPUTS, Collator, to_torch
+from loader.stages.collate import OUTPUTS, Collator, load_torch, to_torch
 from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
 from loader.stages.producer import Item, fill_sequence
 from loader.transforms import resume as transform_resume
@@ -100,6 +100,8 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
             raise ConfigError(f"ZephonLoader(pin_memory=True, output={output!r}): pinned memory is for torch "
                               "tensors bound for an accelerator; pass output=\"torch\" or pin_memory=False")
         self.output = output
+        if output == "torch":
+            load_torch()  # torch is imported by its users only, here rather than in the first batch
         # Micro-batches assembled in pinned memory (loader.stages.pinned); without an
         # accelerator there is none: a no-op with one warning, as torch's DataLoader does.
         self._pinned: Optional[PinnedBuffers] = None
