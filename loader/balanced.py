@@ -34,11 +34,10 @@ import time
 from typing import Any, Optional
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from loader.order.balance import CostModel, balanced_assignment, default_assignment, imbalance
 from loader.errors import TopologyError
+from loader.order.data_parallel import initialized_distributed
 from loader.stages.features import FEATURES, NO_FEATURES
 from loader.stages.packing import PackedSequence
 from loader.stages.producer import Item
@@ -60,7 +59,7 @@ def make_balancer(loader) -> Optional["Balancer"]:
     if loader.config.balance is None or getattr(_SHADOW, "active", False):
         return None
     world_size = loader.topology.world_size
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
+    if world_size > 1 and initialized_distributed() is not None:
         exchange = DistributedExchange(loader)
     else:
         exchange = SimulatedExchange(loader)
@@ -178,7 +177,7 @@ class DistributedExchange:
 
     def __init__(self, loader) -> None:
         self.loader = loader
-        self.dist = dist
+        self.dist = dist = initialized_distributed()
         if loader.image_options is not None:
             raise NotImplementedError("balance = \"attention\" across real ranks does not ship image pixels yet: "
                                       "use it with text sources, or simulate the ranks in one process")
@@ -201,6 +200,8 @@ class DistributedExchange:
 
     def costs(self, step: int, own: list[Item], cost) -> tuple[list[int], dict[int, Item]]:
         W, B = self.loader.topology.world_size, self.loader.config.global_batch_size
+        import torch  # optional heavy dependency: real ranks run torch.distributed
+
         mine = torch.tensor([cost(item) for item in own], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(W)]
         self.dist.all_gather(gathered, mine, group=self.group)
@@ -218,6 +219,8 @@ class DistributedExchange:
         outgoing = {peer: encode_items([held[p] for micro in assignment[peer] for p in micro if p % W == me],
                                        self.features) for peer in peers}
         # sizes first (a row's segment starts vary), then the rows themselves
+        import torch  # optional heavy dependency: real ranks run torch.distributed
+
         sizes = self._swap({peer: torch.tensor([len(payload)], dtype=torch.int64) for peer, payload in outgoing.items()},
                            {peer: torch.zeros(1, dtype=torch.int64) for peer in peers})
         incoming = self._swap(outgoing, {peer: torch.empty(int(sizes[peer].item()), dtype=torch.int64) for peer in peers})
@@ -255,7 +258,10 @@ class DistributedExchange:
 _HEADER = 4
 
 
-def encode_items(items: list[Item], features: tuple[str, ...]) -> torch.Tensor:
+def encode_items(items: list[Item], features: tuple[str, ...]):
+    """``items`` as one int64 torch tensor (for send/recv between real ranks)."""
+    import torch  # optional heavy dependency: real ranks run torch.distributed
+
     parts = []
     for item in items:
         sequence = item.sequence
@@ -270,7 +276,7 @@ def encode_items(items: list[Item], features: tuple[str, ...]) -> torch.Tensor:
     return torch.from_numpy(flat)
 
 
-def decode_items(buffer: torch.Tensor, features: tuple[str, ...], seq_len: int) -> list[Item]:
+def decode_items(buffer, features: tuple[str, ...], seq_len: int) -> list[Item]:
     flat = buffer.numpy()
     items, at = [], 0
     while at < len(flat):

@@ -32,8 +32,6 @@ import logging
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from loader.errors import StateError
 from loader.stages.features import IGNORE_INDEX
@@ -105,6 +103,9 @@ def data_parallel_share(total: int, processes: int, dp_world_size: int) -> int:
 
 def sum_over_ranks(values: Iterable[int], group: Any) -> list[int]:
     """``values`` summed over the ranks of ``group`` by one ``all_reduce`` (gloo, CPU int64)."""
+    import torch  # optional heavy dependency, here only with a real process group (torch is running)
+    import torch.distributed as dist
+
     tensor = torch.tensor(list(values), dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor.tolist()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 from loader.errors import TopologyError
@@ -115,3 +116,16 @@ def _from_mesh(mesh: Any, dim: Optional[str]) -> DataParallelIdentity:
     # DeviceMesh.size takes the dimension's index (a name raises TypeError); the others take names.
     size = mesh.size(names.index(dim))
     return DataParallelIdentity(mesh.get_local_rank(dim), size, "device_mesh", mesh.get_group(dim))
+
+
+def initialized_distributed():
+    """``torch.distributed`` when a process group is initialised in this process, else None.
+
+    Looked up in ``sys.modules``, never imported: a process group exists only once
+    ``torch.distributed`` has been imported, so a trainer without torch (``output="numpy"``)
+    does not import it through the loader's end-of-step or checkpoint collectives.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist
+    return None

@@ -211,15 +211,22 @@ def image_fields(policy, sequences: Sequence) -> dict[str, np.ndarray]:
 _from_numpy = None  # torch.from_numpy, looked up once (torch is imported only by torch users)
 
 
+def load_torch() -> None:
+    """Import torch for :func:`to_torch` now: a torch loader's constructor calls it, so that the
+    import (a second or more) is not paid inside its first micro-batch."""
+    global _from_numpy
+    if _from_numpy is None:
+        import torch  # optional heavy dependency: only for output="torch" (never for "numpy")
+
+        _from_numpy = torch.from_numpy
+
+
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch with every array as a torch tensor sharing its memory (``from_numpy``: ~1 us
     per array, where ``torch.tensor`` of a list costs ~30 us). Per batch this is as cheap as
     calling ``from_numpy`` field by field: no import or ``isinstance`` per call."""
-    global _from_numpy
     if _from_numpy is None:
-        import torch
-
-        _from_numpy = torch.from_numpy
+        load_torch()
     from_numpy, ndarray = _from_numpy, np.ndarray
     return {k: from_numpy(v) if type(v) is ndarray else v for k, v in batch.items()}
 
