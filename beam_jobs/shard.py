@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "recorded in the manifest's 'kind' entry (registered now: "
                              f"{', '.join(named_kinds()) or 'none'}; more with --kind-module) "
                              "(default: none, a built-in kind chosen by the other flags)")
-    parser.add_argument("--kind-module", dest="kind_modules", action="append", default=[], metavar="MODULE",
+    parser.add_argument("--kind-module", dest="kind_modules", action="append", default=None, metavar="MODULE",
                         help="an importable Python module that registers lane kinds (register_kind, "
                              "register_converter), imported before --kind is checked; repeatable (default: none)")
     parser.add_argument("--target-file-mb", type=float, default=DEFAULT_TARGET_FILE_MB,
@@ -381,7 +381,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
     """``(job options, Beam pipeline args)``; unknown flags are pipeline options."""
     known, pipeline_args = build_parser().parse_known_args(list(argv))
     try:
-        import_kind_modules(known.kind_modules)  # --kind-module: registers the kinds --kind may name
+        import_kind_modules(known.kind_modules or ())  # --kind-module: registers the kinds --kind may name
     except ImportError as exc:
         raise ShardConfigError(f"--kind-module: {exc}; the module must be importable (on sys.path)") from exc
     options = ShardOptions(

@@ -82,7 +82,8 @@ EXAMPLE = {
     "input": "gs://my-bucket/raw/a-*.jsonl,gs://my-bucket/raw/b-*.jsonl.gz",
     "output": "gs://my-bucket/datasets/web-v1",
     "format": "jsonl", "text_field": "body", "id_field": "id", "keep_fields": "url,lang",
-    "source_name": "web", "num_lanes": "256", "lane_balance": "documents", "seed": "7", "tokenizer": "gs://my-bucket/tok/tokenizer.json",
+    "source_name": "web", "num_lanes": "256", "lane_balance": "documents", "kind": "utf8-bytes",
+    "kind_module": "tests.kinds.utf8_bytes_kind", "seed": "7", "tokenizer": "gs://my-bucket/tok/tokenizer.json",
     "token_compression": "zstd", "target_file_mb": "128", "overwrite": "true", "max_reject_fraction": "0.05",
     "messages_field": "messages", "chat_template": "gs://my-bucket/tok/tokenizer_config.json",
     "chat_loss_on": "last", "chat_max_tokens": "4096", "chat_overflow": "truncate",
@@ -105,7 +106,8 @@ def test_launcher_arguments_reach_the_job(monkeypatch):
     main = load_template_main()
     image_keys = {k for k in EXAMPLE if k.startswith(("image_", "max_image"))}  # not with a chat job: below
     curation_keys = {"transform", "dedup"}  # a text job's: below
-    argv = [f"--{k}={v}" for k, v in EXAMPLE.items() if k not in image_keys | curation_keys] + [
+    kind_keys = {"kind", "kind_module"}  # a job of a plug-in kind, without tokenizer or chat: below
+    argv = [f"--{k}={v}" for k, v in EXAMPLE.items() if k not in image_keys | curation_keys | kind_keys] + [
         "--project=p", "--region=europe-west4"]
     options, pipeline_args = shard.parse_args(main.to_job_argv(argv))
     assert options.inputs == ("gs://my-bucket/raw/a-*.jsonl", "gs://my-bucket/raw/b-*.jsonl.gz")
@@ -124,6 +126,9 @@ def test_launcher_arguments_reach_the_job(monkeypatch):
     curated, _ = shard.parse_args(main.to_job_argv(
         ["--input=gs://b/x", "--output=gs://b/y"] + [f"--{k}={EXAMPLE[k]}" for k in sorted(curation_keys)]))
     assert len(curated.transforms) == 1 and curated.dedup == "exact"
+    plug_in, _ = shard.parse_args(main.to_job_argv(
+        ["--input=gs://b/x", "--output=gs://b/y"] + [f"--{k}={EXAMPLE[k]}" for k in sorted(kind_keys)]))
+    assert plug_in.kind == "utf8-bytes"
     options, _ = shard.parse_args(main.to_job_argv(["--input=gs://b/x", "--output=gs://b/y", "--overwrite=false"]))
     assert options.overwrite is False and options.num_lanes == shard.DEFAULT_NUM_LANES
 
