@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from loader.stages.lane import cursor_lane_state
-from loader.stages.packing import StateSnapshot
+from loader.checkpoint.records import StateSnapshot
+from loader.stages.lane_record import cursor_lane_state
 
 _ENCODED = "__encoded_state__"  # wraps a lane state that holds deltas (the only key of the wrapper)
 _DELTA = "__bins_delta__"  # marks an encoded best-fit packer state inside a lane state (its lane)
