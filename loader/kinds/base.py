@@ -69,6 +69,10 @@ class LaneKind:
     name: ClassVar[str]
     rejects_online: ClassVar[bool] = False  # its blocks count refused documents (``reject_counts``)
     named: ClassVar[bool] = False  # chosen by the manifest's ``kind`` entry, not by matches()
+    # The micro-batch field that reports the documents its blocks drop online (a {reason: count}
+    # of these reasons, with the sequence that enters the block), or None.
+    reject_field: ClassVar[Optional[str]] = None
+    reject_reasons: ClassVar[tuple[str, ...]] = ()
 
     def matches(self, *, pretokenized: bool, chat: Any, images: Any) -> bool:
         """Whether a lane of this description is of this kind (exactly one built-in kind matches a
@@ -84,6 +88,21 @@ class LaneKind:
     def decode(self, source: BlockSource) -> Block:
         """The block of one row group (rows in replay order): tokens, document starts, features."""
         raise NotImplementedError(f"{type(self).__name__}.decode")
+
+    def stream_options(self, manifest: Any, spec: Any, source_name: str, tokenizer: Any) -> dict:
+        """The lane stream's options of a source of this kind (``LaneTokenStream`` keywords:
+        ``chat``, ``images``), from its manifest and the ``LaneSpec``; none by default."""
+        return {}
+
+    def sequence_resolver(self, stream: Any, spec: Any, manifest: Any) -> Any:
+        """What completes each packed sequence of a stream of this kind before it is handed out
+        (an object with ``attach(sequence)`` and ``close()``: images' pixels), or None."""
+        return None
+
+    def worker_slot_bytes(self, spec: Any, seq_len: int, items: int) -> int:
+        """Bytes a worker message of ``items`` sequences needs beyond their token arrays
+        (images' pixels, worst case); 0 by default."""
+        return 0
 
     def __repr__(self) -> str:
         return f"<lane kind {self.name!r}>"
@@ -157,6 +176,18 @@ def lane_kind(name: Optional[str], *, pretokenized: bool, chat: Any = None, imag
     if name is not None:
         return kind_named(name)
     return kind_for(pretokenized=pretokenized, chat=chat, images=images)
+
+
+def manifest_kind(manifest: Any) -> LaneKind:
+    """The kind of a dataset's lanes (a :class:`loader.io.manifest.Manifest`): its named kind, or
+    the built-in kind of its flags (chat only where the loader renders it: ``online_chat``)."""
+    return lane_kind(manifest.kind, pretokenized=manifest.pretokenized,
+                     chat=manifest.chat if manifest.online_chat else None, images=manifest.images)
+
+
+def kinds_of(manifests: Sequence[Any]) -> tuple[LaneKind, ...]:
+    """The distinct kinds of a loader's sources, in source order."""
+    return tuple(dict.fromkeys(manifest_kind(m) for m in manifests))
 
 
 def kind_modules() -> tuple[str, ...]:

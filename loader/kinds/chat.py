@@ -31,6 +31,17 @@ class ChatKind(LaneKind):
     def decode(self, source: BlockSource) -> Block:
         return source.chat.block(source.values.to_pylist(), source.token_format, source.where, source.row_group)
 
+    def stream_options(self, manifest, spec, source_name: str, tokenizer) -> dict:
+        return {"chat": online_chat(manifest, spec, source_name, tokenizer)}
+
+
+def online_chat(manifest, spec, source_name: str, tokenizer):
+    """The encoder of an online chat source (loader.chat.block), bounded by the spec's seq_len."""
+    from loader.chat.block import OnlineChat  # jinja2 (~0.1 s to import): only online chat lanes load it
+
+    return OnlineChat.of_manifest(manifest, tokenizer, source_name=source_name, seq_len=spec.seq_len,
+                                  overlong=spec.overlong, packing=spec.packing, wrap_tokens=spec.token_format.extra)
+
 
 def _chat_entry_problems(chat: ChatRecord, data: dict) -> list[str]:
     """The ``chat`` entry against the manifest's tokenizer and schema."""

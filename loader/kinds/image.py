@@ -15,9 +15,12 @@ from loader.errors import ManifestError
 from loader.io.blocks import Block
 from loader.io.names import DOCUMENT_REJECT_REASONS
 from loader.kinds.base import BlockSource, LaneKind, ManifestEntry, register_kind, register_manifest_entry
-from loader.vision.block import METADATA_COLUMNS, VISUAL_TOKENS_COLUMN, BlockPlace, ImageBlock
+from loader.kinds.chat import online_chat
+from loader.vision.block import METADATA_COLUMNS, ONLINE_IMAGE_REJECT_REASONS, VISUAL_TOKENS_COLUMN, BlockPlace, ImageBlock
 from loader.vision.reasons import IMAGE_REJECT_REASONS
 from loader.vision.record import ImagesRecord
+from loader.vision.resolve import ImageResolver
+from loader.vision.transfer import image_slot_bytes
 
 # What an image job records in the manifest's ``rejected``: the document reasons and the image
 # reasons of loader.vision.reasons.
@@ -27,6 +30,8 @@ IMAGE_DOCUMENT_REJECT_REASONS = DOCUMENT_REJECT_REASONS + IMAGE_REJECT_REASONS
 class ImageKind(LaneKind):
     name = "image"
     rejects_online = True
+    reject_field = "image_rejects"
+    reject_reasons = ONLINE_IMAGE_REJECT_REASONS
 
     def matches(self, *, pretokenized, chat, images) -> bool:
         return images is not None and chat is None
@@ -39,12 +44,27 @@ class ImageKind(LaneKind):
                           source.tokenizer, source.token_format, source.where, source.row_group,
                           BlockPlace(source.epoch, source.block_of))
 
+    def stream_options(self, manifest, spec, source_name: str, tokenizer) -> dict:
+        return {"images": spec.images}
+
+    def sequence_resolver(self, stream, spec, manifest):
+        from loader.vision.images import ImageLimits  # Pillow (~0.2 s to import): only image lanes load it
+
+        return ImageResolver(stream, spec.images, ImageLimits(**manifest.images.limits))
+
+    def worker_slot_bytes(self, spec, seq_len: int, items: int) -> int:
+        return image_slot_bytes(spec.images.policy, seq_len, items, spec.images.wrap_tokens)
+
 
 class ImageChatKind(ImageKind):
     name = "image-chat"
 
     def matches(self, *, pretokenized, chat, images) -> bool:
         return images is not None and chat is not None
+
+    def stream_options(self, manifest, spec, source_name: str, tokenizer) -> dict:
+        return {**super().stream_options(manifest, spec, source_name, tokenizer),
+                **({"chat": online_chat(manifest, spec, source_name, tokenizer)} if manifest.online_chat else {})}
 
     def decode(self, source: BlockSource) -> Block:
         from loader.vision.chat import ImageChatBlock  # jinja2 (~0.1 s to import): only image-chat lanes load it
