@@ -37,11 +37,7 @@ KINDS_PACKAGE = "loader.kinds"  # its __init__ lists the built-in kinds: a kind 
 # Core -> kind imports not yet moved behind loader.kinds: (importer, imported) -> count.
 CORE_TO_KIND_ALLOWED = {
     ("loader.config", "loader.vision.options"): 1,
-    ("loader.runtime.plan", "loader.chat.block"): 1,
-    ("loader.runtime.plan", "loader.vision.loader_options"): 1,
-    ("loader.stages.collate", "loader.vision.policies"): 1,
     ("loader.stages.packing", "loader.vision.resolve"): 1,
-    ("loader.workers.messages", "loader.vision.transfer"): 1,
 }
 
 MAX_CLASS_LINES = 400
@@ -56,7 +52,7 @@ DEFERRED_IMPORTS_ALLOWED = {
     "loader.commands.audit": {"loader.pipeline": "torch: only when a step is replayed"},
     "loader.commands.fingerprints": {"loader.pipeline": "torch: after the arguments are checked"},
     "loader.io.storage": {"loader.io.gcs": "google-cloud-storage: only for gs:// paths"},
-    "loader.kinds.chat": {"loader.chat.block": "jinja2: only for online chat lanes"},
+    "loader.kinds.chat": {"loader.chat.block": "jinja2: only for chat sources"},
     "loader.kinds.image": {"loader.vision.chat": "jinja2: only for image-chat lanes",
                            "loader.vision.images": "Pillow: only for image lanes"},
     "loader.vision.policies": {"loader.vision.images": "Pillow: only where pixels are decoded"},

@@ -119,8 +119,40 @@ class ManifestEntry:
     check: Optional[Callable[[Any, dict], list[str]]] = None
 
 
+@dataclass(frozen=True)
+class SequenceAttachment:
+    """What a kind attaches to its packed sequences (``PackedSequence.images``: the pixels of an
+    image sequence) and how a worker message carries it: ``pack(sequences, arrays)`` returns one
+    entry per sequence (None: none attached) and adds the arrays to write into the slot;
+    ``unpack(entry, arrays, row)`` builds the attachment again from the slot's arrays."""
+
+    name: str
+    pack: Callable[[list, dict], list]
+    unpack: Callable[[Any, dict, int], Any]
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """What a kind's module checks and decides when a loader is planned, over all its sources
+    (``loader.runtime.plan``), under the name of what it plans (``images``, ``chat``):
+
+    ``options(config, manifests, source_names, tokenizer)``: the loader-wide options of its
+    lanes (``LaneSpec.images``), None without such a source; ``rejects(manifests, source_names,
+    tokenizer, *, seq_len, packing, wrap_tokens, overlong)``: checks the sources (errors now, in the
+    trainer) and returns the reasons of its online rejects' batch field; ``overflows(manifest, *,
+    seq_len, packing, wrap_tokens)``: whether a source may hold a document longer than one
+    best_fit sequence (the config's ``overlong`` then adds its transform)."""
+
+    name: str
+    options: Optional[Callable[..., Any]] = None
+    rejects: Optional[Callable[..., tuple[str, ...]]] = None
+    overflows: Optional[Callable[..., bool]] = None
+
+
 _KINDS: dict[str, LaneKind] = {}
 _ENTRIES: dict[str, ManifestEntry] = {}
+_ATTACHMENTS: dict[str, SequenceAttachment] = {}
+_PLANS: dict[str, SourcePlan] = {}
 
 
 def register_kind(kind: LaneKind) -> LaneKind:
@@ -223,3 +255,37 @@ def register_manifest_entry(entry: ManifestEntry) -> ManifestEntry:
 
 def manifest_entries() -> tuple[ManifestEntry, ...]:
     return tuple(_ENTRIES.values())
+
+
+def register_source_plan(plan: SourcePlan) -> SourcePlan:
+    """Add what a kind plans for a loader's sources (its name must be new)."""
+    if plan.name in _PLANS:
+        raise ValueError(f"source plan {plan.name!r} is registered twice")
+    _PLANS[plan.name] = plan
+    return plan
+
+
+def source_plan(name: str) -> SourcePlan:
+    """The registered source plan ``name``; one nobody registered plans nothing."""
+    return _PLANS.get(name) or SourcePlan(name)
+
+
+def source_plans() -> tuple[SourcePlan, ...]:
+    return tuple(_PLANS.values())
+
+
+def register_attachment(attachment: SequenceAttachment) -> SequenceAttachment:
+    """Add a sequence attachment's message codec (its name must be new)."""
+    if attachment.name in _ATTACHMENTS:
+        raise ValueError(f"sequence attachment {attachment.name!r} is registered twice")
+    _ATTACHMENTS[attachment.name] = attachment
+    return attachment
+
+
+def sequence_attachment(name: str) -> SequenceAttachment:
+    """The registered codec of the sequence attachment ``name`` (its kind's module registers it)."""
+    try:
+        return _ATTACHMENTS[name]
+    except KeyError:
+        raise ValueError(f"no sequence attachment {name!r} is registered (registered: "
+                         f"{', '.join(_ATTACHMENTS) or 'none'}); import the kind that attaches it") from None

@@ -14,13 +14,17 @@ from typing import Any
 from loader.errors import ManifestError
 from loader.io.blocks import Block
 from loader.io.names import DOCUMENT_REJECT_REASONS
-from loader.kinds.base import BlockSource, LaneKind, ManifestEntry, register_kind, register_manifest_entry
+from loader.kinds.base import (
+    BlockSource, LaneKind, ManifestEntry, SequenceAttachment, SourcePlan, register_attachment, register_kind,
+    register_manifest_entry, register_source_plan,
+)
 from loader.kinds.chat import online_chat
 from loader.vision.block import METADATA_COLUMNS, ONLINE_IMAGE_REJECT_REASONS, VISUAL_TOKENS_COLUMN, BlockPlace, ImageBlock
 from loader.vision.reasons import IMAGE_REJECT_REASONS
+from loader.vision.loader_options import resolve_image_options
 from loader.vision.record import ImagesRecord
 from loader.vision.resolve import ImageResolver
-from loader.vision.transfer import image_slot_bytes
+from loader.vision.transfer import image_slot_bytes, pack_images, unpack_images
 
 # What an image job records in the manifest's ``rejected``: the document reasons and the image
 # reasons of loader.vision.reasons.
@@ -84,3 +88,6 @@ def _parse_images_entry(data: Any) -> ImagesRecord:
 IMAGE = register_kind(ImageKind())
 IMAGE_CHAT = register_kind(ImageChatKind())
 IMAGES_ENTRY = register_manifest_entry(ManifestEntry("images", _parse_images_entry))
+# Worker messages carry each image sequence's compact pixels in the slot (loader.vision.transfer).
+IMAGES_ATTACHMENT = register_attachment(SequenceAttachment("images", pack_images, unpack_images))
+IMAGES_PLAN = register_source_plan(SourcePlan("images", options=resolve_image_options))
