@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
 
 from loader.errors import StateError
+from loader.registry import Registry
 from loader.validation import Problems, fields_of
 
 MAX_REPORTED = 20  # bad fields listed in one error; the count of the rest is given
@@ -113,28 +114,21 @@ class RecordType:
         return self.parse(raw, path, problems, context, **options)
 
 
-_RECORDS: dict[str, RecordType] = {}
+_RECORDS: Registry[RecordType] = Registry("checkpoint record", "import the stage module that registers it")
 
 
 def register_record(record: RecordType) -> RecordType:
     """Add a stage's record type (its name must be new); returns it."""
-    if record.name in _RECORDS:
-        raise ValueError(f"checkpoint record {record.name!r} is registered twice")
-    _RECORDS[record.name] = record
-    return record
+    return _RECORDS.register(record.name, record)
 
 
 def record_type(name: str) -> RecordType:
     """The registered record ``name``; the stage modules register theirs on import."""
-    try:
-        return _RECORDS[name]
-    except KeyError:
-        raise StateError(f"no checkpoint record {name!r} is registered (registered: {', '.join(_RECORDS) or 'none'}); "
-                         "import the stage module that registers it") from None
+    return _RECORDS.lookup(name, StateError)
 
 
 def registered_records() -> tuple[RecordType, ...]:
-    return tuple(_RECORDS.values())
+    return _RECORDS.values()
 
 
 class StateProblems(Problems):

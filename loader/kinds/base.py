@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from loader.errors import ConfigError, ManifestError
+from loader.registry import Registry
 from loader.io.blocks import Block, TokenFormat
 from loader.stages.features import Feature
 
@@ -151,8 +152,8 @@ class SourcePlan:
 
 _KINDS: dict[str, LaneKind] = {}
 _ENTRIES: dict[str, ManifestEntry] = {}
-_ATTACHMENTS: dict[str, SequenceAttachment] = {}
-_PLANS: dict[str, SourcePlan] = {}
+_ATTACHMENTS: Registry[SequenceAttachment] = Registry("sequence attachment", "import the kind that attaches it")
+_PLANS: Registry[SourcePlan] = Registry("source plan", "import the kind that plans it")
 
 
 def register_kind(kind: LaneKind) -> LaneKind:
@@ -259,10 +260,7 @@ def manifest_entries() -> tuple[ManifestEntry, ...]:
 
 def register_source_plan(plan: SourcePlan) -> SourcePlan:
     """Add what a kind plans for a loader's sources (its name must be new)."""
-    if plan.name in _PLANS:
-        raise ValueError(f"source plan {plan.name!r} is registered twice")
-    _PLANS[plan.name] = plan
-    return plan
+    return _PLANS.register(plan.name, plan)
 
 
 def source_plan(name: str) -> SourcePlan:
@@ -271,21 +269,14 @@ def source_plan(name: str) -> SourcePlan:
 
 
 def source_plans() -> tuple[SourcePlan, ...]:
-    return tuple(_PLANS.values())
+    return _PLANS.values()
 
 
 def register_attachment(attachment: SequenceAttachment) -> SequenceAttachment:
     """Add a sequence attachment's message codec (its name must be new)."""
-    if attachment.name in _ATTACHMENTS:
-        raise ValueError(f"sequence attachment {attachment.name!r} is registered twice")
-    _ATTACHMENTS[attachment.name] = attachment
-    return attachment
+    return _ATTACHMENTS.register(attachment.name, attachment)
 
 
 def sequence_attachment(name: str) -> SequenceAttachment:
     """The registered codec of the sequence attachment ``name`` (its kind's module registers it)."""
-    try:
-        return _ATTACHMENTS[name]
-    except KeyError:
-        raise ValueError(f"no sequence attachment {name!r} is registered (registered: "
-                         f"{', '.join(_ATTACHMENTS) or 'none'}); import the kind that attaches it") from None
+    return _ATTACHMENTS.lookup(name)

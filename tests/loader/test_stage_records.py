@@ -85,7 +85,7 @@ def test_a_best_fit_lane_reads_its_bins_by_the_best_fit_record():
 
 
 def test_an_unregistered_packer_record_is_refused_by_name(monkeypatch):
-    monkeypatch.delitem(records._RECORDS, "concat")
+    monkeypatch.delitem(records._RECORDS._items, "concat")
     with pytest.raises(StateError, match="no checkpoint record 'concat' is registered"):
         LANE(lane_state(("web",), False, 0, [concat_packer_state(cursor_state(0, 0, 0, False))], [False]),
              "lanes.00000", StateProblems(), RecordContext("concat", None, ("web",), False))
