@@ -403,7 +403,7 @@ class BestFitPacker:
         self.stream.set_state(state[STREAM], path=f"{path}.{STREAM}")
         self.serial = int(state[SERIAL])
         self.bins = []
-        expected = getattr(self.stream, "feature_names", ())  # a stream of the tests may not say
+        expected = self.stream.feature_names
         for k, saved in enumerate(state[BINS]):
             tokens = np.asarray(saved[TOKENS], dtype=np.int32)
             piece_starts = [int(x) for x in saved[PIECE_STARTS]] + [len(tokens)]

@@ -73,7 +73,7 @@ class MixedTokenStream:
         self._restored_path: Optional[str] = None  # a restored state whose documents are not checked yet
         # Per-token features of the mixed chunks: each token's source, and every feature of
         # any source (documents of a source without it get its default).
-        own = [name for stream in self.streams for name in getattr(stream, "feature_names", ())]
+        own = [name for stream in self.streams for name in stream.feature_names]
         self.feature_names = in_order(["token_sources", *own])
         self._carried = self.feature_names[1:]  # the sources' own features
 
