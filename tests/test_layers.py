@@ -37,7 +37,6 @@ KINDS_PACKAGE = "loader.kinds"  # its __init__ lists the built-in kinds: a kind 
 # Core -> kind imports not yet moved behind loader.kinds: (importer, imported) -> count.
 CORE_TO_KIND_ALLOWED = {
     ("loader.config", "loader.vision.options"): 1,
-    ("loader.stages.packing", "loader.vision.resolve"): 1,
 }
 
 MAX_CLASS_LINES = 400

@@ -100,6 +100,11 @@ class LaneKind:
         (an object with ``attach(sequence)`` and ``close()``: images' pixels), or None."""
         return None
 
+    def bin_cap(self, spec: Any) -> Optional[tuple[int, Callable[[Any], int]]]:
+        """``(cap, count)``: a best-fit bin of this kind's lanes holds pieces whose ``count(piece)``
+        sum to at most ``cap`` (images per sequence), or None (no cap)."""
+        return None
+
     def worker_slot_bytes(self, spec: Any, seq_len: int, items: int) -> int:
         """Bytes a worker message of ``items`` sequences needs beyond their token arrays
         (images' pixels, worst case); 0 by default."""

@@ -23,7 +23,7 @@ from loader.vision.block import METADATA_COLUMNS, ONLINE_IMAGE_REJECT_REASONS, V
 from loader.vision.reasons import IMAGE_REJECT_REASONS
 from loader.vision.loader_options import resolve_image_options
 from loader.vision.record import ImagesRecord
-from loader.vision.resolve import ImageResolver
+from loader.vision.resolve import ImageResolver, images_in
 from loader.vision.transfer import image_slot_bytes, pack_images, unpack_images
 
 # What an image job records in the manifest's ``rejected``: the document reasons and the image
@@ -55,6 +55,10 @@ class ImageKind(LaneKind):
         from loader.vision.images import ImageLimits  # Pillow (~0.2 s to import): only image lanes load it
 
         return ImageResolver(stream, spec.images, ImageLimits(**manifest.images.limits))
+
+    def bin_cap(self, spec):
+        cap = spec.images.max_images_per_sequence
+        return None if cap is None else (cap, images_in)
 
     def worker_slot_bytes(self, spec, seq_len: int, items: int) -> int:
         return image_slot_bytes(spec.images.policy, seq_len, items, spec.images.wrap_tokens)

@@ -135,11 +135,12 @@ class Lane:
         # output count at the phase's end or None), as ``next_sequence`` needs it per sequence.
         self._phase_step = -1
         self._phase: tuple = ()
+        caps = [kind.bin_cap(spec) if spec.packing == "best_fit" else None for kind in kinds]
         if self.token_mixing:
             self.mixed_stream = MixedTokenStream(streams)
-            self.packers = [self._packer(self.mixed_stream)]
+            self.packers = [self._packer(self.mixed_stream, next((c for c in caps if c is not None), None))]
         else:
-            self.packers = [self._packer(stream) for stream in streams]
+            self.packers = [self._packer(stream, cap) for stream, cap in zip(streams, caps)]
         # Whether every packer's state is its stream's bare cursor (ConcatPacker.cursor_snapshot's
         # common case): step_snapshot then reads the cursors directly, once per lane and step.
         self._cursor_only = all(isinstance(p, ConcatPacker) and type(p.stream) is LaneTokenStream
@@ -147,15 +148,16 @@ class Lane:
         # Whether snapshot() can hold a best-fit StateSnapshot (worker state deltas encode only those).
         self.holds_bins = any(isinstance(p, BestFitPacker) for p in self.packers)
 
-    def _packer(self, stream):
+    def _packer(self, stream, cap: Optional[tuple] = None):
+        """The source's packer; ``cap``: its kind's best-fit bin cap (LaneKind.bin_cap), or None."""
         if self.spec.packing == "concat":
             return ConcatPacker(stream, self.spec.seq_len, self.spec.pad_id, features=self.spec.features)
         if self.spec.packing_window is not None:
             return WindowedBestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.packing_window,
                                          features=self.spec.features)
-        cap = self.spec.images.max_images_per_sequence if self.spec.images is not None else None
+        max_images, images_in = cap if cap is not None else (None, None)
         return BestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.best_fit_open_bins,
-                             features=self.spec.features, max_images=cap)
+                             features=self.spec.features, max_images=max_images, images_in=images_in)
 
     def next_sequence(self, global_index: int) -> tuple[int, PackedSequence]:
         """``(source_id, sequence)`` for the lane's next output; raises :class:`LaneExhausted`."""

@@ -27,7 +27,7 @@ is 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
@@ -39,7 +39,6 @@ from loader.stages.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order
 from loader.stages.packer_records import (
     BINS, DOC_STARTS, PIECE_ORIGINS, PIECE_STARTS, SERIAL, STREAM, TOKENS, best_fit_state, concat_state,
 )
-from loader.vision.resolve import images_in
 
 
 @dataclass
@@ -306,10 +305,13 @@ class BestFitPacker:
     """
 
     def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int, open_bins: int,
-                 features: tuple[str, ...] = (), max_images: Optional[int] = None) -> None:
+                 features: tuple[str, ...] = (), max_images: Optional[int] = None,
+                 images_in: Optional[Callable[[object], int]] = None) -> None:
         self.stream = stream
-        # Image sources: a bin whose images would exceed this is not a fit (loader.vision.block).
-        self.max_images = max_images
+        # Image sources: a bin whose images (``images_in(piece)``, the kind's count: LaneKind.bin_cap)
+        # would exceed this is not a fit (loader.vision.block).
+        self.max_images = max_images if images_in is not None else None
+        self.images_in = images_in
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.features = features  # the loader's (see _sequence_from_pieces)
@@ -339,9 +341,9 @@ class BestFitPacker:
                            self.stream.last_origin if self._has_origins else None)
             fitting = [b for b in self.bins if self.seq_len - b.used >= size]
             if self.max_images is not None and fitting:
-                images = images_in(piece)
+                images = self.images_in(piece)
                 if images:
-                    fitting = [b for b in fitting if sum(map(images_in, b.pieces)) + images <= self.max_images]
+                    fitting = [b for b in fitting if sum(map(self.images_in, b.pieces)) + images <= self.max_images]
             if fitting:
                 target = min(fitting, key=lambda b: (self.seq_len - b.used, b.serial))
                 target.pieces.append(piece)
