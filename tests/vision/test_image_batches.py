@@ -220,11 +220,14 @@ def test_the_fingerprint_covers_pixels_and_text_configs_keep_theirs(data):
 
 @pytest.mark.timeout(90)
 def test_worker_batches_carry_the_same_pixels_through_shared_memory(data, monkeypatch):
-    import loader.workers.messages as messages
+    import dataclasses
+
+    from loader.kinds import base
 
     shipped = []
-    unpack = messages.unpack_images
-    monkeypatch.setattr(messages, "unpack_images", lambda *a: shipped.append(1) or unpack(*a))
+    images = base.sequence_attachment("images")  # how worker messages carry an image sequence's pixels
+    monkeypatch.setitem(base._ATTACHMENTS._items, "images", dataclasses.replace(
+        images, unpack=lambda *a: shipped.append(1) or images.unpack(*a)))
     config = image_config([{"path": data["counted"]}], data["tokenizer"])
     expected = batches(config, 6)
     with ZephonLoader(config.replace(num_workers=2), output="numpy") as loader:
