@@ -29,7 +29,8 @@ class ChatKind(LaneKind):
         return chat is not None and images is None
 
     def decode(self, source: BlockSource) -> Block:
-        return source.chat.block(source.values.to_pylist(), source.token_format, source.where, source.row_group)
+        return source.chat.block(source.values.to_pylist(), source.token_format, source.where, source.row_group,
+                                 source.owner)
 
 
 def _chat_entry_problems(chat: ChatRecord, data: dict) -> list[str]:
