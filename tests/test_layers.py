@@ -49,6 +49,11 @@ CORE_TO_KIND_ALLOWED = {
     ("loader.workers.messages", "loader.vision.transfer"): 1,
 }
 
+# The sample corpus generator: only the commands that write a sample (and the tokenizer's
+# training script) import it, so no trainer's process loads it.
+SAMPLE_CORPUS = "loader.samples.corpus"
+SAMPLE_CORPUS_IMPORTERS = ("loader.commands.quickstart", "beam_jobs.train_tokenizer")
+
 MAX_CLASS_LINES = 400
 # Classes over MAX_CLASS_LINES today, with their current length in lines.
 BIG_CLASSES_ALLOWED = {
@@ -233,6 +238,17 @@ def check_core_names_no_kind(edges: list[Import]) -> None:
     assert not gone, f"no longer imported: remove from CORE_TO_KIND_ALLOWED (or lower the count): {gone}"
 
 
+def check_sample_corpus_out_of_the_runtime(edges: list[Import]) -> None:
+    importers = sorted({e.importer for e in edges if e.imported == SAMPLE_CORPUS}
+                       - set(SAMPLE_CORPUS_IMPORTERS))
+    assert not importers, (f"{SAMPLE_CORPUS} (a test-corpus generator) is imported by {importers}; the "
+                           "loader and the Beam job use loader.samples.default_tokenizer_path at most")
+
+
+def test_the_sample_corpus_is_imported_by_its_commands_only():
+    check_sample_corpus_out_of_the_runtime(import_graph())
+
+
 def test_no_import_cycles():
     check_no_cycles(import_graph())
 
@@ -277,6 +293,12 @@ def test_a_core_import_of_a_kind_is_found():
     edges = import_graph(sources=_with("loader.io.manifest", "from loader.vision.record import ImagesRecord\n"))
     with pytest.raises(AssertionError, match="loader.vision.record"):
         check_core_names_no_kind(edges)
+
+
+def test_an_import_of_the_sample_corpus_is_found():
+    edges = import_graph(sources=_with("loader.stages.tokenizer", "from loader.samples import corpus\n"))
+    with pytest.raises(AssertionError, match="loader.stages.tokenizer"):
+        check_sample_corpus_out_of_the_runtime(edges)
 
 
 def test_a_big_class_is_found(tmp_path):
