@@ -63,7 +63,7 @@ from beam_jobs.image_records import (
     image_spec_from_args,
     resolve_image_job,
 )
-from beam_jobs.inputs import FORMATS, InputFile, expand_inputs, is_remote, most_documents
+from beam_jobs.inputs import FORMATS, InputFile, expand_inputs, most_documents
 from beam_jobs.job_options import (  # noqa: F401  (the defaults: also importable from here)
     DEFAULT_MAX_REJECT_FRACTION,
     DEFAULT_NUM_LANES,
@@ -102,7 +102,7 @@ from loader.errors import (
     TransformError,
     ZephonError,
 )
-from loader.io.backends import UnsupportedSchemeError, backend_for
+from loader.io.backends import UnsupportedSchemeError, backend_for, is_remote
 from loader.io.manifest import DOCUMENT_REJECT_REASONS, Manifest, read_manifest
 from loader.io.storage_options import StorageOptions
 from loader.kinds.base import import_kind_modules, named_kinds

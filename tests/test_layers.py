@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -53,6 +54,15 @@ CORE_TO_KIND_ALLOWED = {
 # training script) import it, so no trainer's process loads it.
 SAMPLE_CORPUS = "loader.samples.corpus"
 SAMPLE_CORPUS_IMPORTERS = ("loader.commands.quickstart", "beam_jobs.train_tokenizer")
+
+# "Is this path remote?" has one answer, loader.io.backends.is_remote (or scheme_of): a check of a
+# path's text for "://" or a scheme prefix elsewhere is a second rule. Endpoint URLs are not paths.
+REMOTE_CHECK = re.compile(r"""["']://["']\s+(?:not\s+)?in\b|startswith\(\(?\s*f?["'][a-z0-9]+://""")
+REMOTE_CHECKS_ALLOWED = {
+    "loader.io.backends": "the rule itself",
+    "loader.io.gcs": "resolve_endpoint: an endpoint URL without a scheme gets http://",
+    "loader.io.s3": "resolve_endpoint: an endpoint URL without a scheme gets http://",
+}
 
 MAX_CLASS_LINES = 400
 # Classes over MAX_CLASS_LINES today, with their current length in lines.
@@ -247,6 +257,26 @@ def check_sample_corpus_out_of_the_runtime(edges: list[Import]) -> None:
 
 def test_the_sample_corpus_is_imported_by_its_commands_only():
     check_sample_corpus_out_of_the_runtime(import_graph())
+
+
+def remote_checks(sources: Optional[dict[str, str]] = None) -> dict[str, list[int]]:
+    """Modules that test a path for a scheme by hand: module -> line numbers."""
+    texts = sources or {module: path.read_text() for module, path in _modules().items()}
+    found = {}
+    for module, text in texts.items():
+        lines = [n for n, line in enumerate(text.splitlines(), 1) if REMOTE_CHECK.search(line)]
+        if lines and module not in REMOTE_CHECKS_ALLOWED:
+            found[module] = lines
+    return found
+
+
+def test_one_rule_for_remote_paths():
+    assert remote_checks() == {}, "use loader.io.backends.is_remote / scheme_of instead of these checks"
+
+
+def test_a_hand_made_remote_check_is_found():
+    found = remote_checks({"beam_jobs.x": 'if "://" in path:\n    pass\nok = p.startswith(("gs://", "s3://"))\n'})
+    assert found == {"beam_jobs.x": [1, 3]}
 
 
 def test_no_import_cycles():
