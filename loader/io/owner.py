@@ -107,17 +107,22 @@ class StreamOwner:
 
     def close(self) -> None:
         """Join every thread of the owner: queued work not started is dropped, work running ends first."""
+        # In the order work flows: a read-ahead thread may queue a prepare, a prepare uses a helper.
+        # So the read-ahead pools end first (no prepare is queued after), then the prepare thread.
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the parent's threads are not ours to join
                 self._this_process()
                 return
-            pools = list(self._pools.values()) + list(self._helpers.values())
-            preparer = self._preparer
-            self._pools, self._helpers, self._preparer = {}, {}, None
-        if preparer is not None:
-            preparer.stop()
+            pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            preparer, helpers = self._preparer, list(self._helpers.values())
+            self._helpers, self._preparer = {}, None
+        if preparer is not None:
+            preparer.stop()
+        for helper in helpers:
+            helper.shutdown(wait=True, cancel_futures=True)
 
 
 class _Preparer:
