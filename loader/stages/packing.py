@@ -506,15 +506,15 @@ class BestFitPacker:
         pieces is enough. The loader takes one of these per lane at every step boundary;
         building the arrays costs hundreds of microseconds per lane.
         """
-        return StateSnapshot(self._state_of, self.stream.get_state(), self.serial,
+        return StateSnapshot(self.state_of, self.stream.get_state(), self.serial,
                              [(serial, list(pieces)) for serial, _, pieces in self.bins.bins()])
 
     def get_state(self) -> dict:
-        return self._state_of(self.stream.get_state(), self.serial,
+        return self.state_of(self.stream.get_state(), self.serial,
                               [(serial, pieces) for serial, _, pieces in self.bins.bins()])
 
     @staticmethod
-    def _state_of(stream_state: dict, serial: int, open_bins: list[tuple[int, list[_Piece]]]) -> dict:
+    def state_of(stream_state: dict, serial: int, open_bins: list[tuple[int, list[_Piece]]]) -> dict:
         bins = []
         for bin_serial, pieces in open_bins:
             tokens = np.concatenate([p.tokens for p in pieces])
@@ -568,6 +568,22 @@ class BestFitPacker:
                                      _begins(inside)))
             images = sum(map(images_in, pieces)) if self.max_images is not None else 0
             self.bins.restore(serial, len(tokens), pieces, images)
+
+
+def ship_piece(piece: _Piece) -> tuple:
+    """A piece of an open bin as a worker sends it (:mod:`loader.workers.state_delta`): its tokens,
+    its document starts (``begins`` where they are the shared ``[0]`` or ``[]``), its features
+    (None: none) and origin; :func:`received_piece` makes the piece again."""
+    return (piece.tokens, piece.doc_starts if piece.begins is None else piece.begins, piece.features or None,
+            piece.origin)
+
+
+def received_piece(tokens: np.ndarray, starts, features, origin) -> _Piece:
+    """The piece :func:`ship_piece` sent (its arrays as received: the trainer's own)."""
+    if type(starts) is bool:
+        return _Piece(tokens, _STARTS_DOCUMENT if starts else _INSIDE_DOCUMENT, NO_FEATURES if features is None
+                      else features, origin, starts)
+    return _Piece(tokens, starts, NO_FEATURES if features is None else features, origin, _begins(starts))
 
 
 def _full_sequence(tokens: np.ndarray, begins: bool) -> PackedSequence:
