@@ -289,25 +289,14 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
         blocks = self.blocks_of_epoch(self.epoch)
         self._empty_blocks.add(tuple(blocks[self.block_index]))
         if len(self._empty_blocks) >= len(blocks):
-            raise EmptyLaneError(self._empty_lane_message())
+            raise EmptyLaneError(_empty_lane_message(self))
 
-    def _empty_lane_message(self) -> str:
-        where = f"lane {self.lane_id} of source {self.source_name!r} ({self.dataset_path})"
-        if self.chat is not None and not self.counting:
-            reason = ("every conversation is rejected online (empty_loss_mask, full_loss_mask or too_long: see the "
-                      "log and batch['chat_rejects'])")
-            fix = "fix the template, --chat-loss-on or --chat-max-tokens and re-shard"
-        elif self.counting:
-            names = [f"{name} (zephon shard --transform)" for name in self.tombstone_transforms]
-            names += [spec.function for spec in self.transforms.specs] if self.transforms is not None else []
-            reason = "every document is dropped by its transforms (" + ", ".join(names) + ")" + (
-                " or rejected online" if self.chat is not None else "")
-            fix = ("loosen the filters, or re-shard so that the lane holds documents they keep (fewer --num-lanes)"
-                   if self.transforms is None else "loosen the filters, or filter offline (zephon shard --transform)")
-        else:
-            reason = "every document is empty (no tokens, and no BOS/EOS configured)"
-            fix = "configure bos/eos tokens, or re-shard without the empty documents"
-        return f"{where}: {reason} in every block of the lane: it can never produce a sequence; {fix}"
+    def current_block(self) -> Block:
+        """The block under the cursor, loaded as :meth:`take` loads it (not exhausted). A bulk
+        reader that works out several takes at once from its ``tokens`` and ``doc_starts``
+        (``BestFitPacker``) moves :attr:`offset` and :attr:`last_origin` itself, as the fast
+        path of :meth:`take` does, only to positions strictly inside the block."""
+        return self._load_block(self.epoch, self.block_index)
 
     def at_document_start(self) -> bool:
         """True when the next token is a document's first (or nothing is left)."""
@@ -458,3 +447,23 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
         if len(feature_pieces) > 1 and features:  # a stream's blocks all carry its features
             features = {name: np.concatenate([f[name] for f in feature_pieces]) for name in features}
         return Chunk(tokens=tokens, doc_starts=doc_starts, features=features)
+
+
+def _empty_lane_message(stream) -> str:
+    """Why a lane of ``stream`` can never produce a sequence, and the fix (:class:`EmptyLaneError`)."""
+    where = f"lane {stream.lane_id} of source {stream.source_name!r} ({stream.dataset_path})"
+    if stream.chat is not None and not stream.counting:
+        reason = ("every conversation is rejected online (empty_loss_mask, full_loss_mask or too_long: see the "
+                  "log and batch['chat_rejects'])")
+        fix = "fix the template, --chat-loss-on or --chat-max-tokens and re-shard"
+    elif stream.counting:
+        names = [f"{name} (zephon shard --transform)" for name in stream.tombstone_transforms]
+        names += [spec.function for spec in stream.transforms.specs] if stream.transforms is not None else []
+        reason = "every document is dropped by its transforms (" + ", ".join(names) + ")" + (
+            " or rejected online" if stream.chat is not None else "")
+        fix = ("loosen the filters, or re-shard so that the lane holds documents they keep (fewer --num-lanes)"
+               if stream.transforms is None else "loosen the filters, or filter offline (zephon shard --transform)")
+    else:
+        reason = "every document is empty (no tokens, and no BOS/EOS configured)"
+        fix = "configure bos/eos tokens, or re-shard without the empty documents"
+    return f"{where}: {reason} in every block of the lane: it can never produce a sequence; {fix}"

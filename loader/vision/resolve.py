@@ -60,7 +60,7 @@ class SequenceImages:
 
     positions: np.ndarray  # int64: first placeholder token of each image in the sequence
     lengths: np.ndarray  # int64: placeholder tokens of each image
-    pixels: list  # float32, the policy's compact form: [3, S, S] or [h * w, 3 * p * p] (policy.compact)
+    pixels: list  # uint8, the policy's compact form: [3, S, S] or [h * w, 3 * p * p] (policy.compact)
     grids: np.ndarray  # int64 [n, 3]: (t, h, w) patch grid of each image
 
     def __len__(self) -> int:
