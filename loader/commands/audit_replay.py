@@ -11,10 +11,9 @@ over one packer per source. The result is the lane state the training lane has b
 step, bins as pieces with their origins (``piece_origins``, as a version-2 checkpoint holds
 them), which the audit restores like a checkpoint's (``audit._resolved_lane_state``).
 
-Same rule, same ties (the fullest bin, oldest on ties; a full piece of a long document is a
-sequence on its own), same cursor moves (a block is left as soon as its last token is
-taken; an epoch past ``max_epochs`` exhausts the stream): ``tests/audit/test_audit_replay.py``
-compares the states with those of the per-sequence replay. Token mixing is not replayed here
+The packer's rule itself (:class:`loader.order.best_fit.OpenBins`, one implementation for both)
+and the same cursor moves (a block is left as soon as its last token is taken; an epoch past
+``max_epochs`` exhausts the stream): ``tests/audit/test_audit_replay.py`` compares the states with those of the per-sequence replay. Token mixing is not replayed here
 (its deficit rule runs on the mixer's own counters): the audit uses the lane itself for it.
 """
 
@@ -30,6 +29,7 @@ from loader.stages.lane_record import PACKER, SOURCES, STOPPED, lane_state
 from loader.stages.packer_records import (
     BINS, DOC_STARTS, PIECE_ORIGINS, PIECE_STARTS, SERIAL, STREAM, TOKENS, best_fit_state,
 )
+from loader.order.best_fit import OpenBins
 
 
 class _Cursor:
@@ -97,63 +97,43 @@ class _Cursor:
 
 
 class BestFitReplay:
-    """:class:`~loader.stages.packing.BestFitPacker` on lengths: bins are ``[used, serial, pieces]``
-    with pieces ``(origin, length, begins a document)``."""
+    """:class:`~loader.stages.packing.BestFitPacker` on lengths: the same rule
+    (:class:`loader.order.best_fit.OpenBins`), pieces ``(origin, length, begins a document)``."""
 
     def __init__(self, stream, seq_len: int, open_bins: int, state: Optional[dict] = None) -> None:
         state = state or best_fit_state(cursor_state(0, 0, 0, False), [], 0)
         self.cursor = _Cursor(stream, state[STREAM])
         self.seq_len = seq_len
-        self.max_open_bins = open_bins
+        self.bins = OpenBins(seq_len, open_bins, serial=int(state[SERIAL]))
         # A compact state's bins (a seek point: compact()); a packer state's bins are never given here.
-        self.bins: list[list] = [[used, serial, [((e, b, o), length, begins) for e, b, o, length, begins in pieces]]
-                                 for used, serial, pieces in state[BINS]]
-        self.serial = int(state[SERIAL])
+        for used, serial, pieces in state[BINS]:
+            self.bins.restore(serial, used, [((e, b, o), length, begins) for e, b, o, length, begins in pieces])
+
+    @property
+    def serial(self) -> int:
+        return self.bins.serial
 
     def compact(self) -> dict:
         """The replay's own state, JSON-ready: cursor, bins as ``[used, serial, [[epoch, block,
         offset, length, begins], ...]]`` and serial (what :mod:`loader.commands.seek_index` keeps)."""
         return {STREAM: self.cursor.state(), SERIAL: self.serial,
                 BINS: [[used, serial, [[*origin, length, begins] for origin, length, begins in pieces]]
-                         for used, serial, pieces in self.bins]}
+                       for serial, used, pieces in self.bins.bins()]}
 
     def next_sequence(self) -> bool:
         """Emit the next sequence (True), or False when the stream and the bins are empty."""
-        seq_len, bins = self.seq_len, self.bins
+        seq_len, bins, take = self.seq_len, self.bins, self.cursor.take
         while True:
-            piece = self.cursor.take(seq_len)
+            piece = take(seq_len)
             if piece is None:
-                if not bins:
-                    return False
-                bins.remove(min(bins, key=lambda b: (seq_len - b[0], b[1])))
-                return True
-            size = piece[1]
-            if size == seq_len:
-                return True
-            target = None
-            for b in bins:  # the fitting bin with the least room, oldest on ties
-                if seq_len - b[0] >= size and (target is None or b[0] > target[0]):
-                    target = b  # bins are in creation order: the first of equal room is the oldest
-            if target is not None:
-                target[2].append(piece)
-                target[0] += size
-                if target[0] == seq_len:
-                    bins.remove(target)
-                    return True
-                continue
-            evicted = None
-            if len(bins) >= self.max_open_bins:
-                evicted = min(bins, key=lambda b: (seq_len - b[0], b[1]))
-            bins.append([size, self.serial, [piece]])
-            self.serial += 1
-            if evicted is not None:
-                bins.remove(evicted)
+                return bins.flush() is not None
+            if bins.place(piece[1], piece) is not None:
                 return True
 
     def state(self) -> dict:
         """The packer's state, bins as a version-2 checkpoint holds them (tokens: zeros)."""
         saved = []
-        for used, serial, pieces in self.bins:
+        for serial, used, pieces in self.bins.bins():
             starts = np.cumsum([0] + [p[1] for p in pieces[:-1]]).tolist()
             saved.append({SERIAL: serial, TOKENS: np.zeros(used, dtype=np.int32), PIECE_STARTS: starts,
                           DOC_STARTS: [s for s, p in zip(starts, pieces) if p[2]],

@@ -25,6 +25,7 @@ block, which every process rebuilds alike).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -39,12 +40,12 @@ from loader.io.integrity import check_no_unlisted_files
 from loader.io.lane_decode import LaneBlockDecoder
 from loader.io.lane_files import LaneFiles
 from loader.io.lane_read_ahead import LaneReadAhead, prepare_block
+from loader.io.owner import PROCESS_OWNER, StreamOwner
 from loader.io.lane_restore import TRANSFORMS_CHANGED, CursorRestore
 from loader.io.manifest import MANIFEST_NAME, FileEntry, Manifest
 from loader.io.read_ahead import READ_AHEAD_BLOCKS, ReadAheadQueue
 from loader.io.reject_tally import RejectTally
 from loader.kinds.base import BlockSource, lane_kind
-from loader.metrics import note_row_group_read
 from loader.order.epochs import epoch_blocks, row_order
 from loader.stages.features import Feature, column_features, slice_features
 from loader.transforms.chain import TransformCounts, chain_for
@@ -96,7 +97,9 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
         transforms: tuple = (),  # resolved loader.transforms.TransformSpec of this source, in order
         chat=None,  # a loader.chat.block.OnlineChat for online chat lanes (manifest.online_chat)
         images=None,  # a loader.vision.block.ImageOptions for image lanes (manifest.images)
+        owner: StreamOwner = PROCESS_OWNER,  # its background threads and I/O counters (the loader's)
     ) -> None:
+        self.owner = owner
         # Image lanes: text, segments and image sizes become tokens, loss_mask and image_ref in
         # the block (loader.vision.block); image bytes are read only to resolve refs.
         self.images = images
@@ -159,7 +162,8 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
         self.read_ahead_threads = read_ahead_threads
         self.read_ahead_blocks = read_ahead_blocks  # see read_ahead_depth
         # Blocks being read in the background, in stream order, keyed (epoch, block).
-        self._ahead = ReadAheadQueue(self._read_queued_block, read_ahead_threads, prepare=prepare_block)
+        self._ahead = ReadAheadQueue(self._read_queued_block, functools.partial(owner.read_ahead_pool, read_ahead_threads),
+                                     prepare=functools.partial(prepare_block, owner))
         # The next block, read early by documents_ahead: ((epoch, block), Block).
         self._peeked: Optional[tuple[tuple[int, int], Block]] = None
         # Transforms (loader.transforms): the source's chain, the columns it reads, and the
@@ -285,25 +289,14 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
         blocks = self.blocks_of_epoch(self.epoch)
         self._empty_blocks.add(tuple(blocks[self.block_index]))
         if len(self._empty_blocks) >= len(blocks):
-            raise EmptyLaneError(self._empty_lane_message())
+            raise EmptyLaneError(_empty_lane_message(self))
 
-    def _empty_lane_message(self) -> str:
-        where = f"lane {self.lane_id} of source {self.source_name!r} ({self.dataset_path})"
-        if self.chat is not None and not self.counting:
-            reason = ("every conversation is rejected online (empty_loss_mask, full_loss_mask or too_long: see the "
-                      "log and batch['chat_rejects'])")
-            fix = "fix the template, --chat-loss-on or --chat-max-tokens and re-shard"
-        elif self.counting:
-            names = [f"{name} (zephon shard --transform)" for name in self.tombstone_transforms]
-            names += [spec.function for spec in self.transforms.specs] if self.transforms is not None else []
-            reason = "every document is dropped by its transforms (" + ", ".join(names) + ")" + (
-                " or rejected online" if self.chat is not None else "")
-            fix = ("loosen the filters, or re-shard so that the lane holds documents they keep (fewer --num-lanes)"
-                   if self.transforms is None else "loosen the filters, or filter offline (zephon shard --transform)")
-        else:
-            reason = "every document is empty (no tokens, and no BOS/EOS configured)"
-            fix = "configure bos/eos tokens, or re-shard without the empty documents"
-        return f"{where}: {reason} in every block of the lane: it can never produce a sequence; {fix}"
+    def current_block(self) -> Block:
+        """The block under the cursor, loaded as :meth:`take` loads it (not exhausted). A bulk
+        reader that works out several takes at once from its ``tokens`` and ``doc_starts``
+        (``BestFitPacker``) moves :attr:`offset` and :attr:`last_origin` itself, as the fast
+        path of :meth:`take` does, only to positions strictly inside the block."""
+        return self._load_block(self.epoch, self.block_index)
 
     def at_document_start(self) -> bool:
         """True when the next token is a document's first (or nothing is left)."""
@@ -454,3 +447,23 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
         if len(feature_pieces) > 1 and features:  # a stream's blocks all carry its features
             features = {name: np.concatenate([f[name] for f in feature_pieces]) for name in features}
         return Chunk(tokens=tokens, doc_starts=doc_starts, features=features)
+
+
+def _empty_lane_message(stream) -> str:
+    """Why a lane of ``stream`` can never produce a sequence, and the fix (:class:`EmptyLaneError`)."""
+    where = f"lane {stream.lane_id} of source {stream.source_name!r} ({stream.dataset_path})"
+    if stream.chat is not None and not stream.counting:
+        reason = ("every conversation is rejected online (empty_loss_mask, full_loss_mask or too_long: see the "
+                  "log and batch['chat_rejects'])")
+        fix = "fix the template, --chat-loss-on or --chat-max-tokens and re-shard"
+    elif stream.counting:
+        names = [f"{name} (zephon shard --transform)" for name in stream.tombstone_transforms]
+        names += [spec.function for spec in stream.transforms.specs] if stream.transforms is not None else []
+        reason = "every document is dropped by its transforms (" + ", ".join(names) + ")" + (
+            " or rejected online" if stream.chat is not None else "")
+        fix = ("loosen the filters, or re-shard so that the lane holds documents they keep (fewer --num-lanes)"
+               if stream.transforms is None else "loosen the filters, or filter offline (zephon shard --transform)")
+    else:
+        reason = "every document is empty (no tokens, and no BOS/EOS configured)"
+        fix = "configure bos/eos tokens, or re-shard without the empty documents"
+    return f"{where}: {reason} in every block of the lane: it can never produce a sequence; {fix}"

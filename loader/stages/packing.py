@@ -35,6 +35,7 @@ from loader.checkpoint.records import StateSnapshot
 from loader.errors import StateError
 from loader.io.blocks import Chunk
 from loader.io.lane_reader import LaneTokenStream
+from loader.order.best_fit import OpenBins
 from loader.stages.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order, lay_out, mask_labels
 from loader.stages.packer_records import (
     BINS, DOC_STARTS, PIECE_ORIGINS, PIECE_STARTS, SERIAL, STREAM, TOKENS, best_fit_state, concat_state,
@@ -272,30 +273,79 @@ class ConcatPacker:
         self.stream.set_state(state[STREAM], path=f"{path}.{STREAM}")
 
 
-@dataclass(eq=False)  # identity: ``bins.remove`` must not compare the numpy pieces
-class _Bin:
-    pieces: list["_Piece"]
-    used: int
-    serial: int  # creation order: the tie-break that keeps eviction deterministic
-
-
 class _Piece:
-    """A piece an open bin holds: copies of a chunk's arrays (a view would keep the whole source
-    block alive while the bin is open), read like a :class:`Chunk` (``tokens``, ``doc_starts``,
-    ``features``), and ``origin``: the stream cursor ``(epoch, block, offset)`` of its first
-    token, None where unknown (restored from a version-1 state). A slotted class: building the
-    frozen ``Chunk`` dataclass cost more than the origin adds."""
+    """A piece an open bin holds, read like a :class:`Chunk` (``tokens``, ``doc_starts``,
+    ``features``): ``tokens`` a view of its bin's own buffer (a view of the source block would keep
+    the whole block alive while the bin is open), features copies, and ``origin``: the stream
+    cursor ``(epoch, block, offset)`` of its first token, None where unknown (restored from a
+    version-1 state); ``begins``: True when ``doc_starts`` is ``[0]``, False when it is empty,
+    None otherwise (documents the general layout handles). A slotted class: building the frozen
+    ``Chunk`` dataclass cost more than the origin adds."""
 
-    __slots__ = ("tokens", "doc_starts", "features", "origin")
+    __slots__ = ("tokens", "doc_starts", "features", "origin", "begins")
 
     def __init__(self, tokens: np.ndarray, doc_starts: np.ndarray, features: Mapping[str, np.ndarray],
-                 origin: Optional[tuple[int, int, int]]) -> None:
+                 origin: Optional[tuple[int, int, int]], begins: Optional[bool]) -> None:
         self.tokens, self.doc_starts, self.features, self.origin = tokens, doc_starts, features, origin
+        self.begins = begins
+
+
+def _begins(doc_starts: np.ndarray) -> Optional[bool]:
+    """:attr:`_Piece.begins` of a piece's ``doc_starts``."""
+    if not len(doc_starts):
+        return False
+    return True if len(doc_starts) == 1 and doc_starts[0] == 0 else None
+
+
+def _read_only(values) -> np.ndarray:
+    array = np.array(values, dtype=np.int64)
+    array.flags.writeable = False
+    return array
+
+
+_STARTS_DOCUMENT = _read_only([0])  # a piece's doc_starts: shared, never written
+_INSIDE_DOCUMENT = _read_only([])
+
+
+class _BlockPieces:
+    """The document pieces of one block of a :class:`LaneTokenStream` from a cursor on, as
+    ``take(seq_len, within_document=True)`` would return them one by one, computed in bulk:
+    starts, ends and whether each begins a document (Python lists), only pieces that end
+    strictly inside the block (``take``'s fast path: the last piece, and the block change after
+    it, are left to ``take``)."""
+
+    __slots__ = ("block", "key", "starts", "ends", "begins", "next")
+
+    def __init__(self, block, key: tuple[int, int], offset: int, seq_len: int) -> None:
+        self.block, self.key, self.next = block, key, 0
+        doc_starts = block.doc_starts
+        first = int(doc_starts.searchsorted(offset, side="right"))
+        bounds = doc_starts[first - 1 :].copy()
+        bounds[0] = offset  # the document under the cursor, from the cursor on
+        lengths = np.diff(bounds)
+        counts = -(-lengths // seq_len)  # pieces per document (an empty document has none)
+        total = int(counts.sum())
+        doc = np.repeat(np.arange(len(lengths)), counts)
+        # k-th piece of its document: its index minus the document's first piece index.
+        k = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = bounds[doc] + k * seq_len
+        ends = np.minimum(starts + seq_len, bounds[doc + 1])
+        inside = ends < len(block.tokens)
+        begins = (k == 0) & ((doc > 0) | (offset == doc_starts[first - 1]))
+        self.starts = starts[inside].tolist()
+        self.ends = ends[inside].tolist()
+        self.begins = begins[inside].tolist()
 
 
 class BestFitPacker:
     """State keys (its record, ``best_fit``: :mod:`loader.stages.packer_records`): ``stream``,
     ``bins`` (open bins: ``tokens``, ``doc_starts``, ``piece_starts``, ``piece_origins``), ``serial``.
+
+    The placement rule is :class:`loader.order.best_fit.OpenBins` (the audit's replay runs the
+    same one on lengths). Each open bin fills a buffer of ``seq_len`` ids as pieces join it, which
+    an emitted bin hands out as its ``input_ids``. Over a plain lane stream's complete blocks
+    without features the pieces are cut in bulk per block (:class:`_BlockPieces`) and the cursor
+    moved as ``take`` moves it; everything else takes piece by piece.
 
     ``piece_origins`` (state version 2): per piece ``[epoch, block, offset]``, the stream cursor
     of its first token (the stream's ``last_origin`` after the take; under token mixing, in the
@@ -315,52 +365,134 @@ class BestFitPacker:
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.features = features  # the loader's (see _sequence_from_pieces)
-        self.max_open_bins = open_bins
-        self.bins: list[_Bin] = []
-        self.serial = 0
+        self.bins = OpenBins(seq_len, open_bins, self.max_images)
+        self._buffers: dict[int, np.ndarray] = {}  # bin serial -> its input ids so far, padded
         self._has_origins = hasattr(stream, "last_origin")  # lane streams; a stream of the tests may not say
+        # Bulk pieces: plain lane streams, a loader without per-token features, no image cap (a capped
+        # bin counts each piece's images: the general path); tests switch it off to compare.
+        self._bulk = type(stream) is LaneTokenStream and not features and self.max_images is None
+        self._pieces: Optional[_BlockPieces] = None
 
-    def _emit(self, bin_: _Bin) -> PackedSequence:
-        self.bins.remove(bin_)
-        return _sequence_from_pieces(bin_.pieces, self.seq_len, self.pad_id, piece_segment_starts=True,
-                                     features=self.features)
+    @property
+    def serial(self) -> int:
+        return self.bins.serial
 
     def next_sequence(self) -> Optional[PackedSequence]:
+        bins, seq_len = self.bins, self.seq_len
         while True:
-            piece = self.stream.take(self.seq_len, within_document=True)
-            if piece is None:  # exhausted: flush the fullest open bin, then end
-                if not self.bins:
-                    return None
-                return self._emit(min(self.bins, key=lambda b: (self.seq_len - b.used, b.serial)))
-            size = len(piece.tokens)
-            if size == self.seq_len:  # a full piece of a long document is a sequence on its own
-                return _sequence_from_pieces([piece], self.seq_len, self.pad_id, piece_segment_starts=True,
-                                             features=self.features)
-            piece = _Piece(piece.tokens.copy(), piece.doc_starts.copy(),  # copies: see _Piece
-                           {n: v.copy() for n, v in piece.features.items()} if piece.features else NO_FEATURES,
-                           self.stream.last_origin if self._has_origins else None)
-            fitting = [b for b in self.bins if self.seq_len - b.used >= size]
-            if self.max_images is not None and fitting:
-                images = self.images_in(piece)
-                if images:
-                    fitting = [b for b in fitting if sum(map(self.images_in, b.pieces)) + images <= self.max_images]
-            if fitting:
-                target = min(fitting, key=lambda b: (self.seq_len - b.used, b.serial))
-                target.pieces.append(piece)
-                target.used += size
-                if target.used == self.seq_len:
-                    return self._emit(target)
+            pieces = self._pieces
+            stream = self.stream
+            if pieces is not None and pieces.next < len(pieces.starts) and stream.offset == pieces.starts[pieces.next] \
+                    and (stream.epoch, stream.block_index) == pieces.key and not stream.exhausted:
+                sequence = self._bulk_sequence(pieces)
+                if sequence is not None:
+                    return sequence
                 continue
-            evicted = None
-            if len(self.bins) >= self.max_open_bins:
-                evicted = min(self.bins, key=lambda b: (self.seq_len - b.used, b.serial))
-            new_bin = _Bin(pieces=[piece], used=size, serial=self.serial)
-            self.serial += 1
-            if evicted is not None:
-                sequence = self._emit(evicted)
-                self.bins.append(new_bin)
-                return sequence
-            self.bins.append(new_bin)
+            if self._bulk and self._cut_pieces():
+                continue
+            chunk = stream.take(seq_len, within_document=True)
+            if chunk is None:  # exhausted: flush the fullest open bin, then end
+                emitted = bins.flush()
+                return None if emitted is None else self._sequence(emitted)
+            if len(chunk.tokens) == seq_len:  # a full piece of a long document is a sequence on its own
+                return _sequence_from_pieces([chunk], seq_len, self.pad_id, piece_segment_starts=True,
+                                             features=self.features)
+            features = {n: v.copy() for n, v in chunk.features.items()} if chunk.features else NO_FEATURES
+            emitted = self._place(chunk.tokens, chunk.doc_starts.copy(), features,
+                                  stream.last_origin if self._has_origins else None, _begins(chunk.doc_starts))
+            if emitted is not None:
+                return self._sequence(emitted)
+
+    def _bulk_sequence(self, pieces: _BlockPieces) -> Optional[PackedSequence]:
+        """Place the block's bulk pieces from ``pieces.next`` on until one makes a sequence (returned)
+        or none is left (None); the stream's cursor is moved past the last piece placed, as ``take``
+        would have moved it. The per-piece loop of the packer: integers and one copy per piece."""
+        bins, seq_len, buffers, pad_id = self.bins, self.seq_len, self._buffers, self.pad_id
+        starts, ends, begins = pieces.starts, pieces.ends, pieces.begins
+        tokens = pieces.block.tokens
+        epoch, block_index = pieces.key
+        place = bins.place
+        k, count, sequence = pieces.next, len(starts), None
+        while k < count:
+            start, end = starts[k], ends[k]
+            k += 1
+            if end - start == seq_len:  # a full piece of a long document is a sequence on its own
+                sequence = _full_sequence(tokens[start:end], begins[k - 1])
+                break
+            starts_document = begins[k - 1]
+            piece = _Piece(None, _STARTS_DOCUMENT if starts_document else _INSIDE_DOCUMENT, NO_FEATURES,
+                           (epoch, block_index, start), starts_document)
+            emitted = place(end - start, piece)
+            serial, at = bins.last_serial, bins.last_at
+            buffer = buffers.get(serial)
+            if buffer is None:
+                buffer = buffers[serial] = np.full(seq_len, pad_id, dtype=np.int32)
+            view = buffer[at : at + end - start]
+            view[:] = tokens[start:end]
+            piece.tokens = view
+            if emitted is not None:
+                sequence = self._sequence(emitted)
+                break
+        pieces.next = k
+        stream = self.stream
+        stream.offset, stream.last_origin = ends[k - 1], (epoch, block_index, starts[k - 1])
+        return sequence
+
+    def _cut_pieces(self) -> bool:
+        """Cut the current block's pieces in bulk from the cursor on (:class:`_BlockPieces`); False
+        when this block cannot be (text still to tokenize, features, empty documents) or has no
+        piece ending inside it."""
+        stream = self.stream
+        if stream.exhausted:
+            return False
+        key = (stream.epoch, stream.block_index)
+        current = self._pieces
+        if current is not None and current.key == key and current.next >= len(current.starts) \
+                and stream.offset >= (current.starts[-1] if current.starts else 0):
+            return False  # this block's bulk pieces are used up: take the rest
+        block = stream.current_block()
+        if not block.complete or block.features or stream.offset >= len(block.tokens):
+            return False
+        doc_starts = block.doc_starts
+        if len(doc_starts) > 1 and not (doc_starts[1:] > doc_starts[:-1]).all():
+            return False  # empty documents: take's doc_starts repeat, the general path keeps them
+        self._pieces = _BlockPieces(block, key, stream.offset, self.seq_len)
+        return bool(self._pieces.starts)
+
+    def _place(self, tokens: np.ndarray, doc_starts: np.ndarray, features, origin, begins) -> Optional[list]:
+        """The rule's placement of a piece (not a full one); its tokens are written into its bin's buffer."""
+        bins = self.bins
+        piece = _Piece(tokens, doc_starts, features, origin, begins)
+        emitted = bins.place(len(tokens), piece, self.images_in(piece) if self.max_images is not None else 0)
+        serial, at = bins.last_serial, bins.last_at
+        buffer = self._buffers.get(serial)
+        if buffer is None:
+            buffer = self._buffers[serial] = np.full(self.seq_len, self.pad_id, dtype=np.int32)
+        n = len(tokens)
+        buffer[at : at + n] = tokens
+        piece.tokens = buffer[at : at + n]
+        return emitted
+
+    def _sequence(self, pieces: list) -> PackedSequence:
+        """The sequence of the bin just emitted (its buffer as ``input_ids``, labels and segments)."""
+        seq_len = self.seq_len
+        input_ids = self._buffers.pop(self.bins.emitted_serial)
+        starts, begin_at, at = [], [], 0
+        for piece in pieces:
+            if piece.begins is None or piece.features or self.features:  # the general layout
+                return _sequence_from_pieces(pieces, seq_len, self.pad_id, piece_segment_starts=True,
+                                             features=self.features)
+            starts.append(at)
+            if piece.begins:
+                begin_at.append(at)
+            at += len(piece.tokens)
+        labels = input_ids.copy()
+        labels[begin_at] = IGNORE_INDEX
+        labels[at:] = IGNORE_INDEX
+        if at < seq_len:
+            starts.append(at)
+        return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=np.array(starts, dtype=np.int32),
+                              padding=seq_len - at)
 
     def snapshot(self) -> "StateSnapshot":
         """The state as of now, cheap to take: ``get_state()``'s arrays are built only if used.
@@ -369,14 +501,15 @@ class BestFitPacker:
         pieces is enough. The loader takes one of these per lane at every step boundary;
         building the arrays costs hundreds of microseconds per lane.
         """
-        return StateSnapshot(self._state_of, self.stream.get_state(), self.serial,
-                             [(b.serial, list(b.pieces)) for b in self.bins])
+        return StateSnapshot(self.state_of, self.stream.get_state(), self.serial,
+                             [(serial, list(pieces)) for serial, _, pieces in self.bins.bins()])
 
     def get_state(self) -> dict:
-        return self._state_of(self.stream.get_state(), self.serial, [(b.serial, b.pieces) for b in self.bins])
+        return self.state_of(self.stream.get_state(), self.serial,
+                              [(serial, pieces) for serial, _, pieces in self.bins.bins()])
 
     @staticmethod
-    def _state_of(stream_state: dict, serial: int, open_bins: list[tuple[int, list[_Piece]]]) -> dict:
+    def state_of(stream_state: dict, serial: int, open_bins: list[tuple[int, list[_Piece]]]) -> dict:
         bins = []
         for bin_serial, pieces in open_bins:
             tokens = np.concatenate([p.tokens for p in pieces])
@@ -403,8 +536,9 @@ class BestFitPacker:
     def set_state(self, state: dict, path: str = "packer") -> None:
         """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""
         self.stream.set_state(state[STREAM], path=f"{path}.{STREAM}")
-        self.serial = int(state[SERIAL])
-        self.bins = []
+        self.bins = OpenBins(self.seq_len, self.bins.max_open, self.max_images, serial=int(state[SERIAL]))
+        self._buffers = {}
+        self._pieces = None
         expected = self.stream.feature_names
         for k, saved in enumerate(state[BINS]):
             tokens = np.asarray(saved[TOKENS], dtype=np.int32)
@@ -418,9 +552,44 @@ class BestFitPacker:
             features = {name: np.asarray(saved[name], dtype=FEATURES[name].dtype) for name in held}
             origins = [tuple(int(x) for x in o) for o in saved[PIECE_ORIGINS]] if PIECE_ORIGINS in saved \
                 else [None] * (len(piece_starts) - 1)
+            serial = int(saved[SERIAL])
+            buffer = self._buffers[serial] = np.full(self.seq_len, self.pad_id, dtype=np.int32)
+            buffer[: len(tokens)] = tokens
             pieces = []
             for lo, hi, origin in zip(piece_starts[:-1], piece_starts[1:], origins):
                 inside = doc_starts[(doc_starts >= lo) & (doc_starts < hi)] - lo
-                pieces.append(_Piece(tokens[lo:hi], inside,
-                                     {n: v[lo:hi] for n, v in features.items()} if features else NO_FEATURES, origin))
-            self.bins.append(_Bin(pieces=pieces, used=len(tokens), serial=int(saved[SERIAL])))
+                pieces.append(_Piece(buffer[lo:hi], inside,
+                                     {n: v[lo:hi] for n, v in features.items()} if features else NO_FEATURES, origin,
+                                     _begins(inside)))
+            images = sum(map(self.images_in, pieces)) if self.max_images is not None else 0
+            self.bins.restore(serial, len(tokens), pieces, images)
+
+
+def ship_piece(piece: _Piece) -> tuple:
+    """A piece of an open bin as a worker sends it (:mod:`loader.workers.state_delta`): its tokens,
+    its document starts (``begins`` where they are the shared ``[0]`` or ``[]``), its features
+    (None: none) and origin; :func:`received_piece` makes the piece again."""
+    return (piece.tokens, piece.doc_starts if piece.begins is None else piece.begins, piece.features or None,
+            piece.origin)
+
+
+def received_piece(tokens: np.ndarray, starts, features, origin) -> _Piece:
+    """The piece :func:`ship_piece` sent (its arrays as received: the trainer's own)."""
+    if type(starts) is bool:
+        return _Piece(tokens, _STARTS_DOCUMENT if starts else _INSIDE_DOCUMENT, NO_FEATURES if features is None
+                      else features, origin, starts)
+    return _Piece(tokens, starts, NO_FEATURES if features is None else features, origin, _begins(starts))
+
+
+def _full_sequence(tokens: np.ndarray, begins: bool) -> PackedSequence:
+    """A full piece of a long document as a sequence on its own (``_sequence_from_chunk``'s
+    result for it): no padding, one segment, the first label masked if the document starts here."""
+    input_ids = tokens.astype(np.int32, copy=True)
+    labels = input_ids.copy()
+    if begins:
+        labels[0] = IGNORE_INDEX
+    return PackedSequence(input_ids=input_ids, labels=labels, segment_starts=_SEGMENT_AT_ZERO, padding=0)
+
+
+_SEGMENT_AT_ZERO = np.zeros(1, dtype=np.int32)
+_SEGMENT_AT_ZERO.flags.writeable = False

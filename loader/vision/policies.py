@@ -51,6 +51,7 @@ match it to float32 rounding): resize the 8-bit RGB image with Pillow and the pi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -75,7 +76,8 @@ QWEN2_VL_MAX_ASPECT_RATIO = 200  # smart_resize refuses a longer side over 200 x
 class PixelValues:
     """One image's pixels in its policy's layout, and the patch grid ``(t, h, w)``."""
 
-    values: np.ndarray  # float32; [3, S, S] (fixed) or [h * w, 3 * t_patch * p * p] (dynamic)
+    # float32 [3, S, S] (fixed) or [h * w, 3 * t_patch * p * p] (dynamic); uint8 in a compact form
+    values: np.ndarray
     grid_thw: tuple[int, int, int]
 
 
@@ -85,23 +87,38 @@ def _resample(name: str) -> int:
     return getattr(Image.Resampling, name.upper())
 
 
-def _normalized(image, size_hw: tuple[int, int], resample: str, mean, std) -> np.ndarray:
-    """``[3, H, W]`` float32: resized with Pillow, rescaled in float64, normalised in float32."""
+def _resized(image, size_hw: tuple[int, int], resample: str) -> np.ndarray:
+    """``[H, W, 3]`` uint8: the RGB image resized with Pillow."""
     height, width = size_hw
     if image.mode != "RGB":
         raise ValueError(f"pixel_values needs an RGB image (got mode {image.mode!r}); decode it with "
                          "loader.vision.images.decode_rgb")
-    resized = np.asarray(image.resize((width, height), resample=_resample(resample)))
-    # The value of a pixel depends only on its uint8 value and channel, so the arithmetic runs once
-    # per (channel, value) and the image is a gather: the same float32 results, elementwise.
+    return np.asarray(image.resize((width, height), resample=_resample(resample)))
+
+
+def normalize_into(out: np.ndarray, pixels: np.ndarray, mean, std) -> None:
+    """uint8 pixels whose axis 1 is the channel (compact forms: ``[1, 3, S, S]``, ``[n, 3, p * p]``)
+    normalised into float32 ``out`` of that shape, or of that shape with one more axis after the
+    channel, over which the values repeat (``[n, 3, t, p * p]`` from ``[n, 3, p * p]``).
+
+    The value of a pixel depends only on its uint8 value and channel, so the arithmetic
+    (module docstring) runs once per (channel, value) and the image is a gather of that table."""
     lut = _normalization_table(tuple(mean), tuple(std))
-    return np.stack([np.take(lut[:, channel], resized[:, :, channel]) for channel in range(3)])
+    for channel in range(3):
+        values = np.take(lut[:, channel], pixels[:, channel])
+        if out.ndim == pixels.ndim:
+            out[:, channel] = values
+        else:
+            out[:, channel] = values[:, None]
 
 
+@functools.lru_cache(maxsize=8)
 def _normalization_table(mean: tuple, std: tuple) -> np.ndarray:
     """``[256, 3]`` float32: ``(float32(v * (1/255) in float64) - mean) / std`` in float32, per channel."""
     scaled = (np.arange(256, dtype=np.float64) * RESCALE_FACTOR).astype(np.float32)[:, None]
-    return (scaled - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    table = (scaled - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    table.flags.writeable = False  # shared by every call (cached)
+    return table
 
 
 def _check_size(width: int, height: int) -> None:
@@ -155,10 +172,11 @@ class _PolicyBase:
         return self.pixel_values(decode_rgb(data, limits or DEFAULT_LIMITS))
 
     def compact(self, image) -> PixelValues:
-        """The pixels without what the batch layout repeats, as workers ship them (loader.vision.transfer):
-        ``fixed`` is :meth:`pixel_values`; ``dynamic`` keeps one temporal copy. :meth:`batch_compact`
-        lays several out exactly as :meth:`batch` of their :meth:`pixel_values`."""
-        return self.pixel_values(image)
+        """The pixels as workers ship them (loader.vision.transfer): the resized image's uint8 values,
+        not normalised, without what the batch layout repeats (``fixed``: ``[3, S, S]``;
+        ``dynamic``: one temporal copy). :meth:`batch_compact` normalises several into the batch,
+        exactly as :meth:`batch` of their :meth:`pixel_values`: a quarter of float32's bytes per slot."""
+        raise NotImplementedError
 
     def process_compact(self, data: bytes, limits=None) -> PixelValues:
         """:meth:`compact` of encoded bytes (decoded as :meth:`process` does)."""
@@ -167,8 +185,9 @@ class _PolicyBase:
         return self.compact(decode_rgb(data, limits or DEFAULT_LIMITS))
 
     def batch_compact(self, images: list[PixelValues]) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`batch` of the images whose :meth:`compact` forms these are (one copy)."""
-        return self.batch(images)
+        """:meth:`batch` of the images whose :meth:`compact` forms these are (normalised as they
+        are written, one pass)."""
+        raise NotImplementedError
 
     def batch_fields(self, sequences) -> dict[str, np.ndarray]:
         """The image fields of a micro-batch of packed sequences (``loader.stages.collate``),
@@ -264,6 +283,13 @@ class FixedResolutionPolicy(_PolicyBase):
 
     def pixel_values(self, image) -> PixelValues:
         """``[3, S, S]`` float32 of an RGB Pillow image."""
+        compact = self.compact(image)
+        pixels = np.empty(self._item_shape, dtype=np.float32)
+        normalize_into(pixels[None], compact.values[None], self.image_mean, self.image_std)
+        return PixelValues(pixels, compact.grid_thw)
+
+    def compact(self, image) -> PixelValues:
+        """``[3, S, S]`` uint8: the padded, resized image, channels first."""
         from PIL import Image
 
         if self.mode == "pad" and image.width != image.height:
@@ -271,9 +297,15 @@ class FixedResolutionPolicy(_PolicyBase):
             square = Image.new("RGB", (side, side), self.fill)
             square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
             image = square
-        pixels = _normalized(image, self.resized_size(image.width, image.height), self.resample,
-                             self.image_mean, self.image_std)
-        return PixelValues(pixels, self.grid_thw(image.width, image.height))
+        resized = _resized(image, self.resized_size(image.width, image.height), self.resample)
+        return PixelValues(np.ascontiguousarray(resized.transpose(2, 0, 1)), self.grid_thw(image.width, image.height))
+
+    def batch_compact(self, images: list[PixelValues]) -> tuple[np.ndarray, np.ndarray]:
+        grid = np.array([image.grid_thw for image in images], dtype=np.int64).reshape(len(images), 3)
+        out = np.empty((len(images), *self._item_shape), dtype=np.float32)
+        for k, image in enumerate(images):
+            normalize_into(out[k : k + 1], image.values[None], self.image_mean, self.image_std)
+        return out, grid
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -358,16 +390,16 @@ class DynamicResolutionPolicy(_PolicyBase):
         return PixelValues(self._repeated([compact], rows).reshape(rows, *self._item_shape), compact.grid_thw)
 
     def compact(self, image) -> PixelValues:
-        """The patches with one temporal copy, ``[grid_h * grid_w, 3 * p * p]`` (columns: channel,
-        patch row, patch column); :meth:`pixel_values` repeats each channel's patch
-        ``temporal_patch_size`` times, as Qwen2-VL does for a still image."""
+        """The uint8 patches with one temporal copy, ``[grid_h * grid_w, 3 * p * p]`` (columns:
+        channel, patch row, patch column); :meth:`pixel_values` normalises them and repeats each
+        channel's patch ``temporal_patch_size`` times, as Qwen2-VL does for a still image."""
         size_hw = self.resized_size(image.width, image.height)
-        pixels = _normalized(image, size_hw, self.resample, self.image_mean, self.image_std)  # [C, H, W]
+        pixels = _resized(image, size_hw, self.resample)  # [H, W, C]
         p, m = self.patch_size, self.merge_size
         grid_h, grid_w = size_hw[0] // p, size_hw[1] // p
-        blocks = pixels.reshape(3, grid_h // m, m, p, grid_w // m, m, p)
-        # (C, H/p/m, m, p, W/p/m, m, p) -> (H/p/m, W/p/m, m, m, C, p, p)
-        blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)
+        blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, 3)
+        # (H/p/m, m, p, W/p/m, m, p, C) -> (H/p/m, W/p/m, m, m, C, p, p)
+        blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
         return PixelValues(np.ascontiguousarray(blocks).reshape(grid_h * grid_w, 3 * p * p), (1, grid_h, grid_w))
 
     def batch_compact(self, images: list[PixelValues]) -> tuple[np.ndarray, np.ndarray]:
@@ -376,14 +408,14 @@ class DynamicResolutionPolicy(_PolicyBase):
         return self._repeated(images, rows).reshape(rows, *self._item_shape), grid
 
     def _repeated(self, images: list[PixelValues], rows: int) -> np.ndarray:
-        """``[rows, 3, t, p * p]``: compact images' patches (``rows`` in all) with every temporal
-        copy, written once into one new array."""
+        """``[rows, 3, t, p * p]``: compact images' patches (``rows`` in all) normalised, with every
+        temporal copy, written once into one new array."""
         p, t = self.patch_size, self.temporal_patch_size
         out = np.empty((rows, 3, t, p * p), dtype=np.float32)
         at = 0
         for image in images:
             n = len(image.values)
-            out[at : at + n] = image.values.reshape(n, 3, 1, p * p)
+            normalize_into(out[at : at + n], image.values.reshape(n, 3, p * p), self.image_mean, self.image_std)
             at += n
         return out
 

@@ -1,19 +1,23 @@
-"""Lane states shipped from a worker as deltas: a best-fit bin already sent is sent again by name.
+"""Lane states shipped from a worker as deltas: a best-fit bin's pieces are sent once.
 
 Every item a worker ships carries its lane's state after it (the trainer records the state of
 what it hands out, so a checkpoint never includes prefetched work). A best-fit packer's state
-holds its open bins' token arrays: ~8 bins of up to ``seq_len`` tokens, rebuilt and pickled for
-every item (bench/RESULTS.md, issue 16: 468 KB of descriptor per message of 8 items, and the
-arrays' concatenation more than doubled a worker's CPU per item). Yet between two items of a
-lane only the bins that gained a piece changed: bins only gain pieces, so a bin with the same
-serial and the same number of pieces is the same bin.
+holds its open bins' token arrays: ~8 bins of up to ``seq_len`` tokens. Rebuilding and pickling
+them for every item cost more than the packing (bench/RESULTS.md, issue 16: 468 KB of
+descriptor per message of 8 items); sending only the bins that changed, whole, still cost a
+worker about half its CPU per item (issue 35). Yet between two items of a lane a bin only
+gains pieces, and a piece never changes: so a bin with the same serial is the same bin with
+perhaps more pieces.
 
-So the worker takes cheap snapshots (:meth:`loader.stages.lane.Lane.snapshot`) and
-:class:`StateEncoder` builds only the bins it has not sent for that lane, naming the others;
-:class:`StateDecoder` on the trainer's side puts the previous arrays back in. Both follow the
-message order of one worker's run (the order the items are produced and read), so a decoded
-state is exactly the ``get_state()`` the worker would have sent: same keys, same arrays.
-Encoder and decoder are made anew for every run (a ``start`` resets both sides).
+So the worker takes cheap snapshots (:meth:`loader.stages.lane.Lane.snapshot`: each open bin's
+pieces) and :class:`StateEncoder` sends, per open bin, its serial, how many of its pieces the
+trainer has already, and the new pieces themselves (tokens, document starts, features,
+origin); nothing is concatenated or built in the worker. :class:`StateDecoder` on the
+trainer's side keeps each bin's pieces and returns a :class:`StateSnapshot` whose
+``get_state()`` runs the packer's own state builder on them: exactly the ``get_state()`` the
+worker's lane had (same keys, same arrays), built only if the state is saved. Both follow the
+message order of one worker's run (the order the items are produced and read). Encoder and
+decoder are made anew for every run (a ``start`` resets both sides).
 
 A lane whose packers' states are bare stream cursors (concat packing over plain streams) ships
 ``(outputs, cursors, stopped)`` instead (:meth:`loader.stages.lane.Lane.cursors`: four integers
@@ -31,6 +35,7 @@ from typing import Any, Sequence
 
 from loader.checkpoint.records import StateSnapshot
 from loader.stages.lane_record import cursor_lane_state
+from loader.stages.packing import BestFitPacker, received_piece, ship_piece
 
 _ENCODED = "__encoded_state__"  # wraps a lane state that holds deltas (the only key of the wrapper)
 _DELTA = "__bins_delta__"  # marks an encoded best-fit packer state inside a lane state (its lane)
@@ -67,33 +72,34 @@ class StateEncoder:
 
     def _bins(self, lane_id: int, path: tuple, snapshot: StateSnapshot) -> dict:
         # A best-fit snapshot's arguments: stream state, serial, [(bin serial, pieces)]
-        # (loader.stages.packing.BestFitPacker.snapshot); its builder makes the arrays and the
-        # piece_origins (a bin sent before has its origins on the trainer's side too).
-        build, (stream_state, serial, open_bins) = snapshot._build, snapshot._args
+        # (loader.stages.packing.BestFitPacker.snapshot). A bin is its serial when the trainer
+        # has all its pieces, else (serial, pieces it has, the pieces it lacks).
+        stream_state, serial, open_bins = snapshot._args
         sent = self._sent.get((lane_id, path), {})
-        new = [(s, pieces) for s, pieces in open_bins if sent.get(s) != len(pieces)]
-        built = iter(build(stream_state, serial, new)["bins"])
-        bins = [next(built) if sent.get(s) != len(pieces) else s for s, pieces in open_bins]
+        bins = []
+        for bin_serial, pieces in open_bins:
+            kept = sent.get(bin_serial, 0)
+            bins.append(bin_serial if kept == len(pieces) else (bin_serial, kept, [ship_piece(p) for p in pieces[kept:]]))
         self._sent[(lane_id, path)] = {s: len(pieces) for s, pieces in open_bins}
         return {_DELTA: lane_id, "stream": stream_state, "serial": serial, "bins": bins}
 
 
 class StateDecoder:
-    """The trainer's side: per (lane, place in the state) the bins received, by serial; the
+    """The trainer's side: per (lane, place in the state) each open bin's pieces, by serial; the
     lanes' source names and mixing unit, which cursor states are built with."""
 
     def __init__(self, source_names: Sequence[str], token_mixing: bool) -> None:
-        self._bins: dict[tuple, dict[int, dict]] = {}
+        self._bins: dict[tuple, dict[int, tuple]] = {}
         self._cursor_state = functools.partial(cursor_lane_state, tuple(source_names), token_mixing)
 
     def decode(self, state: Any) -> Any:
         """The shipped state as ``get_state()`` made it (one type test for a plain state), or a
-        snapshot that builds it (a cursor state)."""
+        snapshot that builds it (a cursor state, or one holding best-fit bins)."""
         if type(state) is tuple:
             return StateSnapshot(self._cursor_state, *state)
         if type(state) is not dict or _ENCODED not in state:
             return state
-        return self._walk((), state[_ENCODED])
+        return StateSnapshot(built_state, self._walk((), state[_ENCODED]))
 
     def _walk(self, path: tuple, value: Any) -> Any:
         if isinstance(value, dict):
@@ -102,12 +108,24 @@ class StateDecoder:
             return {k: self._walk(path + (k,), v) for k, v in value.items()}
         return value
 
-    def _bins_of(self, path: tuple, delta: dict) -> dict:
+    def _bins_of(self, path: tuple, delta: dict) -> StateSnapshot:
         key = (delta[_DELTA], path)  # the lane, and where in its state
         known = self._bins.get(key, {})
-        # An int is a bin sent before, unchanged; a dict is a new or grown bin. The decoded
-        # states share the unchanged bins' dicts (no one changes a state once made).
-        bins = [known[b] if isinstance(b, int) else b for b in delta["bins"]]
-        self._bins[key] = {b["serial"]: b for b in bins}
-        return {"stream": delta["stream"], "bins": bins, "serial": delta["serial"]}
+        bins = {}
+        for entry in delta["bins"]:
+            if type(entry) is int:  # every piece known: the same (immutable) tuple
+                bins[entry] = known[entry]
+            else:
+                serial, kept, new = entry
+                bins[serial] = known.get(serial, ())[:kept] + tuple(received_piece(*p) for p in new)
+        self._bins[key] = bins
+        return StateSnapshot(BestFitPacker.state_of, delta["stream"], delta["serial"], list(bins.items()))
 
+
+def built_state(value: Any) -> Any:
+    """``value`` with every :class:`StateSnapshot` in it built (a decoded lane state's bins)."""
+    if isinstance(value, StateSnapshot):
+        return value.get_state()
+    if isinstance(value, dict):
+        return {k: built_state(v) for k, v in value.items()}
+    return value

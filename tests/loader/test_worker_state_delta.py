@@ -70,7 +70,7 @@ def test_decoded_bins_carry_their_piece_origins(make_config):
     loader = ZephonLoader(make_config("best_fit", pretokenized=True))
     pieces = 0
     for _, state, _ in _run_states(loader, [0, 2], {}, 0, 80):
-        for bin_ in state["sources"]["synthetic"]["packer"]["bins"]:
+        for bin_ in to_jsonable(state)["sources"]["synthetic"]["packer"]["bins"]:
             assert len(bin_["piece_origins"]) == len(bin_["piece_starts"])
             pieces += len(bin_["piece_starts"])
     loader.close()

@@ -172,6 +172,48 @@ def test_pixel_values_are_deterministic_across_calls():
         assert first.values.tobytes() == second.values.tobytes() and first.grid_thw == second.grid_thw
 
 
+def _float_reference(policy, image) -> np.ndarray:
+    """``pixel_values`` computed the way the policies did before workers shipped uint8: resize,
+    ``float32(v * (1/255))`` in float64, ``(x - mean) / std`` in float32, then the layout."""
+    from PIL import Image
+
+    if isinstance(policy, FixedResolutionPolicy) and policy.mode == "pad" and image.width != image.height:
+        side = max(image.width, image.height)
+        square = Image.new("RGB", (side, side), policy.fill)
+        square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+        image = square
+    height, width = policy.resized_size(image.width, image.height)
+    resized = np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC))
+    scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32).transpose(2, 0, 1)
+    pixels = (scaled - np.asarray(policy.image_mean, np.float32)[:, None, None]) / \
+        np.asarray(policy.image_std, np.float32)[:, None, None]
+    if isinstance(policy, FixedResolutionPolicy):
+        return pixels
+    p, m, t = policy.patch_size, policy.merge_size, policy.temporal_patch_size
+    grid_h, grid_w = height // p, width // p
+    patches = np.repeat(pixels[None], t, axis=0).reshape(t, 3, grid_h // m, m, p, grid_w // m, m, p)
+    return patches.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(grid_h * grid_w, 3 * t * p * p)
+
+
+def test_compact_pixels_are_uint8_and_normalise_to_the_float_pixels_bit_for_bit():
+    """Workers ship the compact form (uint8, a quarter of float32's bytes); the collator's
+    batch_compact must give exactly the float32 pixel_values (and batch) of the same images."""
+    images = [drawn_image(123, 77, seed=9), drawn_image(40, 300, seed=2), drawn_image(500, 90, seed=4)]
+    for policy in (FixedResolutionPolicy(), FixedResolutionPolicy(image_size=64, patch_size=8, mode="resize"),
+                   DynamicResolutionPolicy(max_pixels=200 * 28 * 28)):
+        compact = [policy.compact(image) for image in images]
+        assert all(c.values.dtype == np.uint8 for c in compact)
+        full = [policy.pixel_values(image) for image in images]
+        for image, values in zip(images, full):
+            assert values.values.dtype == np.float32
+            assert values.values.tobytes() == _float_reference(policy, image).tobytes()
+        batched, grids = policy.batch_compact(compact)
+        expected, expected_grids = policy.batch(full)
+        assert batched.dtype == np.float32 and batched.tobytes() == expected.tobytes()
+        assert grids.tolist() == expected_grids.tolist()
+        assert sum(c.values.nbytes for c in compact) * 4 <= sum(f.values.nbytes for f in full)
+
+
 def test_policy_config_round_trip_and_errors():
     for policy in (FixedResolutionPolicy(mode="resize", image_size=224, patch_size=16),
                    DynamicResolutionPolicy(max_pixels=602112)):
