@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from beam_jobs import shard
 from beam_jobs.sample_data import default_tokenizer_path
+from loader.checkpoint.state import StateError
 from loader.config import LoaderConfig
 from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader
@@ -154,6 +155,11 @@ def test_a_dataset_whose_longest_document_fits_gets_no_transform(data):
             pass
         counts = loader.transform_counts()[loader.source_names[0]]
         assert [c["dropped"] for c in counts.values()] == [0]
+    # a checkpoint listing that transform is refused where the entry makes it unneeded (strict, documented)
+    saved = run_stream(_config(data["old"], seq_len=longest + 1, overlong="drop"), save_at=1).state
+    with ZephonLoader(config) as loader:
+        with pytest.raises(StateError, match="transforms of source"):
+            loader.load_state_dict(saved)
 
 
 def test_truncate_keeps_whole_supervised_runs_of_token_inputs_with_a_loss_mask(data):
