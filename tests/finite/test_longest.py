@@ -24,7 +24,8 @@ from beam_jobs import shard
 from beam_jobs.sample_data import default_tokenizer_path
 from loader.checkpoint.state import StateError
 from loader.config import LoaderConfig
-from loader.io.manifest import read_manifest
+from loader.errors import ManifestError
+from loader.io.manifest import Manifest, read_manifest
 from loader.pipeline import ZephonLoader
 from loader.transforms.overlong import text_overlong_transforms
 from tests.dataset_factory import write_dataset
@@ -170,3 +171,16 @@ def test_truncate_keeps_whole_supervised_runs_of_token_inputs_with_a_loss_mask(d
     (spec,) = text_overlong_transforms("truncate", manifest, "s", seq_len=64, packing="best_fit", wrap_tokens=1)
     assert spec.function == "truncate_tokens"
     assert text_overlong_transforms("drop", manifest, "s", seq_len=64, packing="concat", wrap_tokens=1) == ()
+
+
+def test_the_manifest_entry_is_checked(data, tmp_path):
+    raw = json.loads(open(f"{data['recorded']}/manifest.json").read())
+    for bad, message in ((0, "must be a positive int"), (True, "must be a positive int"), ("9", "must be a positive int")):
+        with pytest.raises(ManifestError, match=f"longest_tokens' {message}"):
+            Manifest.from_dict({**raw, "longest_tokens": bad})
+    text = str(tmp_path / "text")
+    write_dataset(text, _texts(8), num_lanes=2, seed=3)
+    untokenized = json.loads(open(f"{text}/manifest.json").read())
+    with pytest.raises(ManifestError, match="'longest_tokens' belongs to a pre-tokenized text dataset"):
+        Manifest.from_dict({**untokenized, "longest_tokens": 5})
+    assert Manifest.from_dict(raw).longest_tokens == raw["longest_tokens"]
