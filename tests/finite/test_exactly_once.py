@@ -3,10 +3,10 @@
 Generated documents carry unique markers (``Q00017Z``); one epoch with ``max_epochs = 1`` and
 with ``exhaustion = "stop"`` is gathered over simulated ranks and every marker counted, for text
 (pre-tokenized and tokenized online), chat (tokenized offline and online) and images, concat and
-best fit (images: best fit only, concat refuses them), W = 1, 2, 4 with 0 and 2 workers, and after a
-resume mid-epoch on another W (text, chat, images). Fill rows
-carry no supervised token, the stream is bit-identical across topologies, and the datasets
-sharded without ``--num-lanes`` load with the loader's defaults.
+best fit (images: best fit only, concat refuses them), W = 1, 2, 4 with 0 and 2 workers, and
+after a resume mid-epoch on another W (text, chat, images). Fill rows carry no supervised token,
+the stream is bit-identical across topologies, and the datasets sharded without
+``--num-lanes`` load with the loader's defaults.
 """
 
 from __future__ import annotations
