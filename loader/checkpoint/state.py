@@ -130,7 +130,9 @@ def compare_with(state: dict, expected: dict, allow_transform_change: bool = Fal
     if state.get("config_fingerprint") != now_fingerprint and not differences and not transforms:
         differences.append(
             f"config_fingerprint: checkpoint {str(state.get('config_fingerprint'))[:12]}... does not match "
-            f"its own config (now {now_fingerprint[:12]}...)"
+            f"its own config (now {now_fingerprint[:12]}..."
+            + (", its config read as epoch_tail \"drop\" since config.epoch_tail is missing; the checkpoint "
+               "was edited" if migrated else "") + ")"
         )
     if state.get("tokenizer_fingerprint") != expected["tokenizer_fingerprint"]:
         differences.append(
