@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loader.chat.block import chat_overflows, check_chat_sources
 from loader.config import LoaderConfig
 from loader.errors import ManifestError
 from loader.io.blocks import TokenFormat
 from loader.io.manifest import Manifest, read_manifest
 from loader.io.storage import StorageOptions
+from loader.kinds.base import source_plan, source_plans
 from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.order.ordering import Topology
 from loader.stages.features import FEATURES
@@ -33,7 +33,6 @@ from loader.transforms.chain import TransformChain
 from loader.transforms.conversations import ChatTransforms
 from loader.transforms.overlong import text_overlong_transforms
 from loader.transforms.spec import TransformSpec
-from loader.vision.loader_options import resolve_image_options
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,8 @@ def plan_loader(config: LoaderConfig, *, rank: int, world_size: int) -> LoaderPl
     if any(m.online_chat for m in manifests):
         columns.add("loss_mask")  # made online by the chat blocks (loader.chat.block)
     # Image sources (loader.vision): placeholders, loss_mask 0 on them, image_ref per image.
-    image_options = resolve_image_options(config, manifests, source_names, tokenizer)
+    images = source_plan("images").options
+    image_options = None if images is None else images(config, manifests, source_names, tokenizer)
     if image_options is not None:
         columns.add("loss_mask")
     token_mixing = config.mixing_unit == "token" and len(manifests) > 1
@@ -108,9 +108,10 @@ def plan_loader(config: LoaderConfig, *, rank: int, world_size: int) -> LoaderPl
                      or (name == "token_sources" and token_mixing)
                      or (name == "image_ref" and image_options is not None))
     token_format = TokenFormat(bos_id=bos_id, eos_id=eos_id if config.add_eos else None)
-    chat_reject_reasons = check_chat_sources(manifests, source_names, tokenizer, seq_len=config.seq_len,
-                                             packing=config.packing, wrap_tokens=token_format.extra,
-                                             overlong=config.overlong)
+    check_chat = source_plan("chat").rejects
+    chat_reject_reasons = () if check_chat is None else check_chat(
+        manifests, source_names, tokenizer, seq_len=config.seq_len, packing=config.packing,
+        wrap_tokens=token_format.extra, overlong=config.overlong)
     # Transforms (loader.transforms): imported and checked here, not first in a worker.
     source_transforms = resolved_transforms(config, source_names, manifests, features, token_format.extra)
     spec = LaneSpec(
@@ -176,8 +177,9 @@ def overlong_transforms(config: LoaderConfig, manifest: Manifest, wrap_tokens: i
     if manifest.chat is None:
         return text_overlong_transforms(config.overlong, manifest, source_name, seq_len=config.seq_len,
                                         packing=config.packing, wrap_tokens=wrap_tokens)
-    if config.overlong == "refuse" or not chat_overflows(manifest, seq_len=config.seq_len, packing=config.packing,
-                                                          wrap_tokens=wrap_tokens):
+    if config.overlong == "refuse" or not any(
+            plan.overflows(manifest, seq_len=config.seq_len, packing=config.packing, wrap_tokens=wrap_tokens)
+            for plan in source_plans() if plan.overflows is not None):
         return ()
     fit = config.seq_len - wrap_tokens
     if config.overlong == "drop":
