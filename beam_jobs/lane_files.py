@@ -428,7 +428,7 @@ class WriteLaneFileFn(beam.DoFn):
                                          self.encoded, self.conversations, self.images, self.visual_tokens,
                                          markers=markers, token_stage=self.token_stage)
         extra = {"images": serialized.images} if self.images else {}
-        if self.encoded:  # chat tokenized offline: the manifest's chat.longest_tokens is their maximum
+        if self.encoded or self.tokenizer_path is not None:  # the manifest's longest_tokens (chat: chat.longest_tokens)
             extra["longest_tokens"] = serialized.longest
         if self.tombstones:  # summed by CommitManifest
             extra["tombstones"] = serialized.tombstones

@@ -229,6 +229,9 @@ def commit_manifest(
     # kind: the named lane kind of a --kind job (loader.kinds.base), the manifest's "kind" entry
     if chat is not None and chat.get("tokenized"):  # the longest conversation, exactly (loader.chat.block)
         chat = {**chat, "longest_tokens": max((int(e.get("longest_tokens", 0)) for e in file_entries), default=0) or None}
+    # pre-tokenized text: its longest document, exactly (loader.overlong); chat records it in its entry
+    longest = max((int(e.get("longest_tokens", 0)) for e in file_entries), default=0) or None \
+        if tokenizer is not None and chat is None and images is None and kind is None else None
     if images is not None:
         images = {**images, "images": sum(int(entry.get("images", 0)) for entry in file_entries)}
     files = [FileEntry.from_dict(entry, f"file entry {entry.get('path')}") for entry in file_entries]
@@ -266,6 +269,7 @@ def commit_manifest(
         transforms=tuple(curation.get("transforms", ())) if tombstones or "transforms" in curation else (),
         lane_assignment=lane_assignment,
         kind=kind,
+        longest_tokens=longest,
     ).with_fingerprint()
     data = manifest.to_dict()
     data.update(curation)  # counts only: not part of the dataset fingerprint (the files are)

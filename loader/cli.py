@@ -42,6 +42,7 @@ SUBCOMMANDS = {
     "audit": ("loader.commands.audit", "where every token of a global step came from: documents, lane files, spans, padding"),
     "diff": ("loader.commands.diff", "first differing step of two fingerprint logs or configs, and the config/manifest fields behind it"),
     "plot-mix": ("loader.commands.plot_mix", "plot each source's share per step from a fingerprint log against the schedule's target"),
+    "record-longest": ("loader.commands.record_longest", "record a pre-tokenized dataset's longest document (tokens) in its manifest, without re-sharding"),
     "quickstart": ("loader.commands.quickstart", "generate sample data, shard it, inspect it and stream batches, end to end"),
 }
 

@@ -184,7 +184,7 @@ class LoaderConfig:
     # Finite data: "fill" (every document, fill rows at the tail) or "drop" (end at the first
     # exhausted lane). See EPOCH_TAILS and docs/guides/finite-epochs.md.
     epoch_tail: str = "fill"
-    # Offline-tokenized conversations longer than a best_fit sequence: OVERLONG_CHOICES.
+    # Documents longer than a best_fit sequence (conversations, pre-tokenized text): OVERLONG_CHOICES.
     overlong: str = "refuse"
 
     FIELD_RULES: ClassVar[dict[str, Rule]] = {
@@ -304,10 +304,11 @@ class LoaderConfig:
                       "every epoch, lanes that run out first giving fill rows (labels -100, `fill` true) until "
                       "the last lane is done; `drop` ends the stream at the first exhausted lane "
                       "([Finite epochs](../guides/finite-epochs.md)).",
-        "overlong": "A conversation longer than a `best_fit` sequence: `refuse` (the loader refuses a dataset "
-                    "whose recorded longest conversation does not fit), `drop` (counted) or `truncate` (after "
-                    "its last assistant turn that fits), identical offline and online "
-                    "([Finite epochs](../guides/finite-epochs.md)).",
+        "overlong": "A document longer than a `best_fit` sequence: `refuse` (the loader refuses a chat dataset "
+                    "whose recorded longest conversation does not fit; a text document is cut into `seq_len` "
+                    "pieces, as best fit always did), `drop` (counted) or `truncate` (a conversation after its last "
+                    "assistant turn that fits, pre-tokenized text to the fit), chat identical offline and online "
+                    "([Finite epochs](../guides/finite-epochs.md#documents-longer-than-a-sequence-overlong)).",
     }
 
     def __post_init__(self) -> None:

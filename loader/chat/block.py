@@ -113,6 +113,8 @@ def check_chat_fits(manifest, source_name: str, *, seq_len: int, packing: str, w
         "loader adds, and best_fit packing would split them; set overlong = \"drop\" (they are dropped, counted) "
         "or overlong = \"truncate\" (cut after their last assistant turn that fits) in the loader config, raise "
         f"seq_len, or re-shard with --chat-max-tokens {max(fit, 1)} (or lower)"
+        + ("" if chat.longest_tokens is not None else
+           "; or record its longest conversation without re-sharding: zephon record-longest <the dataset's path>")
         + ("" if fit >= 1 else f" (seq_len={seq_len} leaves no room for a token: raise it)")
     )
 

@@ -88,16 +88,25 @@ def transform_differences(state: dict, expected: dict) -> dict[str, str]:
     return differences
 
 
-def compare_with(state: dict, expected: dict, allow_transform_change: bool = False) -> None:
+def compare_with(state: dict, expected: dict, allow_transform_change: bool = False,
+                 drop_tail_fingerprint: Optional[str] = None) -> None:
     """Refuse a resume whose stream-defining settings differ; name every difference by its JSON path.
 
     Different transforms are a difference unless ``allow_transform_change`` (the config
-    declares from which step they take effect: ``transforms_from_step``)."""
+    declares from which step they take effect: ``transforms_from_step``).
+
+    ``drop_tail_fingerprint``: the config fingerprint this config has with ``epoch_tail = "drop"``,
+    given where it fills tails. A checkpoint of finite data that records no ``epoch_tail`` (made
+    before the option existed, or with "drop") is then migrated rather than refused
+    (:func:`tail_migrates`): the "drop" stream is the "fill" stream up to the step where "drop"
+    ends it, so every state a "drop" run saved is a state of the "fill" stream, and the run goes
+    on to deliver the tail that "drop" would have lost."""
     differences = []
     transforms = transform_differences(state, expected)
     if state["num_lanes"] != expected["num_lanes"]:
         differences.append(f"num_lanes (lane count L): checkpoint {state['num_lanes']}, now {expected['num_lanes']}")
-    tail = _epoch_tail_difference(state["config"], expected["config"])
+    migrated = tail_migrates(state["config"], expected["config"]) and drop_tail_fingerprint is not None
+    tail = None if migrated else _epoch_tail_difference(state["config"], expected["config"])
     if tail is not None:
         differences.append(tail)
     for key, now in expected["config"].items():
@@ -114,10 +123,13 @@ def compare_with(state: dict, expected: dict, allow_transform_change: bool = Fal
             differences.append(f"config.{key}: not a stream setting of this Zephon (checkpoint {state['config'][key]!r})")
     if transforms and not allow_transform_change:
         differences.extend(transforms.values())
-    if state.get("config_fingerprint") != expected["config_fingerprint"] and not differences and not transforms:
+    now_fingerprint = drop_tail_fingerprint if migrated else expected["config_fingerprint"]
+    if state.get("config_fingerprint") != now_fingerprint and not differences and not transforms:
         differences.append(
             f"config_fingerprint: checkpoint {str(state.get('config_fingerprint'))[:12]}... does not match "
-            f"its own config (now {expected['config_fingerprint'][:12]}...)"
+            f"its own config (now {now_fingerprint[:12]}..."
+            + (", its config read as epoch_tail \"drop\" since config.epoch_tail is missing; the checkpoint "
+               "was edited" if migrated else "") + ")"
         )
     if state.get("tokenizer_fingerprint") != expected["tokenizer_fingerprint"]:
         differences.append(
@@ -145,14 +157,22 @@ def compare_with(state: dict, expected: dict, allow_transform_change: bool = Fal
         )
 
 
+def tail_migrates(saved: dict, now: dict) -> bool:
+    """Whether a checkpoint's ``config`` that records no ``epoch_tail`` (finite data ending as
+    "drop" ends it: a Zephon before the option, or "drop") resumes under a config that fills
+    tails: the one migration of ``epoch_tail`` (:func:`compare_with`). The reverse is refused: a
+    "fill" state past the step where "drop" ends is no state of the "drop" stream."""
+    return "epoch_tail" not in saved and now.get("epoch_tail") == "fill"
+
+
 def _epoch_tail_difference(saved: dict, now: dict) -> Optional[str]:
     """How finite data ends differs (``config.epoch_tail``; absent: "drop", the only way a
     Zephon before the option ended it, and the way a "drop" config records it)."""
     saved_tail, now_tail = saved.get("epoch_tail", "drop"), now.get("epoch_tail", "drop")
     if saved_tail == now_tail:
         return None
-    return (f"config.epoch_tail: checkpoint {saved_tail!r}, now {now_tail!r} (a checkpoint of finite data "
-            "made before epoch_tail existed ends its stream at the first exhausted lane, as \"drop\" does; "
+    return (f"config.epoch_tail: checkpoint {saved_tail!r}, now {now_tail!r} (a \"fill\" checkpoint may be past "
+            "the step where \"drop\" ends the stream; "
             f"set epoch_tail = {saved_tail!r} in the config to continue its stream exactly; "
             "docs/guides/finite-epochs.md)")
 

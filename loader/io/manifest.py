@@ -78,6 +78,12 @@ the loader renders with exactly what the job validated. ``chat`` (all but ``temp
 a path of the writing machine) is part of the dataset fingerprint: a dataset re-sharded with
 another template or option is another dataset, and a checkpoint of the old one is refused.
 
+Pre-tokenized text datasets record ``longest_tokens``, their longest document in tokens (tokenized
+chat records it as ``chat.longest_tokens``), so that the loader knows exactly whether every
+document fits a ``best_fit`` sequence (``loader.overlong``). Both are statistics of the lane
+files, outside the dataset fingerprint; a manifest without them (sharded before they were
+recorded) reads as before, and ``zephon record-longest`` adds them from the lane files.
+
 Concatenating a lane's part files in ``part`` order gives the lane in order-key order.
 """
 
@@ -219,6 +225,12 @@ class Manifest:
     # ``zephon shard --kind NAME``): the loader decodes its lanes with the kind registered under
     # that name. Absent for every built-in kind, and in the fingerprint only when present.
     kind: Optional[str] = None
+    # Tokens of the longest document of a pre-tokenized text dataset (chat datasets record theirs
+    # as ``chat.longest_tokens``): with it the loader knows whether every document fits one
+    # best_fit sequence (loader.overlong). A statistic of the lane files, which the fingerprint
+    # covers already (their SHA-256s), so it is outside the fingerprint: a dataset sharded before
+    # the entry keeps its fingerprint, and ``zephon record-longest`` adds it without re-sharding.
+    longest_tokens: Optional[int] = None
 
     # -- derived views -------------------------------------------------------------------
     @property
@@ -308,6 +320,7 @@ class Manifest:
             **({"images": self.images.to_dict()} if self.images is not None else {}),
             **({"lane_assignment": self.lane_assignment} if self.lane_assignment is not None else {}),
             **({"kind": self.kind} if self.kind is not None else {}),
+            **({"longest_tokens": self.longest_tokens} if self.longest_tokens is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -370,6 +383,12 @@ class Manifest:
                                                                          for e in manifest_entries())):
             problems.append(f"field 'kind' ({data['kind']!r}) names a lane kind of its own, so the dataset can "
                             "have no 'tokenizer' nor any kind's entry (" + ", ".join(e.key for e in manifest_entries()) + ")")
+        longest = data.get("longest_tokens")
+        if longest is not None and (not isinstance(longest, int) or isinstance(longest, bool) or longest < 1):
+            problems.append(f"field 'longest_tokens' must be a positive int or absent (got {longest!r:.80})")
+        elif longest is not None and (data.get("tokenizer") is None or data.get("chat") is not None):
+            problems.append("field 'longest_tokens' belongs to a pre-tokenized text dataset (a 'tokenizer' and no "
+                            "'chat' entry; chat records chat.longest_tokens)")
         if problems:
             raise ManifestError(f"{where}: " + "; ".join(problems))
         num_lanes = data["num_lanes"]
@@ -426,6 +445,7 @@ class Manifest:
                 transforms=tombstone_transforms,
                 lane_assignment=data.get("lane_assignment"),
                 kind=data.get("kind"),
+                longest_tokens=data.get("longest_tokens"),
             )
             recorded = manifest.dataset_fingerprint
             actual = manifest.compute_fingerprint()

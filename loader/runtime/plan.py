@@ -31,6 +31,7 @@ from loader.stages.tokenizer import (
 )
 from loader.transforms.chain import TransformChain
 from loader.transforms.conversations import ChatTransforms
+from loader.transforms.overlong import text_overlong_transforms
 from loader.transforms.spec import TransformSpec
 
 
@@ -154,7 +155,7 @@ def resolved_transforms(config: LoaderConfig, source_names, manifests, features:
     for k, (name, manifest) in enumerate(zip(source_names, manifests)):
         online_chat = manifest.online_chat  # "any" functions take the tokens stage there (after the render)
         specs = tuple(spec.resolved(manifest.pretokenized or online_chat)
-                      for spec in config.source_transforms(k) + overlong_transforms(config, manifest, wrap_tokens))
+                      for spec in config.source_transforms(k) + overlong_transforms(config, manifest, wrap_tokens, name))
         if specs and online_chat:
             ChatTransforms(specs, seed=config.seed, source=name)  # imports each function, checks its stage
         elif specs:
@@ -166,11 +167,16 @@ def resolved_transforms(config: LoaderConfig, source_names, manifests, features:
     return resolved
 
 
-def overlong_transforms(config: LoaderConfig, manifest: Manifest, wrap_tokens: int) -> tuple[TransformSpec, ...]:
+def overlong_transforms(config: LoaderConfig, manifest: Manifest, wrap_tokens: int,
+                        source_name: str = "") -> tuple[TransformSpec, ...]:
     """``overlong`` "drop" / "truncate": the transform that makes every conversation of a chat
     source fit one best_fit sequence, after the configured ones (its drops are counted like
     theirs), where the recorded longest may not fit. Offline and online alike: an online
-    source is then encoded with the job's bound only (loader.chat.block.effective_max_tokens)."""
+    source is then encoded with the job's bound only (loader.chat.block.effective_max_tokens).
+    Pre-tokenized text sources: :mod:`loader.transforms.overlong`."""
+    if manifest.chat is None:
+        return text_overlong_transforms(config.overlong, manifest, source_name, seq_len=config.seq_len,
+                                        packing=config.packing, wrap_tokens=wrap_tokens)
     if config.overlong == "refuse" or not any(
             plan.overflows(manifest, seq_len=config.seq_len, packing=config.packing, wrap_tokens=wrap_tokens)
             for plan in source_plans() if plan.overflows is not None):

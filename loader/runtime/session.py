@@ -189,7 +189,15 @@ class CheckpointSession:
             state, expected, from_step=self.config.transforms_from_step,
             resume_step=header.next_global_index // self.config.global_batch_size,
             token_mixing=self.config.mixing_unit == "token" and len(self.manifests) > 1)
-        state_mod.compare_with(state, expected, allow_transform_change=change is not None)
+        # A finite checkpoint that ends as "drop" (made before epoch_tail existed) continues the
+        # "fill" stream, which it is a prefix of (loader.checkpoint.state.compare_with).
+        drop_tail = self.config.replace(epoch_tail="drop").fingerprint() if self.config.fills_tails else None
+        state_mod.compare_with(state, expected, allow_transform_change=change is not None,
+                               drop_tail_fingerprint=drop_tail)
+        if drop_tail is not None and state_mod.tail_migrates(state["config"], expected["config"]):
+            log.info("the checkpoint ends finite data at the first exhausted lane (epoch_tail \"drop\", or made "
+                     "before the option); it continues with epoch_tail \"fill\", whose stream it is a prefix of: "
+                     "every document of the epoch is delivered (set epoch_tail = \"drop\" to end as it would have)")
         if header.rank_local:
             if (header.rank, header.world_size) != (self.topology.rank, self.topology.world_size):
                 raise state_mod.StateError(

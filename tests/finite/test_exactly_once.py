@@ -3,9 +3,10 @@
 Generated documents carry unique markers (``Q00017Z``); one epoch with ``max_epochs = 1`` and
 with ``exhaustion = "stop"`` is gathered over simulated ranks and every marker counted, for text
 (pre-tokenized and tokenized online), chat (tokenized offline and online) and images, concat and
-best fit, W = 1, 2, 4 with 0 and 2 workers, and after a resume mid-epoch on another W. Fill rows
-carry no supervised token, the stream is bit-identical across topologies, and the datasets
-sharded without ``--num-lanes`` load with the loader's defaults.
+best fit (images: best fit only, concat refuses them), W = 1, 2, 4 with 0 and 2 workers, and
+after a resume mid-epoch on another W (text, chat, images). Fill rows carry no supervised token,
+the stream is bit-identical across topologies, and the datasets sharded without
+``--num-lanes`` load with the loader's defaults.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _config(path: str, ending: dict, packing: str, tokenizer: str = default_toke
     return LoaderConfig(**fields)
 
 
-def _check_exactly_once(stream, tokenizer, num_lanes: int, documents: int) -> None:
+def _check_exactly_once(stream, tokenizer, num_lanes: int, documents: int, batch: int = 16) -> None:
     found = stream.markers(tokenizer, num_lanes)
     assert sorted(found) == list(range(documents)), f"missing {sorted(set(range(documents)) - set(found))[:10]}"
     assert set(found.values()) == {1}, f"delivered twice: {[k for k, n in found.items() if n > 1][:10]}"
@@ -94,7 +95,7 @@ def _check_exactly_once(stream, tokenizer, num_lanes: int, documents: int) -> No
         if mask is not None:
             assert not np.frombuffer(mask, np.uint8).any()
     indices = sorted(stream.rows)
-    assert indices == list(range(len(indices))) and len(indices) % 16 == 0, "whole steps, every global index"
+    assert indices == list(range(len(indices))) and len(indices) % batch == 0, "whole steps, every global index"
 
 
 def _across_topologies(config: LoaderConfig, tokenizer, num_lanes: int, documents: int) -> str:
@@ -116,15 +117,15 @@ def test_text_delivers_every_document_once_on_every_topology(data, kind, packing
     _across_topologies(config, data["tokenizer"], 8, 150)
 
 
-@pytest.mark.parametrize("kind, packing", [
-    ("chat", "concat"), ("chat", "best_fit"), ("chat_online", "best_fit"),
-    pytest.param("chat_online", "concat", marks=pytest.mark.slow),
-])
-def test_chat_delivers_every_conversation_once_on_every_topology(data, kind, packing):
+@pytest.mark.parametrize("kind, packing, ending", [
+    ("chat", "concat", ENDINGS[0]), ("chat", "best_fit", ENDINGS[1]), ("chat_online", "best_fit", ENDINGS[0]),
+    pytest.param("chat_online", "concat", ENDINGS[1], marks=pytest.mark.slow),
+], ids=("chat-concat-max_epochs", "chat-best_fit-stop", "chat_online-best_fit-max_epochs", "chat_online-concat-stop"))
+def test_chat_delivers_every_conversation_once_on_every_topology(data, kind, packing, ending):
     path = str(data["base"] / kind)
     manifest = read_manifest(path)
     assert manifest.documents == 300 and manifest.num_lanes in (8, 16, 32, 64)
-    config = _config(path, {"max_epochs": 1}, packing, seq_len=128)
+    config = _config(path, ending, packing, seq_len=128)
     _across_topologies(config, data["tokenizer"], manifest.num_lanes, 300)
 
 
@@ -136,24 +137,33 @@ def test_images_deliver_every_document_once_on_every_topology(data, ending):
     config = _config(path, ending, "best_fit", tokenizer=data["image_tokenizer_path"], seq_len=96,
                      global_batch_size=8, images={"policy": DYNAMIC})
     digests = set()
-    for world_size, workers in ((1, 0), (2, 2), (4, 0)):
+    for world_size, workers in TOPOLOGIES:
         stream = run_stream(config.replace(num_workers=workers), world_size=world_size)
-        found = stream.markers(data["image_tokenizer"], manifest.num_lanes)
-        assert sorted(found) == list(range(100)) and set(found.values()) == {1}
+        _check_exactly_once(stream, data["image_tokenizer"], manifest.num_lanes, 100, batch=8)
         digests.add(stream.digest())
     assert len(digests) == 1
 
 
-@pytest.mark.parametrize("packing", ("concat", "best_fit"))
-def test_a_resume_mid_epoch_on_another_world_size_delivers_the_rest_once(data, packing):
-    config = _config(str(data["base"] / "pretokenized"), {"max_epochs": 1}, packing)
+def _resume_config(data, kind: str, packing: str) -> LoaderConfig:
+    if kind == "images":
+        return _config(str(data["base"] / "images"), {"exhaustion": "stop"}, packing,
+                       tokenizer=data["image_tokenizer_path"], seq_len=96, images={"policy": DYNAMIC})
+    return _config(str(data["base"] / kind), {"max_epochs": 1}, packing, **({"seq_len": 128} if kind == "chat" else {}))
+
+
+@pytest.mark.parametrize("kind, packing", [("pretokenized", "concat"), ("pretokenized", "best_fit"),
+                                           ("chat", "best_fit"),
+                                           pytest.param("images", "best_fit", marks=pytest.mark.slow)])  # ~25 s
+def test_a_resume_mid_epoch_on_another_world_size_delivers_the_rest_once(data, kind, packing):
+    config = _resume_config(data, kind, packing)
+    batch = config.global_batch_size
     full = run_stream(config)
     fills = sorted(full.fill_rows())
-    tail_step = fills[0] // 16  # a step where lanes already ran out: their state says so
+    tail_step = fills[0] // batch  # a step where lanes already ran out: their state says so
     for cut, (world_size, workers) in ((2, (2, 0)), (tail_step + 1, (4, 2))):
         saved = run_stream(config, world_size=1, save_at=cut).state
         rest = run_stream(config.replace(num_workers=workers), world_size=world_size, load_state=saved)
-        expected = {i: row for i, row in full.rows.items() if i >= cut * 16}
+        expected = {i: row for i, row in full.rows.items() if i >= cut * batch}
         assert rest.rows == expected, f"resumed at step {cut} on W={world_size}: the rest of the epoch differs"
 
 
@@ -170,6 +180,17 @@ def test_the_default_dataset_loads_with_the_loader_defaults(data):
         _check_exactly_once(stream, data["tokenizer"], manifest.num_lanes, 300)
         digests.add(stream.digest())
     assert len(digests) == 1
+
+
+@pytest.mark.parametrize("kind", ("chat", "chat_online"))
+def test_conversations_sharded_without_num_lanes_load_with_the_loader_defaults(data, kind):
+    """300 conversations sharded without --num-lanes, read with the loader's defaults (concat,
+    add_eos, ...) on W = 8: every conversation once."""
+    path = str(data["base"] / kind)
+    manifest = read_manifest(path)
+    config = LoaderConfig(datasets=[{"path": path, "max_epochs": 1}], seq_len=128, global_batch_size=16,
+                          micro_batch_size=2, seed=0, tokenizer=default_tokenizer_path())
+    _check_exactly_once(run_stream(config, world_size=8), data["tokenizer"], manifest.num_lanes, 300)
 
 
 @pytest.mark.parametrize("mixing_unit", ("sequence", "token"))

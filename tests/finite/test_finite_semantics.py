@@ -79,18 +79,32 @@ def test_fingerprints_of_endless_and_drop_configs_are_unchanged(dataset):
     assert _config(dataset).stream_fields()["epoch_tail"] == "fill"
 
 
-def test_a_checkpoint_keeps_its_ending(dataset):
-    """A finite checkpoint made before epoch_tail existed (or with "drop") continues only with
-    "drop"; one of "fill" only with "fill": the message names the field and the fix."""
-    for saved_tail, other in (("drop", "fill"), ("fill", "drop")):
-        run = run_stream(_config(dataset, epoch_tail=saved_tail), save_at=2)
-        with ZephonLoader(_config(dataset, epoch_tail=other)) as loader:
-            with pytest.raises(StateError, match=rf"config.epoch_tail: checkpoint '{saved_tail}', now '{other}'.*"
-                                                 rf"set epoch_tail = '{saved_tail}'"):
-                loader.load_state_dict(run.state)
-        rest = run_stream(_config(dataset, epoch_tail=saved_tail), load_state=run.state)
-        assert rest.rows == {i: r for i, r in run_stream(_config(dataset, epoch_tail=saved_tail)).rows.items()
-                             if i >= 32}
+def test_a_drop_checkpoint_migrates_to_fill_and_a_fill_one_keeps_its_ending(dataset):
+    """A finite checkpoint that records no epoch_tail (made before the option, or with "drop")
+    continues its own stream with "drop", and with "fill" (the default) it continues the "fill"
+    stream, which it is a prefix of: mid-epoch and at the very step where "drop" ended, on another
+    W. A "fill" checkpoint resumes only with "fill": the refusal names the field and the fix."""
+    fill = run_stream(_config(dataset))
+    drop = run_stream(_config(dataset, epoch_tail="drop"))
+    for cut, world_size in ((2, 2), (drop.steps, 4)):
+        saved = run_stream(_config(dataset, epoch_tail="drop"), save_at=cut).state
+        assert "epoch_tail" not in saved["config"]  # what a checkpoint before the option holds too
+        rest = run_stream(_config(dataset), world_size=world_size, load_state=saved)
+        assert rest.rows == {i: r for i, r in fill.rows.items() if i >= cut * 16}, f"migrated at step {cut}"
+        assert rest.fill_rows(), "the tail that drop lost is delivered"
+        again = run_stream(_config(dataset, epoch_tail="drop"), world_size=world_size, load_state=saved)
+        assert again.rows == {i: r for i, r in drop.rows.items() if i >= cut * 16}
+    saved = run_stream(_config(dataset), save_at=2).state
+    assert saved["config"]["epoch_tail"] == "fill"
+    with ZephonLoader(_config(dataset, epoch_tail="drop")) as loader:
+        with pytest.raises(StateError, match=r"config.epoch_tail: checkpoint 'fill', now 'drop'.*"
+                                             r"set epoch_tail = 'fill'"):
+            loader.load_state_dict(saved)
+    # the migration checks the rest of the config as ever: another seq_len is still refused
+    old = run_stream(_config(dataset, epoch_tail="drop"), save_at=2).state
+    with ZephonLoader(_config(dataset, seq_len=32)) as loader:
+        with pytest.raises(StateError, match="config.seq_len: checkpoint 64, now 32"):
+            loader.load_state_dict(old)
 
 
 def test_the_automatic_lane_count_is_the_largest_that_fills_every_lane():

@@ -4,8 +4,8 @@ The job records each chat dataset's longest conversation (``chat.longest_tokens`
 refuses best_fit only when it really does not fit, and otherwise takes the config's
 ``overlong``: "drop" (counted as the transform ``length_tokens``' drops) or "truncate" (after
 the last assistant turn that fits; ``truncate_turns``), the same offline and online. The
-README's SFT example (``--chat-max-tokens 4095 --chat-overflow truncate``) at seq_len 256 and
-4096.
+flags the issue's README example had (``--chat-max-tokens 4095 --chat-overflow truncate``) at
+seq_len 256 and 4096 (the README's SFT recipe as it is now: tests/docs/test_readme_sft.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from beam_jobs import shard
 from loader.samples import default_tokenizer_path
 from loader.chat.block import ChatConfigError
+from loader.commands.record_longest import command as record_longest
 from loader.config import LoaderConfig
 from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader
@@ -122,15 +123,22 @@ def test_a_conversation_that_does_not_fit_is_refused_naming_the_choices(data, tm
     # a manifest written before the longest was recorded, without --chat-max-tokens: "may"
     old = tmp_path / "old"
     old.mkdir()
-    manifest = read_manifest(data["offline"])
+    manifest = read_manifest(data["short"])
     chat = dataclasses.replace(manifest.chat, longest_tokens=None, max_tokens=None)
     for entry in manifest.files:
         (old / entry.path).parent.mkdir(exist_ok=True)
-        (old / entry.path).write_bytes(open(f"{data['offline']}/{entry.path}", "rb").read())
+        (old / entry.path).write_bytes(open(f"{data['short']}/{entry.path}", "rb").read())
     (old / "manifest.json").write_text(dataclasses.replace(manifest, chat=chat, dataset_fingerprint=None)
                                        .with_fingerprint().to_json())
-    with pytest.raises(ChatConfigError, match="did not record its longest conversation"):
+    with pytest.raises(ChatConfigError, match="did not record its longest conversation.*zephon record-longest"):
         ZephonLoader(_config(str(old), 256))
+    # recorded without re-sharding: the same fingerprint, and the conversations fit seq_len 256
+    fingerprint = read_manifest(str(old)).dataset_fingerprint
+    assert record_longest([str(old)]) == 0
+    recorded = read_manifest(str(old))
+    assert recorded.chat.longest_tokens == manifest.chat.longest_tokens and recorded.dataset_fingerprint == fingerprint
+    with ZephonLoader(_config(str(old), 256)) as loader:
+        assert next(iter(loader))["loss_mask"].sum() > 0
 
 
 @pytest.mark.parametrize("overlong", ("drop", "truncate"))

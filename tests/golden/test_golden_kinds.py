@@ -61,7 +61,7 @@ from loader.config import LoaderConfig
 from loader.io.manifest import MANIFEST_NAME, read_manifest
 from loader.pipeline import ZephonLoader
 from tests.golden.kinds_data import CONFIGS, IMAGE_CONFIGS, build_all, kinds_config
-from tests.golden.test_golden_pins import dataset_bytes, lane_epochs, masked_state_bytes
+from tests.golden.test_golden_pins import dataset_bytes, lane_epochs, manifest_without_longest, masked_state_bytes
 
 FIRST_STEPS = 4  # steps 0..3 are pinned one by one
 LATER_STEP = 24  # and this one, past every lane's first epoch edge in every config (checked)
@@ -976,7 +976,9 @@ PINNED_BYTES = {
     },
     "tombstoned": {
         "dataset_fingerprint": "f880898a23a7345f8f8693fbb406205941f2dc3e333d80d427d9bee1c68d28c0",
-        "manifest_sha256": "b9251f71ce0cae5866a6b1a62587c49e08448097c6fab49a99d970bc9378efff",
+        # The one pin moved since d17fcff: pre-tokenized text manifests record longest_tokens (an
+        # additive entry, outside the dataset fingerprint; test_the_tombstoned_manifest_pin_moved_only_by_longest_tokens).
+        "manifest_sha256": "bf9eacb682378d22f56743a84f302c68eee234dc640e524fc5113a1dc316551c",
         "file_sha256_16": {
             "lane=00000/part-00000.parquet": "b2281ed45180ef0a",
             "lane=00000/part-00001.parquet": "60f353448d98ddfa",
@@ -1013,3 +1015,12 @@ def portable_dataset_bytes(path: str) -> dict[str, Any]:
 def test_beam_lane_file_bytes_and_dataset_fingerprints_keep_their_values(paths, name) -> None:
     require_pinned_libraries(*libraries_of(name))
     assert portable_dataset_bytes(paths[name]) == PINNED_BYTES[name]
+
+
+def test_the_tombstoned_manifest_pin_moved_only_by_longest_tokens(paths) -> None:
+    """Without the entry the tombstoned manifest has d17fcff's bytes (tests.golden.test_golden_pins
+    shows the same for the Beam text dataset)."""
+    require_pinned_libraries(*libraries_of("tombstoned"))
+    longest, before = manifest_without_longest(paths["tombstoned"])
+    assert before == "b9251f71ce0cae5866a6b1a62587c49e08448097c6fab49a99d970bc9378efff"
+    assert longest == read_manifest(paths["tombstoned"]).longest_tokens <= 40  # its --transform truncate_tokens

@@ -488,7 +488,10 @@ PINNED_BYTES = {
     },
     "beam": {
         "dataset_fingerprint": "0b05bdfa40c465f319f8ba2ca88c803e3db7db7a1bf1b01932e0f985ba98f21f",
-        "manifest_sha256": "a0bd61f20bc4df2d744add739008bf2d1d2ea9972c372577fcc41ec816fb9eef",
+        # The one pin moved since d17fcff: pre-tokenized text manifests record longest_tokens (an
+        # additive entry, outside the dataset fingerprint; without it the bytes are d17fcff's, as
+        # test_the_manifest_pins_moved_only_by_longest_tokens shows).
+        "manifest_sha256": "25f8747f3b12bfb722f4ba990706efc9d75c6c2cf0f85f5a4c637e2604f3dd4b",
         "file_sha256_16": {
             "lane=00000/part-00000.parquet": "fe76f8604e065395",
             "lane=00000/part-00001.parquet": "35b96dbb68665af8",
@@ -511,6 +514,34 @@ def test_lane_file_bytes_and_dataset_fingerprints_keep_their_values(datasets, be
     for name in ("text", "pretokenized", "other_text"):  # the factory's files: fingerprints suffice
         got[name].pop("file_sha256_16")
     assert got == PINNED_BYTES
+
+
+# manifest.json of the Beam dataset before it recorded longest_tokens (d17fcff).
+MANIFEST_SHA256_BEFORE_LONGEST = "a0bd61f20bc4df2d744add739008bf2d1d2ea9972c372577fcc41ec816fb9eef"
+
+
+def manifest_without_longest(path: str) -> tuple[int, str]:
+    """``(longest recorded, SHA-256 of manifest.json without it)``: the entry removed, the rest
+    serialised as the job writes it (``json.dumps(indent=1)``), after checking that this
+    serialisation gives back the file's bytes with the entry (so nothing else could differ).
+    """
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as fh:
+        raw = fh.read()
+    data = json.loads(raw)
+    assert (json.dumps(data, indent=1) + "\n").encode() == raw
+    longest = data.pop("longest_tokens")
+    return longest, hashlib.sha256((json.dumps(data, indent=1) + "\n").encode()).hexdigest()
+
+
+@pytest.mark.beam
+def test_the_manifest_pins_moved_only_by_longest_tokens(beam_dataset) -> None:
+    require_pinned_libraries("pyarrow", "tokenizers")
+    longest, before = manifest_without_longest(beam_dataset)
+    assert before == MANIFEST_SHA256_BEFORE_LONGEST
+    manifest = read_manifest(beam_dataset)
+    assert longest == manifest.longest_tokens == max(
+        max(pq.read_table(os.path.join(beam_dataset, f.path), columns=["num_tokens"])["num_tokens"].to_pylist())
+        for f in manifest.files)
 
 
 # Guards the tokenizer fingerprint recorded in pre-tokenized manifests and in checkpoints
