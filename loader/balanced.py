@@ -108,8 +108,10 @@ class Balancer:
         began = time.perf_counter()
         costs, held = self.exchange.costs(step, own, self.cost)
         assignment = balanced_assignment(costs, topology.world_size, loader.config.micro_batch_size)
+        rows_began = time.perf_counter()  # real ranks: every rank is past the costs' all_gather
         mine = self.exchange.sequences(step, held, assignment)
-        self.exchange_s = time.perf_counter() - began
+        ended = time.perf_counter()
+        self.exchange_s, rows_s = ended - began, ended - rows_began
         kept = {id(item) for micro in mine for item in micro}
         for item in own:  # sent to (or, simulated, made again by) another rank: its worker slot is free
             if id(item) not in kept and item.lease is not None:
@@ -120,13 +122,17 @@ class Balancer:
         self.balanced_sum += balanced
         self.unbalanced_sum += unbalanced
         self.last = {"step": step, "max_over_mean": balanced, "max_over_mean_unbalanced": unbalanced,
-                     "exchange_s": self.exchange_s}
+                     "exchange_s": self.exchange_s, "exchange_rows_s": rows_s,
+                     "exchange_bytes": self.exchange.sent_bytes}
         self._position = start
         self._pending = collections.deque(mine)
 
     def stats(self) -> dict[str, float]:
         """The last step's ``max/mean`` rank cost (balanced, and as the default layout had it), the
-        means over the steps so far, and the last step's exchange seconds."""
+        means over the steps so far, and the last step's exchange: seconds in all (``exchange_s``: on
+        real ranks the costs' ``all_gather`` included, which also waits for the slowest rank to have
+        produced its rows), seconds of the rows' transfer alone (``exchange_rows_s``) and the bytes
+        of rows this rank sent its peers (0 for simulated ranks: nothing is sent)."""
         if not self.steps:
             return {}
         return dict(self.last, mean_max_over_mean=self.balanced_sum / self.steps,
@@ -142,6 +148,8 @@ class Balancer:
 
 class SimulatedExchange:
     """Ranks simulated in one process: the other ranks' sequences from private peer loaders."""
+
+    sent_bytes = 0  # nothing travels
 
     def __init__(self, loader) -> None:
         self.loader = loader
@@ -193,6 +201,7 @@ class DistributedExchange:
                                  "with backend \"cpu:gloo,cuda:nccl\")")
             self.group = dist.new_group(backend="gloo")  # every rank builds the loader: a collective call
         self.features = loader.features
+        self.sent_bytes = 0  # the last step's rows sent to the peers
 
     def _global_rank(self, rank: int) -> int:
         return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
@@ -219,6 +228,7 @@ class DistributedExchange:
         # rank q holds the positions p = q mod W: send each peer those of its share that are ours
         outgoing = {peer: torch.from_numpy(encode_items(
             [held[p] for micro in assignment[peer] for p in micro if p % W == me], self.features)) for peer in peers}
+        self.sent_bytes = sum(len(payload) for payload in outgoing.values())
         # sizes first (rows vary: segment starts, images), then the rows themselves
         sizes = self._swap({peer: torch.tensor([len(payload)], dtype=torch.int64) for peer, payload in outgoing.items()},
                            {peer: torch.zeros(1, dtype=torch.int64) for peer in peers})
