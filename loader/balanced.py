@@ -33,12 +33,10 @@ import threading
 import time
 from typing import Any, Optional
 
-import numpy as np
-
-from loader.order.balance import CostModel, balanced_assignment, default_assignment, imbalance
-from loader.errors import TopologyError
-from loader.order.data_parallel import initialized_distributed
 from loader.balance_rows import decode_items, encode_items
+from loader.errors import TopologyError
+from loader.order.balance import CostModel, balanced_assignment, default_assignment, imbalance
+from loader.order.data_parallel import initialized_distributed
 from loader.stages.producer import Item
 
 _SHADOW = threading.local()  # set while a SimulatedExchange builds its peers' loaders: they do not balance

@@ -52,9 +52,9 @@ def main(argv: list[str]) -> int:
 
     from loader.config import LoaderConfig
     from loader.pipeline import ZephonLoader
+    from tests.rank_launcher import write_gathered
 
     dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     loader = ZephonLoader(LoaderConfig.from_file(config_path))
     digests, rows, exchange = [], {}, []
     for _ in range(steps * loader.topology.micro_steps_per_step):
@@ -63,11 +63,7 @@ def main(argv: list[str]) -> int:
         rows.update(row_bytes(batch))
         if batch["micro_step"] == 0:
             exchange.append(loader.metrics().balance.get("exchange_s"))
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, {"digests": digests, "rows": rows, "exchange_s": exchange})
-    if rank == 0:
-        with open(out_path, "w") as fh:
-            json.dump({"world_size": world_size, "ranks": gathered}, fh)
+    write_gathered(dist, out_path, {"digests": digests, "rows": rows, "exchange_s": exchange})
     loader.close()
     dist.barrier()
     dist.destroy_process_group()
