@@ -1,6 +1,6 @@
 """Packing window and balance (issue 32): packing efficiency, audit seek time, balance, exchange.
 
-    python bench/packing_window.py [--only CASE ...] [--repeats 3] [--steps 20000]
+    python bench/packing_window.py [--only CASE ...] [--repeats 3] [--steps 20000] [--window 256] [--text]
 
 Cases (the harness of ``bench/loader_throughput.py``: each timed measurement in a fresh
 process, rounds interleaved, medians; the machine is shared, so wall times are noisy):
@@ -17,7 +17,9 @@ process, rounds interleaved, medians; the machine is shared, so wall times are n
 * ``audit_*``     wall seconds of ``zephon audit``'s ``audit_step`` (the whole step, every lane)
                   in a fresh process, at step 20 and at ``--steps``: ``_cold`` with an empty
                   window-count cache, ``_warm`` with the cache the cold run left, ``_state``
-                  from a checkpoint saved at that step (the result is checked equal).
+                  from a checkpoint saved at that step (the result is checked equal). With
+                  ``--text`` the same documents as text lanes, tokenized online (the window
+                  counts from their tokenized lengths).
 * ``count``       CPU seconds of counting one lane's windows up to ``--steps`` with no cache
                   (lengths read + ``window_outputs``): what a cold audit pays once.
 * ``throughput``  tokens/s of one in-process rank (no workers) on the audit dataset: concat, best
