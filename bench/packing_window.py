@@ -1,6 +1,6 @@
 """Packing window and balance (issue 32): packing efficiency, audit seek time, balance, exchange.
 
-    python bench/packing_window.py [--only CASE ...] [--repeats 3] [--steps 20000]
+    python bench/packing_window.py [--only CASE ...] [--repeats 3] [--steps 20000] [--window 256] [--text]
 
 Cases (the harness of ``bench/loader_throughput.py``: each timed measurement in a fresh
 process, rounds interleaved, medians; the machine is shared, so wall times are noisy):
@@ -17,7 +17,9 @@ process, rounds interleaved, medians; the machine is shared, so wall times are n
 * ``audit_*``     wall seconds of ``zephon audit``'s ``audit_step`` (the whole step, every lane)
                   in a fresh process, at step 20 and at ``--steps``: ``_cold`` with an empty
                   window-count cache, ``_warm`` with the cache the cold run left, ``_state``
-                  from a checkpoint saved at that step (the result is checked equal).
+                  from a checkpoint saved at that step (the result is checked equal). With
+                  ``--text`` the same documents as text lanes, tokenized online (the window
+                  counts from their tokenized lengths).
 * ``count``       CPU seconds of counting one lane's windows up to ``--steps`` with no cache
                   (lengths read + ``window_outputs``): what a cold audit pays once.
 * ``throughput``  tokens/s of one in-process rank (no workers) on the audit dataset: concat, best
@@ -27,6 +29,9 @@ process, rounds interleaved, medians; the machine is shared, so wall times are n
                   the simulated step time (slowest rank's cost) it saves.
 * ``exchange``    a real gloo run (W = 2 and 4 processes on this machine): tokens/s and the
                   per-step latency of the balance exchange.
+* ``exchange_images``  the same on captioned images (dynamic policy, 16-256 visual tokens an
+                  image): rows travel with their pixels; also images/s and the MB each rank sends
+                  per step.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from bench.loader_throughput import add_run_options, child_main, run_and_report 
 
 SEQ_LEN = 2048
 WINDOWS = (64, 128, 256, 512, 1024, 2048, 4096)
-AUDIT = dict(lanes=8, docs=24000, seq_len=512, batch=16, window=256)  # window: --window
+AUDIT = dict(lanes=8, docs=24000, seq_len=512, batch=16, window=256, text=False)  # window: --window, text: --text
 
 
 # -- efficiency --------------------------------------------------------------------------------
@@ -131,15 +136,21 @@ def efficiency(docs: int = 40000) -> dict:
 
 
 # -- audit seek time ---------------------------------------------------------------------------
+def _tag() -> str:
+    return "_text" if AUDIT["text"] else ""
+
+
 def _audit_dataset() -> str:
-    path = WORK_DIR / f"data_{AUDIT['docs']}"
+    """The audit corpus, pre-tokenized, or (``--text``) the same documents as text lanes tokenized online."""
+    path = WORK_DIR / f"data{_tag()}_{AUDIT['docs']}"
     if not (path / "manifest.json").exists():
         from loader.samples import default_tokenizer_path
         from loader.stages.tokenizer import load_tokenizer
         from tests.dataset_factory import synthetic_texts, write_dataset
 
+        tokenizer = None if AUDIT["text"] else load_tokenizer(default_tokenizer_path())
         write_dataset(str(path), synthetic_texts(AUDIT["docs"], seed=5, max_words=300), num_lanes=AUDIT["lanes"],
-                      seed=2, tokenizer=load_tokenizer(default_tokenizer_path()), row_group_rows=256)
+                      seed=2, tokenizer=tokenizer, row_group_rows=256)
     return str(path)
 
 
@@ -155,24 +166,25 @@ def _audit_config(**overrides):
 
 
 def _state_file(step: int) -> Path:
-    return WORK_DIR / f"state_{AUDIT['docs']}_K{AUDIT['window']}_{step}.json"
+    return WORK_DIR / f"state{_tag()}_{AUDIT['docs']}_K{AUDIT['window']}_{step}.json"
 
 
-def child_make_state(step: int, window: int) -> dict:
+def child_make_state(step: int, window: int, text: bool = False) -> dict:
     from loader.commands.fingerprints import collect_fingerprints
 
-    AUDIT["window"] = window
+    AUDIT["window"], AUDIT["text"] = window, text
     start = time.perf_counter()
     _, state = collect_fingerprints(_audit_config(batch_fields=("input_ids",)), end_step=step, save_state_step=step)
     _state_file(step).write_text(json.dumps(state))
     return {"seconds": time.perf_counter() - start}
 
 
-def child_audit(step: int, cache: str, use_state: bool, window: int) -> dict:
+def child_audit(step: int, cache: str, use_state: bool, window: int, text: bool = False) -> dict:
     """One audit of ``step`` in this fresh process: wall seconds from before the import of the
     loader (what a user's ``zephon audit`` waits for, minus the interpreter start)."""
     os.environ["ZEPHON_WINDOW_CACHE"] = cache
-    AUDIT["window"] = window
+    os.environ.setdefault("XDG_CONFIG_HOME", str(WORK_DIR / "config"))  # the cache files' seal key: the bench's own
+    AUDIT["window"], AUDIT["text"] = window, text
     start = time.perf_counter()
     from loader.commands.audit import audit_step
 
@@ -254,60 +266,131 @@ def balance_figures() -> dict:
 
 
 # -- the exchange on real ranks ------------------------------------------------------------------
+IMAGE_BALANCE = dict(seq_len=1024, batch=16, micro=2, docs=480, lanes=8)
+# Qwen2-VL's dynamic policy bounded to 16 .. 256 visual tokens an image (4 .. 1024 patches)
+IMAGE_POLICY = {"kind": "dynamic", "min_pixels": 16 * 28 * 28, "max_pixels": 256 * 28 * 28}
+IMAGE_SIZES = ((224, 224), (336, 252), (448, 336), (160, 320), (96, 128), (400, 400))
+
+
+def _image_balance_dataset() -> tuple[str, str]:
+    """Captioned images (1-2 per document, 16-256 visual tokens each, lognormal captions) sharded
+    by ``zephon shard`` into 8 lanes, and a tokenizer that knows the placeholders."""
+    root = WORK_DIR / f"images_{IMAGE_BALANCE['docs']}"
+    for folder in ("tests", "tests/vision"):  # the test suite's image generator and tokenizer
+        if str(REPO_ROOT / folder) not in sys.path:
+            sys.path.insert(0, str(REPO_ROOT / folder))
+    if not (root / "data" / "manifest.json").exists():
+        import numpy as np
+
+        from beam_jobs import shard
+        from image_factory import FORMATS, image_bytes
+
+        rng = np.random.default_rng(3)
+        (root / "in" / "imgs").mkdir(parents=True, exist_ok=True)
+        records, image = [], 0
+        for k in range(IMAGE_BALANCE["docs"]):
+            paths = []
+            for _ in range(int(rng.integers(1, 3))):
+                width, height = IMAGE_SIZES[int(rng.integers(len(IMAGE_SIZES)))]
+                (root / "in" / "imgs" / f"{image}.img").write_bytes(image_bytes(width, height, FORMATS[image % 3],
+                                                                               seed=image))
+                paths.append(f"imgs/{image}.img")
+                image += 1
+            words = " ".join(["caption"] * int(min(rng.lognormal(4.0, 1.0), 600)))
+            records.append({"image": paths, "text": f"doc {k}: {words}"})
+        with open(root / "in" / "docs.jsonl", "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in records)
+        shard.run(["--input", str(root / "in" / "docs.jsonl"), "--output", str(root / "data"), "--num-lanes",
+                   str(IMAGE_BALANCE["lanes"]), "--image-field", "image", "--image-policy", json.dumps(IMAGE_POLICY),
+                   "--runner=FnApiRunner", "--direct_running_mode=in_memory"])
+    tokenizer = root / "tokenizer.json"
+    if not tokenizer.exists():
+        from image_loader_data import image_tokenizer
+
+        image_tokenizer(tokenizer)
+    return str(root / "data"), str(tokenizer)
+
+
+def _image_balance_config(**overrides):
+    from loader.config import LoaderConfig
+
+    path, tokenizer = _image_balance_dataset()
+    fields = dict(datasets=[{"path": path}], seq_len=IMAGE_BALANCE["seq_len"], global_batch_size=IMAGE_BALANCE["batch"],
+                  micro_batch_size=IMAGE_BALANCE["micro"], seed=3, tokenizer=tokenizer, packing="best_fit",
+                  batch_fields=("input_ids", "labels", "position_ids"))
+    fields.update(overrides)
+    return LoaderConfig(**fields)
+
+
 def rank_run(argv: list[str]) -> int:
     """One gloo rank (``tests.rank_launcher.launch_ranks``): steps of the loader, with or without
-    balance; rank 0 writes wall time, tokens and the per-step exchange latencies."""
+    balance; rank 0 writes wall time, tokens and the per-step exchange latencies and bytes."""
     import torch.distributed as dist
 
     from loader.pipeline import ZephonLoader
 
     spec = json.loads(argv[0])
     dist.init_process_group("gloo")
-    loader = ZephonLoader(_balance_config(**spec["overrides"]))
+    make = _image_balance_config if spec.get("data") == "images" else _balance_config
+    loader = ZephonLoader(make(**spec["overrides"]))
     for _ in range(loader.topology.micro_steps_per_step):  # first step: start-up, not timed
         next(loader)
     dist.barrier()
-    started, tokens, latencies = time.perf_counter(), 0, []
+    started, tokens, latencies, rows_s, sent, images = time.perf_counter(), 0, [], [], [], 0
     for _ in range(spec["steps"]):
         for _ in range(loader.topology.micro_steps_per_step):
             batch = next(loader)
             tokens += int((batch["labels"] != -100).sum())
+            images += len(batch["image_grid_thw"]) if "image_grid_thw" in batch else 0
         if "exchange_s" in loader.metrics().balance:
             latencies.append(loader.metrics().balance["exchange_s"])
+            rows_s.append(loader.metrics().balance["exchange_rows_s"])
+            sent.append(loader.metrics().balance["exchange_bytes"])
     dist.barrier()
     seconds = time.perf_counter() - started
     totals = [None] * dist.get_world_size()
-    dist.all_gather_object(totals, tokens)
+    dist.all_gather_object(totals, (tokens, images, statistics.mean(sent) if sent else 0))
     if dist.get_rank() == 0:
-        Path(spec["out"]).write_text(json.dumps({"seconds": seconds, "tokens": sum(totals), "latencies": latencies}))
+        Path(spec["out"]).write_text(json.dumps({"seconds": seconds, "tokens": sum(t[0] for t in totals),
+                                                 "images": sum(t[1] for t in totals),
+                                                 "sent_bytes_per_rank_step": statistics.mean(t[2] for t in totals),
+                                                 "latencies": latencies, "rows_s": rows_s}))
     loader.close()
     dist.destroy_process_group()
     return 0
 
 
-def child_exchange(world_size: int, balance: bool, steps: int) -> dict:
+def child_exchange(world_size: int, balance: bool, steps: int, data: str = "text") -> dict:
     from tests.rank_launcher import launch_ranks
 
-    out = WORK_DIR / f"exchange_{world_size}_{balance}.json"
-    spec = {"overrides": {"balance": "attention"} if balance else {}, "steps": steps, "out": str(out)}
+    out = WORK_DIR / f"exchange_{data}_{world_size}_{balance}.json"
+    spec = {"overrides": {"balance": "attention"} if balance else {}, "steps": steps, "out": str(out), "data": data}
     launch_ranks(world_size, "bench.packing_window", ["--rank-run", json.dumps(spec)], timeout_s=600,
                  preload=("torch.distributed", "loader.pipeline"))
     result = json.loads(out.read_text())
-    latencies = result.pop("latencies")
+    latencies, rows_s = result.pop("latencies"), result.pop("rows_s")
     if latencies:
         result["exchange_ms_median"] = 1e3 * statistics.median(latencies)
         result["exchange_ms_p90"] = 1e3 * sorted(latencies)[int(0.9 * (len(latencies) - 1))]
+        result["rows_ms_median"] = 1e3 * statistics.median(rows_s)
+        result["rows_ms_p90"] = 1e3 * sorted(rows_s)[int(0.9 * (len(rows_s) - 1))]
     return result
 
 
 def exchange_report(results: dict) -> list[str]:
-    lines = ["case                 tokens/s (median)   per-step exchange ms (median, p90 of the median run)"]
+    lines = ["per-step ms: median, p90 of the median run; exchange = costs' all_gather (waits for the slowest "
+             "rank) + rows; rows = the rows' transfer alone",
+             "case                        tokens/s (median)  images/s  exchange ms     rows ms         "
+             "MB sent per rank and step"]
     for name, runs in results.items():
         runs = sorted(runs, key=lambda r: r["tokens"] / r["seconds"])
         middle = runs[len(runs) // 2]
-        exchange = (f"{middle['exchange_ms_median']:.1f}, {middle['exchange_ms_p90']:.1f}"
-                    if "exchange_ms_median" in middle else "-")
-        lines.append(f"{name:<20} {middle['tokens'] / middle['seconds']:>12,.0f}        {exchange}")
+        balanced = "exchange_ms_median" in middle
+        exchange = f"{middle['exchange_ms_median']:.1f}, {middle['exchange_ms_p90']:.1f}" if balanced else "-"
+        rows = f"{middle['rows_ms_median']:.1f}, {middle['rows_ms_p90']:.1f}" if balanced else "-"
+        sent = f"{middle.get('sent_bytes_per_rank_step', 0) / 1e6:.2f}" if balanced else "-"
+        lines.append(f"{name:<27} {middle['tokens'] / middle['seconds']:>12,.0f}  "
+                     f"{middle.get('images', 0) / middle['seconds']:>8,.1f}  {exchange:<15} {rows:<15} {sent}")
     return lines
 
 
@@ -362,7 +445,7 @@ def count_rate(steps: int) -> dict:
         outputs = int(audit.source_counts_before(spec.schedule, 1, AUDIT["batch"], AUDIT["lanes"], steps)[0, 0])
         wall, cpu = time.perf_counter(), time.process_time()
         index = WindowIndex(stream, seq_len=AUDIT["seq_len"], window=AUDIT["window"], dataset_fingerprint="-",
-                            directory=None)
+                            directory=None, tokenizer_fingerprint=loader.tokenizer_fingerprint)
         index.locate(outputs)
         return {"documents": index.scanned, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
     finally:
@@ -370,19 +453,19 @@ def count_rate(steps: int) -> dict:
 
 
 def _warm_cache() -> str:
-    return str(WORK_DIR / f"cache_warm_K{AUDIT['window']}")
+    return str(WORK_DIR / f"cache_warm{_tag()}_K{AUDIT['window']}")
 
 
 def audit_cases(steps: int) -> dict[str, dict]:
-    cases, window = {}, AUDIT["window"]
+    cases, window, text = {}, AUDIT["window"], AUDIT["text"]
     for step in (20, steps):
-        cold = str(WORK_DIR / f"cache_cold_K{window}_{step}")
+        cold = str(WORK_DIR / f"cache_cold{_tag()}_K{window}_{step}")
         cases[f"audit_{step}_cold"] = {"kind": "audit", "step": step, "cache": cold, "use_state": False,
-                                       "fresh_cache": True, "window": window}
+                                       "fresh_cache": True, "window": window, "text": text}
         cases[f"audit_{step}_warm"] = {"kind": "audit", "step": step, "cache": _warm_cache(), "use_state": False,
-                                       "window": window}
+                                       "window": window, "text": text}
         cases[f"audit_{step}_state"] = {"kind": "audit", "step": step, "cache": _warm_cache(), "use_state": True,
-                                        "window": window}
+                                        "window": window, "text": text}
     return cases
 
 
@@ -402,6 +485,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20000, help="the far audit step (default 20,000)")
     parser.add_argument("--window", type=int, default=AUDIT["window"], help="packing_window of the audit and "
                         "count cases (default 256, the recommended K)")
+    parser.add_argument("--text", action="store_true", help="audit and count on text lanes (tokenized online) "
+                        "instead of the pre-tokenized corpus")
     parser.add_argument("--exchange-steps", type=int, default=30, help="timed steps of each gloo run (default 30)")
     parser.add_argument("--rank-run", default=None, help=argparse.SUPPRESS)
     add_run_options(parser)
@@ -413,8 +498,8 @@ def main(argv=None) -> int:
         if spec.pop("fresh_cache", False):
             shutil.rmtree(spec["cache"], ignore_errors=True)
         return child_main(CHILDREN, json.dumps(spec))
-    AUDIT["window"] = args.window
-    only = args.only or ["efficiency", "audit", "throughput", "balance", "exchange"]
+    AUDIT["window"], AUDIT["text"] = args.window, args.text
+    only = args.only or ["efficiency", "audit", "throughput", "balance", "exchange", "exchange_images"]
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     if "efficiency" in only:
         print(f"efficiency (non-padding / all tokens), seq_len {SEQ_LEN}:")
@@ -429,14 +514,15 @@ def main(argv=None) -> int:
         script = str(Path(__file__).resolve())
         for step in (20, args.steps):
             if not _state_file(step).exists():
-                made = run_child("make_state", script=script, step=step, window=AUDIT["window"])
+                made = run_child("make_state", script=script, step=step, window=AUDIT["window"], text=AUDIT["text"])
                 print(f"state at step {step} saved ({made['seconds']:.1f} s)")
         cases = audit_cases(args.steps)
         warm = run_child("audit", script=script, step=args.steps, cache=_warm_cache(), use_state=False,
-                         window=AUDIT["window"])
+                         window=AUDIT["window"], text=AUDIT["text"])
         print(f"warm-up audit of step {args.steps} (fills cache_warm): {warm['seconds']:.2f} s; {warm['notes'][-1]}")
         run_and_report(cases, args.repeats or 3, audit_report, argv,
-                       data=f"{AUDIT['docs']:,} synthetic documents pre-tokenized in {AUDIT['lanes']} lanes, "
+                       data=f"{AUDIT['docs']:,} synthetic documents "
+                            f"{'as text lanes' if AUDIT['text'] else 'pre-tokenized'} in {AUDIT['lanes']} lanes, "
                             f"seq_len {AUDIT['seq_len']}, B {AUDIT['batch']}, packing_window {AUDIT['window']}",
                        script=str(Path(__file__).resolve()))
     if "count" in only:
@@ -468,6 +554,17 @@ def main(argv=None) -> int:
         run_and_report(cases, args.repeats or 3, exchange_report, argv,
                        data=f"the balance corpus, B={BALANCE['batch']}, seq_len {BALANCE['seq_len']}, "
                             f"{args.exchange_steps} timed steps per run, W processes on this machine's cores",
+                       script=str(Path(__file__).resolve()))
+    if "exchange_images" in only:
+        _image_balance_dataset()
+        cases = {f"gloo_images_W{w}_{'balance' if b else 'plain'}": {
+            "kind": "exchange", "world_size": w, "balance": b, "steps": args.exchange_steps, "data": "images"}
+            for w in (2, 4) for b in (False, True)}
+        run_and_report(cases, args.repeats or 3, exchange_report, argv,
+                       data=f"{IMAGE_BALANCE['docs']} captioned images (1-2 a document, 16-256 visual tokens each, "
+                            f"dynamic policy), {IMAGE_BALANCE['lanes']} lanes, B={IMAGE_BALANCE['batch']}, micro-batch "
+                            f"{IMAGE_BALANCE['micro']}, seq_len {IMAGE_BALANCE['seq_len']}, {args.exchange_steps} "
+                            "timed steps per run, W processes on this machine's cores",
                        script=str(Path(__file__).resolve()))
     return 0
 

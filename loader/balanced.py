@@ -14,9 +14,9 @@ A rank holds only its own lanes' sequences, so the others come from where they a
 
 * :class:`DistributedExchange` (``torch.distributed`` initialised with ``W`` ranks): a per-step
   collective of the costs, then the sequences, point to point (each rank sends each peer the
-  rows it gets, as one int64 tensor per peer: ids, labels, segment starts, per-token features).
-  On a CPU (gloo) group here; with NCCL the tensors go to the device first
-  (``docs/guides/packing-window-and-balance.md``).
+  rows it gets, as one byte tensor per peer: ids, labels, segment starts, per-token features,
+  images with their pixels, online rejects: :mod:`loader.balance_rows`). On a CPU (gloo) group,
+  beside an NCCL training group if there is one (``docs/guides/packing-window-and-balance.md``).
 * :class:`SimulatedExchange` (ranks simulated in one process, no process group): the rank
   builds a private loader per other rank (same config, no workers, same state) and takes its
   sequences from them: no communication, ``W`` times the production (for tests and tools).
@@ -33,13 +33,10 @@ import threading
 import time
 from typing import Any, Optional
 
-import numpy as np
-
-from loader.order.balance import CostModel, balanced_assignment, default_assignment, imbalance
+from loader.balance_rows import decode_items, encode_items
 from loader.errors import TopologyError
+from loader.order.balance import CostModel, balanced_assignment, default_assignment, imbalance
 from loader.order.data_parallel import initialized_distributed
-from loader.stages.features import FEATURES, NO_FEATURES
-from loader.stages.packing import PackedSequence
 from loader.stages.producer import Item
 
 _SHADOW = threading.local()  # set while a SimulatedExchange builds its peers' loaders: they do not balance
@@ -82,8 +79,11 @@ class Balancer:
 
     def cost(self, item: Item) -> int:
         sequence = item.sequence
-        refs = sequence.features.get("image_ref") if sequence.features else None
-        return self.cost_model.row_cost(sequence.segment_starts, len(sequence.input_ids), sequence.padding, refs)
+        images = sequence.images  # resolved where the row was made: the encoder's patches from their grids
+        grids = images.grids if images is not None else None
+        refs = sequence.features.get("image_ref") if sequence.features and grids is None else None
+        return self.cost_model.row_cost(sequence.segment_starts, len(sequence.input_ids), sequence.padding, refs,
+                                        grids)
 
     def next_batch(self) -> dict[str, Any]:
         loader = self.loader
@@ -106,8 +106,10 @@ class Balancer:
         began = time.perf_counter()
         costs, held = self.exchange.costs(step, own, self.cost)
         assignment = balanced_assignment(costs, topology.world_size, loader.config.micro_batch_size)
+        rows_began = time.perf_counter()  # real ranks: every rank is past the costs' all_gather
         mine = self.exchange.sequences(step, held, assignment)
-        self.exchange_s = time.perf_counter() - began
+        ended = time.perf_counter()
+        self.exchange_s, rows_s = ended - began, ended - rows_began
         kept = {id(item) for micro in mine for item in micro}
         for item in own:  # sent to (or, simulated, made again by) another rank: its worker slot is free
             if id(item) not in kept and item.lease is not None:
@@ -118,13 +120,17 @@ class Balancer:
         self.balanced_sum += balanced
         self.unbalanced_sum += unbalanced
         self.last = {"step": step, "max_over_mean": balanced, "max_over_mean_unbalanced": unbalanced,
-                     "exchange_s": self.exchange_s}
+                     "exchange_s": self.exchange_s, "exchange_rows_s": rows_s,
+                     "exchange_bytes": self.exchange.sent_bytes}
         self._position = start
         self._pending = collections.deque(mine)
 
     def stats(self) -> dict[str, float]:
         """The last step's ``max/mean`` rank cost (balanced, and as the default layout had it), the
-        means over the steps so far, and the last step's exchange seconds."""
+        means over the steps so far, and the last step's exchange: seconds in all (``exchange_s``: on
+        real ranks the costs' ``all_gather`` included, which also waits for the slowest rank to have
+        produced its rows), seconds of the rows' transfer alone (``exchange_rows_s``) and the bytes
+        of rows this rank sent its peers (0 for simulated ranks: nothing is sent)."""
         if not self.steps:
             return {}
         return dict(self.last, mean_max_over_mean=self.balanced_sum / self.steps,
@@ -140,6 +146,8 @@ class Balancer:
 
 class SimulatedExchange:
     """Ranks simulated in one process: the other ranks' sequences from private peer loaders."""
+
+    sent_bytes = 0  # nothing travels
 
     def __init__(self, loader) -> None:
         self.loader = loader
@@ -178,9 +186,6 @@ class DistributedExchange:
     def __init__(self, loader) -> None:
         self.loader = loader
         self.dist = dist = initialized_distributed()
-        if loader.image_options is not None:
-            raise NotImplementedError("balance = \"attention\" across real ranks does not ship image pixels yet: "
-                                      "use it with text sources, or simulate the ranks in one process")
         group_size = dist.get_world_size(loader.dp_group)
         if group_size != loader.topology.world_size:
             raise TopologyError(f"balance = \"attention\": the process group has {group_size} ranks but the loader "
@@ -194,6 +199,7 @@ class DistributedExchange:
                                  "with backend \"cpu:gloo,cuda:nccl\")")
             self.group = dist.new_group(backend="gloo")  # every rank builds the loader: a collective call
         self.features = loader.features
+        self.sent_bytes = 0  # the last step's rows sent to the peers
 
     def _global_rank(self, rank: int) -> int:
         return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
@@ -213,21 +219,22 @@ class DistributedExchange:
 
     def sequences(self, step: int, held: dict[int, Item], assignment) -> list[list[Item]]:
         me, W = self.loader.topology.rank, self.loader.topology.world_size
-        B, seq_len = self.loader.config.global_batch_size, self.loader.config.seq_len
+        B = self.loader.config.global_batch_size
         peers = [peer for peer in range(W) if peer != me]
-        # rank q holds the positions p = q mod W: send each peer those of its share that are ours
-        outgoing = {peer: encode_items([held[p] for micro in assignment[peer] for p in micro if p % W == me],
-                                       self.features) for peer in peers}
-        # sizes first (a row's segment starts vary), then the rows themselves
         import torch  # optional heavy dependency: real ranks run torch.distributed
 
+        # rank q holds the positions p = q mod W: send each peer those of its share that are ours
+        outgoing = {peer: torch.from_numpy(encode_items(
+            [held[p] for micro in assignment[peer] for p in micro if p % W == me], self.features)) for peer in peers}
+        self.sent_bytes = sum(len(payload) for payload in outgoing.values())
+        # sizes first (rows vary: segment starts, images), then the rows themselves
         sizes = self._swap({peer: torch.tensor([len(payload)], dtype=torch.int64) for peer, payload in outgoing.items()},
                            {peer: torch.zeros(1, dtype=torch.int64) for peer in peers})
-        incoming = self._swap(outgoing, {peer: torch.empty(int(sizes[peer].item()), dtype=torch.int64) for peer in peers})
+        incoming = self._swap(outgoing, {peer: torch.empty(int(sizes[peer].item()), dtype=torch.uint8) for peer in peers})
         wanted = [p for micro in assignment[me] for p in micro]
         received = {p: held[p] for p in wanted if p % W == me}
         for peer, buffer in incoming.items():
-            items = decode_items(buffer, self.features, seq_len)
+            items = decode_items(buffer.numpy(), self.features)
             positions = sorted(item.global_index - step * B for item in items)
             if positions != sorted(p for p in wanted if p % W == peer):
                 raise RuntimeError(f"balance exchange: rank {peer} sent batch positions {positions} that rank {me} "
@@ -250,48 +257,3 @@ class DistributedExchange:
 
     def close(self) -> None:
         pass
-
-
-# -- sequences as one int64 tensor ----------------------------------------------------------------
-# per row: global_index, source_id, padding, segments, then input_ids[seq_len], labels[seq_len],
-# segment_starts[segments], one [seq_len] array per feature (the loader's, in its order)
-_HEADER = 4
-
-
-def encode_items(items: list[Item], features: tuple[str, ...]):
-    """``items`` as one int64 torch tensor (for send/recv between real ranks)."""
-    import torch  # optional heavy dependency: real ranks run torch.distributed
-
-    parts = []
-    for item in items:
-        sequence = item.sequence
-        starts = np.asarray(sequence.segment_starts, dtype=np.int64)
-        parts.append(np.array([item.global_index, item.source_id, sequence.padding, len(starts)], dtype=np.int64))
-        parts.append(np.asarray(sequence.input_ids, dtype=np.int64))
-        parts.append(np.asarray(sequence.labels, dtype=np.int64))
-        parts.append(starts)
-        for name in features:
-            parts.append(np.asarray(sequence.features[name], dtype=np.int64))
-    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return torch.from_numpy(flat)
-
-
-def decode_items(buffer, features: tuple[str, ...], seq_len: int) -> list[Item]:
-    flat = buffer.numpy()
-    items, at = [], 0
-    while at < len(flat):
-        global_index, source_id, padding, segments = (int(x) for x in flat[at:at + _HEADER])
-        at += _HEADER
-        input_ids = flat[at:at + seq_len].astype(np.int32)
-        labels = flat[at + seq_len:at + 2 * seq_len].astype(np.int32)
-        at += 2 * seq_len
-        starts = flat[at:at + segments].astype(np.int32)
-        at += segments
-        laid_out = {}
-        for name in features:
-            laid_out[name] = flat[at:at + seq_len].astype(FEATURES[name].dtype)
-            at += seq_len
-        sequence = PackedSequence(input_ids=input_ids, labels=labels, segment_starts=starts,
-                                  features=laid_out or NO_FEATURES, padding=padding)
-        items.append(Item(global_index=global_index, source_id=source_id, sequence=sequence, lane_state=None))
-    return items

@@ -182,6 +182,13 @@ class SeekIndexError(ZephonError, ValueError):
     exit_code = 2
 
 
+class WindowCountError(ZephonError, ValueError):
+    """A packing_window count file that disagrees with the lane files it is bound to (the message
+    names the file and the fix)."""
+
+    exit_code = 2
+
+
 class HFIntegrationError(ZephonError, ValueError):
     """Trainer arguments or a checkpoint that would make Trainer train on other data than Zephon's stream."""
 

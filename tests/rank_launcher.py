@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import multiprocessing as mp
 import os
 import socket
@@ -61,6 +62,15 @@ def launch_ranks(world_size: int, module: str, argv: list[str], *, timeout_s: fl
             proc.join()
     failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
     assert not failed, f"W={world_size} launch: ranks (rank, exit code) {failed} failed or hung (output above)"
+
+
+def write_gathered(dist, out_path: str, part: dict) -> None:
+    """Every rank's ``part`` to rank 0, which writes ``{"world_size": W, "ranks": [part, ...]}`` to ``out_path``."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, part)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, fh)
 
 
 def global_fingerprints(result: dict, global_batch: int) -> list[str]:

@@ -32,13 +32,15 @@ resume, by one of four methods (the report names the one used):
     pass through. A version-1 state has no origins: the audit replays instead (under the
     adopted schedule) and its notes say so. ``--load-state DIR`` takes the newest state at or
     before ``N`` of a directory (:mod:`loader.checkpoint.files`; e.g. a Trainer output_dir).
-``window`` (best fit with ``packing_window``, endless sources, no checkpoint)
+``window`` (best fit with ``packing_window``, endless sources, no checkpoint; text lanes too)
     A windowed lane's state before a source's ``m``-th output is the start of the window
     holding it and the bins of that window already emitted; the windows' output counts are a
-    function of document lengths (:mod:`loader.commands.window_index`), counted once and cached,
-    so the audit packs only the window of step ``N`` per lane and source. Cost with the counts
-    cached: the same at every ``N``; the first audit of a dataset pays one pass over the lengths
-    of the documents before ``N`` (the report's notes say how many it counted).
+    function of document lengths (:mod:`loader.commands.window_index`), counted once and cached
+    in files bound to the dataset's (and a text lane's tokenizer's) fingerprint and the config,
+    so the audit packs only the window of step ``N`` per lane and source (after counting that
+    window again to check the cache). Cost with the counts cached: the same at every ``N``; the
+    first audit of a dataset pays one pass over the lengths of the documents before ``N`` (a
+    text lane's row groups tokenized once each; the report's notes say how many it counted).
 ``replay`` (no usable checkpoint, and best fit, token mixing, sources that stop or have ``max_epochs``)
     A seek is impossible: which open bin a document joins depends on every earlier document
     of the lane (token mixing: the next document's source on the tokens drawn before; a
@@ -52,7 +54,8 @@ Then the step's sequences are produced, and only for the row groups their docume
 are the ``key`` column (and, with ``--text``, ``input_ids``) read. Text lanes (tokenized
 online) have no lengths on disk: ``seek`` and ``replay`` would tokenize every earlier
 document, so they are refused unless ``--load-state`` gives a usable checkpoint (then the row
-groups from it to step ``N``, and those of its open bins' pieces, are tokenized). Sources with
+groups from it to step ``N``, and those of its open bins' pieces, are tokenized) or the config
+has a ``packing_window`` (``window``: its counts are tokenized once and cached). Sources with
 online transforms or online chat rendering (whose documents change as they are read) are
 refused.
 """
@@ -236,6 +239,8 @@ def choose_method(loader, has_state: bool, bins_resolvable: bool = True) -> str:
     token_mixing = config.mixing_unit == "token" and len(loader.source_names) > 1
     if has_state and bins_resolvable:
         return "checkpoint"
+    if config.packing_window is not None and not finite:  # text lanes too: their counts are cached
+        return "window"
     if text_lanes:
         raise AuditError(
             f"sources {text_lanes} are text lanes tokenized online: their document lengths are not on disk, so "
@@ -243,11 +248,10 @@ def choose_method(loader, has_state: bool, bins_resolvable: bool = True) -> str:
             + (" and this checkpoint's best-fit bins do not say where their pieces came from (a version-1 "
                "checkpoint, or bins restored from one)" if has_state else "")
             + "; pass --load-state with a checkpoint of the run at or before the step (saved by this Zephon: "
-            "version 2), or re-shard the sources pre-tokenized (`zephon shard ... --tokenizer FILE`)")
+            "version 2), or re-shard the sources pre-tokenized (`zephon shard ... --tokenizer FILE`), or pack "
+            "with packing_window (whose window counts are tokenized once and cached)")
     if config.packing == "concat" and not finite and not token_mixing:
         return "seek"
-    if config.packing_window is not None and not finite:
-        return "window"
     return "replay"
 
 
@@ -417,14 +421,17 @@ def audit_step(config: LoaderConfig, step: int, *, sequence: Optional[int] = Non
                 lane.set_state(_seek_state(lane, counts[lane_id], config.seq_len, step * B))
         elif method == "window":
             counts = source_counts_before(spec.schedule, len(spec.sources), B, L, step)
-            scanned = 0
+            scanned, rebuilt = 0, []
             for lane_id, lane in lanes.items():
-                state, counted = _window_state(lane, counts[lane_id], loader, step * B)
+                state, counted, why = _window_state(lane, counts[lane_id], loader, step * B)
                 lane.set_state(state)
                 scanned += counted
+                rebuilt += why
+            tokenized = " (tokenized for their lengths)" if any(not m.pretokenized for m in loader.manifests) else ""
+            notes.extend(f"packing_window: window count file {why}" for why in rebuilt)
             notes.append(f"packing_window: lane states from window counts ({cache_dir(config.cache_dir)}); "
-                         + (f"counted the windows of {scanned:,} documents now (kept for later audits)" if scanned
-                            else "every count was cached"))
+                         + (f"counted the windows of {scanned:,} documents now{tokenized} (kept for later audits)"
+                            if scanned else "every count was cached"))
         else:
             for lane_id, lane in lanes.items():  # produce the lane's outputs before the step
                 first = _lane_outputs_before(first_index, lane_id, L)
@@ -506,21 +513,24 @@ def _seek_state(lane, counts: np.ndarray, seq_len: int, step_index: int) -> dict
                       packers, [False] * len(packers))
 
 
-def _window_state(lane, counts: np.ndarray, loader, step_index: int) -> tuple[dict, int]:
-    """The lane's state before global index ``step_index`` from its window counts, and how many
-    documents had to be counted for it (0: all cached)."""
+def _window_state(lane, counts: np.ndarray, loader, step_index: int) -> tuple[dict, int, list[str]]:
+    """The lane's state before global index ``step_index`` from its window counts, how many
+    documents had to be counted for it (0: all cached) and why cache files were not used."""
     config = loader.config
     directory = cache_dir(config.cache_dir)
-    packers, scanned = [], 0
+    packers, scanned, rebuilt = [], 0, []
     for source, stream, manifest, count in zip(lane.spec.sources, lane.source_streams(), loader.manifests,
                                                counts.tolist()):
         index = WindowIndex(stream, seq_len=config.seq_len, window=config.packing_window, directory=directory,
-                            dataset_fingerprint=manifest.dataset_fingerprint or manifest.compute_fingerprint())
+                            dataset_fingerprint=manifest.dataset_fingerprint or manifest.compute_fingerprint(),
+                            tokenizer_fingerprint=loader.tokenizer_fingerprint)
         cursor, window, emitted = index.locate(count)
+        index.check_window(window)  # the window packed next, counted again from the lane files
         scanned += index.scanned
+        rebuilt += [index.rebuilt] if index.rebuilt else []
         packers.append(window_packer_state(cursor, window, emitted))
     outputs = _lane_outputs_before(step_index, lane.lane_id, lane.num_lanes)
-    return lane_state(lane.spec.source_names, False, outputs, packers, [False] * len(packers)), scanned
+    return lane_state(lane.spec.source_names, False, outputs, packers, [False] * len(packers)), scanned, rebuilt
 
 
 def _sequence_audit(position: int, global_index: int, lane, source_id: int, packed) -> SequenceAudit:

@@ -9,18 +9,22 @@ micro-batch size): every rank computes the same assignment from the same costs.
 
 Cost model (integers, so every rank computes exactly the same): a row of attention segments
 (documents or document pieces, the ``cu_seqlens`` a varlen kernel sees; padding excluded) of
-lengths ``d_1 .. d_k``, ``n = sum d_i`` tokens, holding images of ``v_1 .. v_m`` visual tokens,
-costs::
+lengths ``d_1 .. d_k``, ``n = sum d_i`` tokens, holding images the vision encoder sees as
+``P_1 .. P_m`` patches, costs::
 
-    sum d_i^2  +  linear * n  +  sum_j ((merge^2 * v_j)^2 + linear * merge^2 * v_j)
+    sum d_i^2  +  linear * n  +  sum_j (P_j^2 + linear * P_j)
 
 Causal attention's work grows with ``d^2`` per segment, the projections' and MLP's with
 ``n``; ``linear`` weighs the second against the first in units of one attention pair (a
 layer of hidden size ``h`` does ~``4 h d^2`` attention and ~``24 h^2 n`` matmul FLOPs: with
 causal masking ``linear ~ 12 h``). The default, ``linear = seq_len``, prices a full row of
 one document as half attention, half linear: the long-context regime balancing is for. Each
-image adds its vision encoder's work: ``merge^2`` patches per visual token (Qwen2-VL merges
-2 x 2), full attention over the image's patches plus their linear term.
+image adds its vision encoder's work: full attention over its patches plus their linear term.
+An image's patches are its grid's ``t * h * w`` (``image_grid_thw``: what the encoder takes
+in), so the price follows the policy: Qwen2-VL's dynamic policy merges 2 x 2 patches into one
+visual token (4 patches a token), a fixed policy feeds one patch per visual token. Where only
+the placeholder runs are known (no resolved images), ``vision_merge`` gives the patches of a
+visual token (``vision_merge^2``).
 
 Assignment (LPT, "longest processing time first", with capacities)::
 
@@ -52,24 +56,30 @@ class CostModel:
     def for_seq_len(cls, seq_len: int) -> "CostModel":
         return cls(linear=seq_len)
 
-    def segment_cost(self, lengths: Sequence[int], visual_tokens: Sequence[int] = ()) -> int:
-        """The cost of a row with attention segments of ``lengths`` and images of ``visual_tokens``."""
+    def segment_cost(self, lengths: Sequence[int], visual_tokens: Sequence[int] = (),
+                     patches: Sequence[int] = ()) -> int:
+        """The cost of a row with attention segments of ``lengths`` and images of ``patches``
+        encoder patches each (or of ``visual_tokens`` placeholder tokens, ``vision_merge^2``
+        patches a token)."""
         cost = sum(int(d) * int(d) for d in lengths) + self.linear * sum(int(d) for d in lengths)
         patches_per_token = self.vision_merge * self.vision_merge
-        for v in visual_tokens:
-            patches = patches_per_token * int(v)
-            cost += patches * patches + self.linear * patches
+        for p in list(patches) + [patches_per_token * int(v) for v in visual_tokens]:
+            cost += int(p) * int(p) + self.linear * int(p)
         return cost
 
     def row_cost(self, segment_starts: np.ndarray, seq_len: int, padding: int,
-                 image_refs: Optional[np.ndarray] = None) -> int:
+                 image_refs: Optional[np.ndarray] = None, image_grids: Optional[np.ndarray] = None) -> int:
         """The cost of a packed row: segments from its ``segment_starts`` (the padding tail, the
-        last ``padding`` tokens, left out), images from its ``image_ref`` feature (runs of one ref)."""
+        last ``padding`` tokens, left out), images from their ``image_grids`` (``[n, 3]``: the
+        resolved images' ``(t, h, w)``), else from the ``image_ref`` feature (runs of one ref)."""
         bounds = np.append(np.asarray(segment_starts, dtype=np.int64), seq_len)
         lengths = np.diff(bounds)
         if padding:
             lengths = lengths[bounds[:-1] < seq_len - padding]
         lengths = lengths[lengths > 0]
+        if image_grids is not None:
+            grids = np.asarray(image_grids, dtype=np.int64).reshape(-1, 3)
+            return self.segment_cost(lengths.tolist(), patches=grids.prod(axis=1).tolist())
         visual: Sequence[int] = ()
         if image_refs is not None:
             on = image_refs[image_refs >= 0]

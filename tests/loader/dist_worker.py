@@ -12,7 +12,6 @@ them to ``OUT`` as JSON.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -31,6 +30,7 @@ def main(argv: list[str]) -> int:
     from loader.commands.fingerprints import sequence_bytes
     from loader.pipeline import ZephonLoader
     from loader.integrations.torch_data import LoaderStateful
+    from tests.rank_launcher import write_gathered
 
     log("imported torch.distributed.checkpoint and the loader")
     dist.init_process_group("gloo")
@@ -52,11 +52,7 @@ def main(argv: list[str]) -> int:
     if mode == "save":
         dcp.save({"data": LoaderStateful(loader)}, checkpoint_id=checkpoint)
     log(f"{steps} steps consumed" + (", checkpoint saved" if mode == "save" else ""))
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, {"first_step": first_step, "rows": rows})
-    if rank == 0:
-        with open(out_path, "w") as fh:
-            json.dump({"world_size": world_size, "ranks": gathered}, fh)
+    write_gathered(dist, out_path, {"first_step": first_step, "rows": rows})
     loader.close()
     dist.barrier()
     dist.destroy_process_group()

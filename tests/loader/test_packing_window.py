@@ -7,6 +7,7 @@ against the audit from a saved state of the same step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -184,14 +185,25 @@ def _pieces(report):
     return [[(p.key, p.position, p.length, p.start, p.end) for p in s.pieces] + [s.padding] for s in report.sequences]
 
 
-def test_window_seek_equals_the_audit_from_a_saved_state(windowed, tmp_path, monkeypatch):
+@pytest.fixture()
+def window_cache(tmp_path, monkeypatch):
+    """An empty window-count cache, and this test's own seal key (a user of its own)."""
     monkeypatch.setenv("ZEPHON_WINDOW_CACHE", str(tmp_path / "windows"))
-    config = windowed()
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "windows"
+
+
+@pytest.mark.parametrize("pretokenized", [True, False], ids=["pretokenized", "text"])
+def test_window_seek_equals_the_audit_from_a_saved_state(windowed, window_cache, pretokenized):
+    """No state given: the window counts (for text lanes, of lengths the tokenizer gives) are
+    counted once, cached, and place every lane as the run's own checkpoint does."""
+    config = windowed(pretokenized)
     step = 17
     state = merge_rank_states([_state_after(config, 9)])
     seeked = audit_step(config, step)
     assert seeked.method == "window"
     assert any("counted the windows" in note for note in seeked.notes)
+    assert any("tokenized for their lengths" in note for note in seeked.notes) == (not pretokenized)
     from_state = audit_step(config, step, load_state=state)
     assert from_state.method == "checkpoint"
     assert _pieces(seeked) == _pieces(from_state)
@@ -214,22 +226,77 @@ def test_window_seek_equals_the_audit_from_a_saved_state(windowed, tmp_path, mon
         loader.close()
 
 
-def test_a_changed_cache_file_is_rebuilt_not_used(windowed, tmp_path, monkeypatch, caplog):
-    cache = tmp_path / "windows"
-    monkeypatch.setenv("ZEPHON_WINDOW_CACHE", str(cache))
+def test_text_window_counts_are_bound_to_the_tokenizer(windowed, window_cache, tmp_path):
+    """Another tokenizer gives a text lane other lengths: its counts live in another file."""
+    from tokenizers import Tokenizer
+
+    config = windowed(pretokenized=False)
+    audit_step(config, 5, sequence=0)
+    first = set(window_cache.glob("*.json"))
+    other = Tokenizer.from_file(config.tokenizer)
+    other.add_tokens(["zephonword"])  # a different tokenizer fingerprint
+    other.save(str(tmp_path / "other.json"))
+    audit_step(config.replace(tokenizer=str(tmp_path / "other.json")), 5, sequence=0)
+    second = set(window_cache.glob("*.json")) - first
+    assert len(first) == len(second) == 1
+    bound = [json.loads(path.read_text())["binding"]["tokenizer"] for path in (*first, *second)]
+    assert bound[0] != bound[1]
+
+
+def _cached_files(config, window_cache, step: int = 11):
+    first = audit_step(config, step, sequence=0)  # one lane: one cache file
+    files = sorted(window_cache.glob("*.json"))
+    assert len(files) == 1
+    return first, files[0]
+
+
+def _reseal(data: dict) -> dict:
+    """What someone holding this user's key could write: a file sealed again after an edit."""
+    from loader.commands.window_index import _seal
+
+    return dict(data, hmac_sha256=_seal(data["binding"], data["windows"], data["next"]))
+
+
+@pytest.mark.parametrize("pretokenized", [True, False], ids=["pretokenized", "text"])
+def test_an_edited_or_foreign_cache_file_is_rebuilt_not_used(windowed, window_cache, caplog, pretokenized):
+    config = windowed(pretokenized)
+    first, path = _cached_files(config, window_cache)
+    original = json.loads(path.read_text())
+
+    def plain(data):  # re-digested the way version 1 sealed its files: not a seal
+        return dict(data, hmac_sha256=hashlib.sha256(json.dumps([data["windows"], data["next"]]).encode()).hexdigest())
+
+    more = dict(original, windows=[entry[:3] + [entry[3] + 1] for entry in original["windows"]])
+    foreign = _reseal(dict(original, binding=dict(original["binding"], lane=original["binding"]["lane"] + 1)))
+    cases = {"edited": (json.dumps(more), "is not sealed by this user's key"),
+             "re-digested": (json.dumps(plain(more)), "is not sealed by this user's key"),
+             "of another lane": (json.dumps(foreign), "was made for another lane than this lane's"),
+             "of version 1": (json.dumps(dict(original, version=1)), "is of window index version 1, not 2"),
+             "truncated": (json.dumps(original)[:-40], "cannot be read as JSON")}
+    for name, (text, message) in cases.items():
+        path.write_text(text)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            again = audit_step(config, 11, sequence=0)
+        assert message in caplog.text, name
+        assert any(message in note for note in again.notes), name  # the report says why, too
+        assert any("counted the windows" in note for note in again.notes), name
+        assert _pieces(again) == _pieces(first), name
+        assert json.loads(path.read_text())["windows"] == original["windows"], name  # rewritten as counted
+
+
+def test_a_sealed_cache_file_that_disagrees_with_the_lane_files_is_refused(windowed, window_cache):
+    """Sealed with the key but wrong (lane files changed under one fingerprint, or written by
+    someone with the key): the window a seek lands in is counted again, and the mismatch refused."""
+    from loader.errors import WindowCountError
+
     config = windowed()
-    first = audit_step(config, 11, sequence=0)  # one lane: one cache file
-    files = sorted(cache.glob("*.json"))
-    assert files
-    for path in files:  # one more output in every window: a seek from these counts would be wrong
-        data = json.loads(path.read_text())
-        data["windows"] = [entry[:3] + [entry[3] + 1] for entry in data["windows"]]
-        path.write_text(json.dumps(data))
-    with caplog.at_level("WARNING"):
-        again = audit_step(config, 11, sequence=0)
-    assert "does not match its key or checksum" in caplog.text
-    assert any("counted the windows" in note for note in again.notes)
-    assert _pieces(again) == _pieces(first)
+    _, path = _cached_files(config, window_cache)
+    data = json.loads(path.read_text())
+    data["windows"] = [entry[:3] + [entry[3] + k] for k, entry in enumerate(data["windows"])]
+    path.write_text(json.dumps(_reseal(data)))
+    with pytest.raises(WindowCountError, match=rf"window count file {path}: window \d+ of lane 0 .* delete the file"):
+        audit_step(config, 11, sequence=0)
 
 
 @settings(max_examples=12, deadline=None)
