@@ -7,8 +7,8 @@ and exit 0. The loader cannot see the framework's objects, only who calls it, so
 read the Python call stack when the loader is iterated (``iter()``), asked for its current
 state or given one, and recognise a framework by the module of a caller's frame: no
 framework is imported here. A few frames are read once per ``iter()`` / ``state_dict()``,
-never per micro-batch. What each path does (checked against lightning 2.6, transformers 5.24,
-accelerate 1.15, torchdata 0.11)::
+never per micro-batch. What each path does (checked against lightning 2.6, transformers 5.25,
+accelerate 1.16, torchdata 0.11)::
 
     path (no integration class)                              what happens
     Lightning iterates a ZephonLoader or a StatefulDataLoader

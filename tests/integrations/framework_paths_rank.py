@@ -21,14 +21,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from loader.errors import ZephonError
 
 WIRINGS = ("train_dataset", "prepare", "train_dataset_no_dispatch")
 
 
-def run_user_trainer(config, output_dir: str, *, wiring: str, max_steps: int, world_size: int = 1) -> dict[str, Any]:
+def run_user_trainer(config, output_dir: str, *, wiring: str, max_steps: int, world_size: int = 1,
+                     save_steps: Optional[int] = None, resume: Optional[str] = None) -> dict[str, Any]:
+    """One ``trainer.train(resume_from_checkpoint=resume)``; checkpoints every ``save_steps``."""
     from torch.utils.data import DataLoader
     from transformers import Trainer
 
@@ -42,8 +44,8 @@ def run_user_trainer(config, output_dir: str, *, wiring: str, max_steps: int, wo
     model = hf_rank.build_model(load_tokenizer(config.tokenizer).get_vocab_size(), config.seq_len)
     recorder = hf_rank.ForwardRecorder(model)
     overrides = {"accelerator_config": {"dispatch_batches": False}} if wiring.endswith("no_dispatch") else {}
-    args = hf_rank.training_arguments(output_dir, config, world_size, max_steps=max_steps, save_steps=max_steps,
-                                      **overrides)
+    args = hf_rank.training_arguments(output_dir, config, world_size, max_steps=max_steps,
+                                      save_steps=save_steps or max_steps, **overrides)
     dataset = ZephonIterableDataset(ZephonLoader(config, dp_rank=args.process_index, dp_world_size=world_size))
 
     class MicroBatchTrainer(Trainer):
@@ -53,10 +55,11 @@ def run_user_trainer(config, output_dir: str, *, wiring: str, max_steps: int, wo
     trainer_class = MicroBatchTrainer if wiring == "prepare" else Trainer
     trainer = trainer_class(model=model, args=args, train_dataset=dataset)
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     except ZephonError as refusal:
         return {"error": [type(refusal).__name__, str(refusal)]}
-    return {"first_step": 0, "forwards": recorder.forwards, "final_step": trainer.state.global_step}
+    first_step = 0 if resume is None else json.loads(Path(resume, "trainer_state.json").read_text())["global_step"]
+    return {"first_step": first_step, "forwards": recorder.forwards, "final_step": trainer.state.global_step}
 
 
 def main(argv: list[str]) -> int:

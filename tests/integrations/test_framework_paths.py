@@ -136,11 +136,15 @@ def test_hf_trainer_with_its_own_train_dataloader_is_refused(config, tmp_path):
 
 
 def test_trainer_subclass_handing_accelerate_micro_batches_on_one_process_is_exact(config, tmp_path):
-    run = run_user_trainer(config, str(tmp_path), wiring="prepare", max_steps=STEPS)
+    """Resumed too: Trainer saves no loader state and replays the trained batches of a fresh loader."""
+    lines = [r.line() for r in collect_fingerprints(config, world_size=1, end_step=STEPS)[0]]
+    run = run_user_trainer(config, str(tmp_path), wiring="prepare", max_steps=STEPS, save_steps=1)
     assert "error" not in run, run.get("error")
     assert len(run["forwards"]) == STEPS * ACCUMULATE
-    lines, _ = collect_fingerprints(config, world_size=1, end_step=STEPS)
-    assert hf_rank.step_fingerprints(config, 1, [run]) == [r.line() for r in lines]
+    assert hf_rank.step_fingerprints(config, 1, [run]) == lines
+    resumed = run_user_trainer(config, str(tmp_path), wiring="prepare", max_steps=STEPS,
+                               resume=str(tmp_path / "checkpoint-1"))
+    assert hf_rank.step_fingerprints(config, 1, [resumed]) == lines[1:]
 
 
 @pytest.mark.distributed
