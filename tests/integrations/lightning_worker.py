@@ -1,6 +1,6 @@
 """A real Lightning run on CPU that logs every micro-batch its ``training_step`` received.
 
-Used in process by ``test_lightning.py`` (one process) and as one rank of a 2-process DDP
+Used in process by ``test_lightning.py`` and ``test_framework_paths.py`` (one process) and as one rank of a 2-process DDP
 run (:func:`main`, forked by ``tests.rank_launcher`` with the environment torchrun sets). The model is a tiny
 randomly initialised LM (embedding + linear head over the shipped tokenizer's vocabulary),
 seeded identically everywhere. Its loss is the *sum* of the token losses over a constant
