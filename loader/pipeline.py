@@ -39,6 +39,7 @@ from loader.balanced import make_balancer
 from loader.checkpoint.step_states import StepStateHistory
 from loader.config import LoaderConfig
 from loader.errors import ConfigError, WorkerError
+from loader.integrations import framework_paths
 from loader.io.manifest import Manifest
 from loader.kinds.base import kinds_of
 from loader.io.owner import StreamOwner
@@ -181,6 +182,8 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
             fill_rows=self.fills, io=self.owner.io,
         )
         self._run: Optional[Run] = None
+        # A framework path refused at iter(), raised by next() (loader.integrations.framework_paths).
+        self._refusal: Optional[Exception] = None
         self._pool: Optional[WorkerPool] = None
         self._finalizer = None
         if config.num_workers > 0:
@@ -211,9 +214,28 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> "ZephonLoader":
+        # A framework iterating the loader without its integration class: exact, or refused.
+        self._refusal = framework_paths.check_iteration(self)
         return self
 
+    def state_dict(self, step: Optional[int] = None) -> dict[str, Any]:
+        """:meth:`CheckpointSession.state_dict <loader.runtime.session.CheckpointSession.state_dict>`;
+        the current state (no ``step``) is refused to a framework that asks for it while it holds
+        prefetched micro-batches (:mod:`loader.integrations.framework_paths`)."""
+        if step is None:
+            framework_paths.check_state_request()
+        return super().state_dict(step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """:meth:`CheckpointSession.load_state_dict <loader.runtime.session.CheckpointSession.load_state_dict>`;
+        refused to a framework restoring a state it saved ahead of its model
+        (:mod:`loader.integrations.framework_paths`)."""
+        framework_paths.check_state_load()
+        super().load_state_dict(state)
+
     def __next__(self) -> dict[str, Any]:
+        if self._refusal is not None:
+            raise self._refusal
         if self._balancer is not None:
             return self._balancer.next_batch()
         started = time.perf_counter()  # the trainer's wait (loader.metrics)

@@ -11,7 +11,10 @@ Each is one module with its framework as an optional dependency
 - :mod:`loader.integrations.torch_data`: plain PyTorch, ``ZephonIterableDataset`` for a
   ``torch.utils.data.DataLoader`` and ``LoaderStateful`` for ``torch.distributed.checkpoint``;
 - :mod:`loader.integrations.stateful_dataloader`: torchdata's ``StatefulDataLoader`` and
-  merging its per-rank states (this module was ``loader.integrations.torchdata``).
+  merging its per-rank states (this module was ``loader.integrations.torchdata``);
+- :mod:`loader.integrations.framework_paths`: no public names; the checks by which the loader
+  itself refuses a framework that drives it without these classes in a way that would train
+  on other data (naming the class to use).
 """
 
 # Module -> the public names it defines (the reference pages are generated from this table).

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 
@@ -15,3 +18,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def write_loader_config(root: Path, **config) -> str:
+    """A small pre-tokenized dataset (160 texts, 8 lanes, the shipped tokenizer) under ``root/data``
+    and ``root/loader.json`` reading it with ``config`` (seq_len, batch sizes, seed, ...); its path."""
+    from tokenizers import Tokenizer
+
+    from loader.samples import default_tokenizer_path
+    from tests.dataset_factory import synthetic_texts, write_dataset
+
+    write_dataset(str(root / "data"), synthetic_texts(160, seed=7, max_words=40), num_lanes=8, seed=3,
+                  tokenizer=Tokenizer.from_file(default_tokenizer_path()), files_per_lane=2, row_group_rows=4)
+    path = root / "loader.json"
+    path.write_text(json.dumps(dict(datasets=[{"path": str(root / "data")}], tokenizer=default_tokenizer_path(),
+                                    **config)))
+    return str(path)

@@ -1,6 +1,6 @@
 """A real Lightning run on CPU that logs every micro-batch its ``training_step`` received.
 
-Used in process by ``test_lightning.py`` (one process) and as one rank of a 2-process DDP
+Used in process by ``test_lightning.py`` and ``test_framework_paths.py`` (one process) and as one rank of a 2-process DDP
 run (:func:`main`, forked by ``tests.rank_launcher`` with the environment torchrun sets). The model is a tiny
 randomly initialised LM (embedding + linear head over the shipped tokenizer's vocabulary),
 seeded identically everywhere. Its loss is the *sum* of the token losses over a constant
@@ -48,6 +48,9 @@ class RunSpec:
     save_at_micro_batches: list[int] = field(default_factory=list)  # trainer.save_checkpoint at these totals
     readme_recipe: bool = False  # DataLoader(ZephonIterableDataset(loader), batch_size=None), no callback
     wrap_in_dataloader: bool = False  # the callback, but its iterable inside a torch DataLoader
+    # Without ZephonLightning: "module_returns_loader" (LightningModule.train_dataloader() returns
+    # the ZephonLoader), "stateful_dataloader" (zephon_stateful_dataloader(loader) as train_dataloaders).
+    wiring: str = ""
     config_overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -103,7 +106,17 @@ def train(spec: RunSpec) -> list[dict[str, Any]]:
                     trainer.save_checkpoint(os.path.join(spec.root_dir, f"micro_{done}.ckpt"))
 
         callbacks.append(SaveAt())
-    if spec.readme_recipe:
+    if spec.wiring == "module_returns_loader":
+        model = _ModuleWithLoader(vocab, config.seq_len, config.micro_batch_size)
+        model.config = config
+        train_data = None
+    elif spec.wiring == "stateful_dataloader":
+        from loader.integrations.stateful_dataloader import zephon_stateful_dataloader
+
+        train_data = zephon_stateful_dataloader(ZephonLoader(config))
+    elif spec.wiring:
+        raise ValueError(f"RunSpec.wiring={spec.wiring!r}")
+    elif spec.readme_recipe:
         train_data = torch.utils.data.DataLoader(ZephonIterableDataset(ZephonLoader(config)), batch_size=None)
     else:
         zephon = ZephonLightning(config)
@@ -119,6 +132,15 @@ def train(spec: RunSpec) -> list[dict[str, Any]]:
     )
     trainer.fit(model, train_dataloaders=train_data, ckpt_path=spec.resume)
     return model.received
+
+
+class _ModuleWithLoader(TinyLM):
+    """Lightning's own recipe: the module's ``train_dataloader()`` returns the loader."""
+
+    config: LoaderConfig
+
+    def train_dataloader(self):
+        return ZephonLoader(self.config)
 
 
 class _IterableDataset(torch.utils.data.IterableDataset):

@@ -30,12 +30,11 @@ import pytest
 pytest.importorskip("lightning")
 torch = pytest.importorskip("torch")
 
-from loader.samples import default_tokenizer_path  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
 from loader.commands.fingerprints import collect_fingerprints  # noqa: E402
 from loader.integrations.lightning import STATE_KIND, LightningIntegrationError, ZephonLightning  # noqa: E402
 from loader.checkpoint.state import dumps, loads  # noqa: E402
-from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402
+from tests.integrations.conftest import write_loader_config  # noqa: E402
 from tests.integrations.lightning_worker import RunSpec, train  # noqa: E402
 from tests.rank_launcher import launch_ranks  # noqa: E402
 
@@ -60,17 +59,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory) -> str:
-    from tokenizers import Tokenizer
-
-    root = tmp_path_factory.mktemp("lightning_data")
-    write_dataset(str(root / "data"), synthetic_texts(160, seed=7, max_words=40), num_lanes=8, seed=3,
-                  tokenizer=Tokenizer.from_file(default_tokenizer_path()), files_per_lane=2, row_group_rows=4)
-    path = root / "loader.json"
-    path.write_text(json.dumps(dict(
-        datasets=[{"path": str(root / "data")}], seq_len=32, global_batch_size=GLOBAL_BATCH,
-        micro_batch_size=MICRO_BATCH, seed=11, tokenizer=default_tokenizer_path(), num_workers=0,
-    )))
-    return str(path)
+    return write_loader_config(tmp_path_factory.mktemp("lightning_data"), seq_len=32, global_batch_size=GLOBAL_BATCH,
+                               micro_batch_size=MICRO_BATCH, seed=11, num_workers=0)
 
 
 @pytest.fixture(scope="module")
