@@ -210,6 +210,13 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
         if self._balancer is not None:
             return self._balancer.next_batch()
         started = time.perf_counter()  # the trainer's wait (loader.metrics)
+        rows = self._next_rows()
+        if rows is not None:  # bulk concat rows: no item per sequence (loader.runtime.steps)
+            first_index, fills, row_ids, sources = rows
+            batch = self._collator.collate_rows(fills, row_ids, sources, first_index, self.topology.world_size,
+                                                self.rank_position)
+            self._metrics.count_rows(sources, batch, time.perf_counter() - started, self.rank_position)
+            return self._handed_out(batch)
         items = self._next_items()
         batch = self._collate(items)
         self._metrics.count(items, batch, time.perf_counter() - started, self.rank_position)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import time
 import weakref
 from typing import Optional
@@ -146,11 +147,19 @@ class Run:
         self.fill_row = loader.fill_row
         self.exhausted: dict[int, Optional[dict]] = {}
         self._done_workers: set[int] = set()
+        # Whether micro-batches may be taken as rows of the packers' fills (take_rows): set below.
+        self.bulk_rows = False
         if pool is None or warm_start:
             # The trainer's thread calls produce_one for each index in turn: no generator and
             # no position bookkeeping between the loader and its lanes.
             self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states)
             start_reading(self.in_process_lanes, loader.next_global_index, self.num_lanes)
+            # A micro-batch's indices r, r + W, ... fall on distinct lanes when it is no longer
+            # than the lanes' period under the stride (else a lane would give two rows of one batch).
+            period = self.num_lanes // math.gcd(loader.topology.world_size, self.num_lanes)
+            self.bulk_rows = (self.reads_lanes_directly and not self.fills and cfg.micro_batch_size <= period
+                              and all(lane.bulk_rows for lane in self.in_process_lanes.values()))
+            self._source_of = loader.spec.schedule.source_of
             return
         num_workers = len(pool.processes)
         lanes_per_worker = [lanes_of_worker(loader.rank_lanes, k, num_workers) for k in range(num_workers)]
@@ -203,6 +212,39 @@ class Run:
         if item.global_index != global_index:
             raise RuntimeError(f"internal ordering error: expected index {global_index}, got {item.global_index}")
         return item
+
+    def take_rows(self, first_index: int, stride: int, count: int) -> Optional[tuple[list, list, list, list]]:
+        """The ``count`` sequences at ``first_index, first_index + stride, ...`` as ``(fills, rows,
+        source ids, lane ids)``, each row of a concat packer's fill (:meth:`ConcatPacker.take_fill_row`),
+        when every one of them is a bulk row; else None, having taken none (the caller makes them
+        one by one with :meth:`next_item`: a block's last row, a stopped source, the end).
+
+        What :meth:`next_item` would make, without an item or a row object per sequence: the
+        per-sequence Python was most of the trainer's time in pre-tokenized replay
+        (bench/RESULTS.md, issue 35). Only where :attr:`bulk_rows` (in-process lanes read directly,
+        every lane :attr:`~loader.stages.lane.Lane.bulk_rows`, distinct lanes per micro-batch).
+        """
+        lanes, num_lanes, source_of = self.in_process_lanes, self.num_lanes, self._source_of
+        packers, sources, lane_ids = [], [], []
+        global_index = first_index
+        for _ in range(count):
+            lane_id = global_index % num_lanes
+            lane = lanes[lane_id]
+            source_id = source_of(global_index)
+            packer = lane.packers[source_id]
+            if lane.stopped[source_id] or (packer._next_row >= packer._fill_rows and not packer.rows_waiting()):
+                return None
+            packers.append(packer)
+            sources.append(source_id)
+            lane_ids.append(lane_id)
+            global_index += stride
+        fills, rows = [], []
+        for packer, lane_id in zip(packers, lane_ids):
+            fill, row = packer.take_fill_row()
+            lanes[lane_id].outputs += 1
+            fills.append(fill)
+            rows.append(row)
+        return fills, rows, sources, lane_ids
 
     def _workers_caught_up(self, global_index: int) -> bool:
         """Whether every worker has its next item at or past ``global_index``; once they all
