@@ -288,19 +288,25 @@ class MetricsRecorder:
                     _add(current.rejected, item.chat_rejects)
         self._counted(items, batch, wait_s, rank_position)
 
-    def count_rows(self, source_ids: list[int], batch: dict[str, Any], wait_s: float, rank_position: int) -> None:
-        """:meth:`count` of a micro-batch of full rows (no padding, no fill rows, no rejects) given
-        by their source ids: the loader's bulk path, which makes no items."""
+    def count_rows(self, source_ids: list[int], batch: dict[str, Any], wait_s: float, rank_position: int,
+                   padding: Optional[list[int]] = None, rejects: Optional[dict[str, int]] = None) -> None:
+        """:meth:`count` of a micro-batch given by its rows' source ids (no fill rows), their
+        ``padding`` (None: full rows) and its online ``rejects``: the loader's bulk paths, which
+        make no items (in-process concat rows; micro-batches built whole by a worker)."""
         current = self._current
         current.wait_s += wait_s
         current.sequences += len(source_ids)
+        seq_len = self.seq_len
         if self.token_mixing:
             self._count_token_sources(self._per_token_sources(batch))
-        elif len(current.tokens) == 1:
-            current.tokens[0] += len(source_ids) * self.seq_len
+        elif padding is None and len(current.tokens) == 1:
+            current.tokens[0] += len(source_ids) * seq_len
         else:
-            for source_id in source_ids:
-                current.tokens[source_id] += self.seq_len
+            for source_id, pad in zip(source_ids, padding or [0] * len(source_ids)):
+                current.tokens[source_id] += seq_len - pad
+                current.padding += pad
+        if rejects:
+            _add(current.rejected, rejects)
         self._counted(source_ids, batch, wait_s, rank_position)
 
     def _counted(self, rows: list, batch: dict[str, Any], wait_s: float, rank_position: int) -> None:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import collections
-import math
 import time
 import weakref
 from typing import Optional
 
 from loader.errors import WorkerError
-from loader.order.ordering import lanes_of_worker
-from loader.stages.producer import End, Item, build_lanes, fill_item, produce_one, start_reading
+from loader.order.ordering import lanes_of_worker, rank_period
+from loader.stages.producer import End, Item, build_lanes, fill_item, produce_one, start_reading, take_rows
 from loader.vision.transfer import image_slot_bytes
+from loader.workers.batches import batch_bytes
 from loader.workers.messages import items_per_message
 from loader.workers.pool import WorkerPool
 
@@ -47,9 +47,11 @@ class WorkerHandOver:
             self._pool.raise_if_slow_to_start(self.config.worker_timeout_s)
             if self._pool.all_ready():
                 warm = self._run
-                tokenizes = self.spec.tokenizer_json is not None  # text or chat sources
-                self._run = Run(self, self._pool, lead=None if tokenizes else warm)
-                if tokenizes:
+                # Text or chat sources, and workers that build whole micro-batches (no lead of
+                # item messages to drop), take over at once.
+                at_once = self.spec.tokenizer_json is not None or self._batch_plan is not None
+                self._run = Run(self, self._pool, lead=None if at_once else warm)
+                if at_once:
                     warm.close_lanes()
 
     def _start_pool(self) -> None:
@@ -64,7 +66,10 @@ class WorkerHandOver:
             features=self.features,
             extra_slot_bytes=0 if self.image_options is None else image_slot_bytes(
                 self.image_options.policy, self.config.seq_len, per_message, self.image_options.wrap_tokens),
+            batch_slot_bytes=0 if self._batch_plan is None else batch_bytes(self._collator),
         )
+        if self._pinned is not None:
+            pool.batch_empty = self._pinned.empty
         self._pool = pool
         self._finalizer = weakref.finalize(
             self, WorkerPool.shutdown_parts, pool.processes, pool.commands, pool.messages, pool.segments, pool.input_dir
@@ -147,27 +152,33 @@ class Run:
         self.fill_row = loader.fill_row
         self.exhausted: dict[int, Optional[dict]] = {}
         self._done_workers: set[int] = set()
-        # Whether micro-batches may be taken as rows of the packers' fills (take_rows): set below.
+        # Whether micro-batches may be taken as rows of the packers' fills (take_rows), or come
+        # whole from the workers (next_batch): set below.
         self.bulk_rows = False
+        self.batch_plan = None
         if pool is None or warm_start:
             # The trainer's thread calls produce_one for each index in turn: no generator and
             # no position bookkeeping between the loader and its lanes.
             self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states)
             start_reading(self.in_process_lanes, loader.next_global_index, self.num_lanes)
-            # A micro-batch's indices r, r + W, ... fall on distinct lanes when it is no longer
-            # than the lanes' period under the stride (else a lane would give two rows of one batch).
-            period = self.num_lanes // math.gcd(loader.topology.world_size, self.num_lanes)
-            self.bulk_rows = (self.reads_lanes_directly and not self.fills and cfg.micro_batch_size <= period
+            self.bulk_rows = (self.reads_lanes_directly and not self.fills
+                              and cfg.micro_batch_size <= rank_period(self.num_lanes, loader.topology.world_size)
                               and all(lane.bulk_rows for lane in self.in_process_lanes.values()))
             self._source_of = loader.spec.schedule.source_of
             return
         num_workers = len(pool.processes)
-        lanes_per_worker = [lanes_of_worker(loader.rank_lanes, k, num_workers) for k in range(num_workers)]
+        # Whole micro-batches from the workers (loader.workers.batches) from a micro-batch boundary on.
+        plan = loader._batch_plan if loader.rank_position % cfg.micro_batch_size == 0 else None
+        self.batch_plan = plan
+        if plan is not None:
+            lanes_per_worker = [plan.lanes_of(k) for k in range(num_workers)]
+        else:
+            lanes_per_worker = [lanes_of_worker(loader.rank_lanes, k, num_workers) for k in range(num_workers)]
         self.worker_of_lane = {l: k for k, lane_ids in enumerate(lanes_per_worker) for l in lane_ids}
         self.pending = {k: collections.deque() for k in range(num_workers)}
         pool.start_run(loader.spec, lanes_per_worker, loader.lane_states, num_lanes=self.num_lanes,
                        rank=loader.topology.rank, world_size=loader.topology.world_size,
-                       start_position=loader.rank_position, segments=loader._collator.reads_segments)
+                       start_position=loader.rank_position, segments=loader._collator.reads_segments, plan=plan)
 
     @property
     def processes(self) -> list:
@@ -213,38 +224,24 @@ class Run:
             raise RuntimeError(f"internal ordering error: expected index {global_index}, got {item.global_index}")
         return item
 
-    def take_rows(self, first_index: int, stride: int, count: int) -> Optional[tuple[list, list, list, list]]:
-        """The ``count`` sequences at ``first_index, first_index + stride, ...`` as ``(fills, rows,
-        source ids, lane ids)``, each row of a concat packer's fill (:meth:`ConcatPacker.take_fill_row`),
-        when every one of them is a bulk row; else None, having taken none (the caller makes them
-        one by one with :meth:`next_item`: a block's last row, a stopped source, the end).
+    def next_batch(self, position: int):
+        """The micro-batch starting at rank position ``position``, built whole by the worker the
+        :attr:`batch_plan` names (a :class:`~loader.workers.batches.ReadyBatch`)."""
+        worker_id = self.batch_plan.worker_of(position // self.batch_plan.micro_batch_size)
+        pending = self.pending[worker_id]
+        while not pending:
+            pending.extend(self.pool.receive(worker_id, self.timeout_s))
+        ready = pending.popleft()
+        if ready.position != position:
+            raise RuntimeError(f"internal ordering error: expected the micro-batch at rank position {position}, "
+                               f"got {ready.position}")
+        return ready
 
-        What :meth:`next_item` would make, without an item or a row object per sequence: the
-        per-sequence Python was most of the trainer's time in pre-tokenized replay
-        (bench/RESULTS.md, issue 35). Only where :attr:`bulk_rows` (in-process lanes read directly,
-        every lane :attr:`~loader.stages.lane.Lane.bulk_rows`, distinct lanes per micro-batch).
-        """
-        lanes, num_lanes, source_of = self.in_process_lanes, self.num_lanes, self._source_of
-        packers, sources, lane_ids = [], [], []
-        global_index = first_index
-        for _ in range(count):
-            lane_id = global_index % num_lanes
-            lane = lanes[lane_id]
-            source_id = source_of(global_index)
-            packer = lane.packers[source_id]
-            if lane.stopped[source_id] or (packer._next_row >= packer._fill_rows and not packer.rows_waiting()):
-                return None
-            packers.append(packer)
-            sources.append(source_id)
-            lane_ids.append(lane_id)
-            global_index += stride
-        fills, rows = [], []
-        for packer, lane_id in zip(packers, lane_ids):
-            fill, row = packer.take_fill_row()
-            lanes[lane_id].outputs += 1
-            fills.append(fill)
-            rows.append(row)
-        return fills, rows, sources, lane_ids
+    def take_rows(self, first_index: int, stride: int, count: int) -> Optional[tuple[list, list, list, list]]:
+        """:func:`~loader.stages.producer.take_rows` of the in-process lanes (only where
+        :attr:`bulk_rows`: in-process lanes read directly, every lane
+        :attr:`~loader.stages.lane.Lane.bulk_rows`, distinct lanes per micro-batch)."""
+        return take_rows(self.in_process_lanes, self.num_lanes, self._source_of, first_index, stride, count)
 
     def _workers_caught_up(self, global_index: int) -> bool:
         """Whether every worker has its next item at or past ``global_index``; once they all

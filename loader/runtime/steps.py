@@ -76,6 +76,25 @@ class StepDelivery:
             self._record_step_boundary()
         return first_index, fills, rows, sources
 
+    def _next_ready_batch(self):
+        """The rank's next micro-batch as a worker built it whole
+        (:class:`~loader.workers.batches.ReadyBatch`), its lanes' states recorded; None when the
+        run's workers send items (then :meth:`_next_items` makes it)."""
+        if self.looks_ahead:
+            return None
+        self._start_run()
+        run = self._run
+        if run.batch_plan is None:
+            return None
+        ready = run.next_batch(self.rank_position)
+        self.rank_position += len(ready.source_ids)
+        for lane_id, state in ready.lane_states:
+            self.lane_states[lane_id] = state
+            self._lanes_in_step.add(lane_id)
+        if self.rank_position % self.topology.per_rank_batch == 0:
+            self._record_step_boundary()
+        return ready
+
     def _record_step_boundary(self) -> None:
         """The last micro-batch of a step is being handed out: keep the lanes' states as of now."""
         if self._step_states.capacity == 0:
