@@ -47,11 +47,9 @@ class WorkerHandOver:
             self._pool.raise_if_slow_to_start(self.config.worker_timeout_s)
             if self._pool.all_ready():
                 warm = self._run
-                # Text or chat sources, and workers that build whole micro-batches (no lead of
-                # item messages to drop), take over at once.
-                at_once = self.spec.tokenizer_json is not None or self._batch_plan is not None
-                self._run = Run(self, self._pool, lead=None if at_once else warm)
-                if at_once:
+                tokenizes = self.spec.tokenizer_json is not None  # text or chat sources
+                self._run = Run(self, self._pool, lead=None if tokenizes else warm)
+                if tokenizes:
                     warm.close_lanes()
 
     def _start_pool(self) -> None:
@@ -189,7 +187,9 @@ class Run:
             raise StopIteration
         if global_index % self.num_lanes in self.exhausted:
             return fill_item(global_index, self.num_lanes, self.exhausted[global_index % self.num_lanes], self.fill_row)
-        if self.lead is not None and not self._workers_caught_up(global_index):
+        if self.lead is not None and (self.batch_plan is not None or not self._workers_caught_up(global_index)):
+            # (With whole micro-batches from the workers, only the lead's items come here:
+            # StepDelivery._next_ready_batch decided so at the micro-batch boundary.)
             try:
                 return self.lead.next_item(global_index)
             except StopIteration:
@@ -229,13 +229,42 @@ class Run:
         :attr:`batch_plan` names (a :class:`~loader.workers.batches.ReadyBatch`)."""
         worker_id = self.batch_plan.worker_of(position // self.batch_plan.micro_batch_size)
         pending = self.pending[worker_id]
-        while not pending:
-            pending.extend(self.pool.receive(worker_id, self.timeout_s))
-        ready = pending.popleft()
+        while True:
+            while not pending:
+                pending.extend(self.pool.receive(worker_id, self.timeout_s))
+            ready = pending.popleft()
+            if ready.position >= position:
+                break  # else the lead made it (batches_caught_up gave up on a slow worker)
         if ready.position != position:
             raise RuntimeError(f"internal ordering error: expected the micro-batch at rank position {position}, "
                                f"got {ready.position}")
         return ready
+
+    def batches_caught_up(self, position: int) -> bool:
+        """:meth:`_workers_caught_up` for workers that build whole micro-batches, asked at the
+        micro-batch boundary ``position`` (a rank position): whether every worker has a batch at or
+        past it; the lead makes the micro-batch until then (or until it has led four times the
+        gap it had over the slowest worker once every worker was producing)."""
+        caught_up = True
+        for worker_id, pending in self.pending.items():
+            while True:
+                while pending and pending[0].position < position:  # the lead made it
+                    pending.popleft()
+                if pending:
+                    break
+                batches = self.pool.try_receive(worker_id)
+                if batches is None:
+                    caught_up = False
+                    break
+                self._last_received[worker_id] = batches[-1].position
+                pending.extend(batches)
+        if not caught_up and self._lead_until is None and len(self._last_received) == len(self.pending):
+            self._lead_until = position + 4 * (position - min(self._last_received.values()))
+        if caught_up or (self._lead_until is not None and position >= self._lead_until):
+            self.lead.close_lanes()
+            self.lead = None
+            return True
+        return False
 
     def take_rows(self, first_index: int, stride: int, count: int) -> Optional[tuple[list, list, list, list]]:
         """:func:`~loader.stages.producer.take_rows` of the in-process lanes (only where

@@ -84,8 +84,8 @@ class StepDelivery:
             return None
         self._start_run()
         run = self._run
-        if run.batch_plan is None:
-            return None
+        if run.batch_plan is None or (run.lead is not None and not run.batches_caught_up(self.rank_position)):
+            return None  # (the lead makes this micro-batch, item by item)
         ready = run.next_batch(self.rank_position)
         self.rank_position += len(ready.source_ids)
         for lane_id, state in ready.lane_states:
