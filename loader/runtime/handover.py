@@ -226,7 +226,7 @@ class Run:
 
     def next_batch(self, position: int):
         """The micro-batch starting at rank position ``position``, built whole by the worker the
-        :attr:`batch_plan` names (a :class:`~loader.workers.batches.ReadyBatch`)."""
+        :attr:`batch_plan` names (a :class:`~loader.workers.batches.BuiltBatch`)."""
         worker_id = self.batch_plan.worker_of(position // self.batch_plan.micro_batch_size)
         pending = self.pending[worker_id]
         while True:

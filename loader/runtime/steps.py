@@ -78,7 +78,7 @@ class StepDelivery:
 
     def _next_ready_batch(self):
         """The rank's next micro-batch as a worker built it whole
-        (:class:`~loader.workers.batches.ReadyBatch`), its lanes' states recorded; None when the
+        (:class:`~loader.workers.batches.BuiltBatch`), its lanes' states recorded; None when the
         run's workers send items (then :meth:`_next_items` makes it)."""
         if self.looks_ahead:
             return None

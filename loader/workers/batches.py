@@ -26,7 +26,6 @@ slot is sized for them (today a loader with image sources keeps item messages).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -86,7 +85,9 @@ def batch_bytes(collator: Collator) -> int:
 
 @dataclass
 class BuiltBatch:
-    """A micro-batch a worker built (NumPy), with what the trainer records for it."""
+    """A micro-batch a worker built (NumPy), with what the trainer records for it; on the
+    trainer's side (:func:`read_batch`) its arrays are copies out of the slot and
+    ``lane_states`` decoded."""
 
     position: int
     batch: dict
@@ -153,19 +154,7 @@ def write_batch(built: BuiltBatch, slot: memoryview) -> dict:
             "padding": built.padding, "rejects": built.rejects, "io": IO.delta_to_ship()}
 
 
-@dataclass
-class ReadyBatch:
-    """A micro-batch received from a worker: its arrays copied out of the slot (given back)."""
-
-    position: int
-    batch: dict
-    lane_states: list
-    source_ids: list
-    padding: list
-    rejects: Optional[dict]
-
-
-def read_batch(descriptor: dict, slot: memoryview, give_back, decode_state, empty=np.empty) -> ReadyBatch:
+def read_batch(descriptor: dict, slot: memoryview, give_back, decode_state, empty=np.empty) -> BuiltBatch:
     """The batch of a :func:`write_batch` descriptor, copied out of ``slot`` (one copy per array,
     into ``empty``'s memory: pinned memory too), after which the slot is given back."""
     receive_shipped(descriptor.get("io"))
@@ -184,10 +173,6 @@ def read_batch(descriptor: dict, slot: memoryview, give_back, decode_state, empt
             batch[key] = values[key]
     give_back()
     states = [[lane, decode_state(state)] for lane, state in descriptor["lane_states"]]
-    return ReadyBatch(descriptor["position"], batch, states, descriptor["source_ids"], descriptor["padding"],
+    return BuiltBatch(descriptor["position"], batch, states, descriptor["source_ids"], descriptor["padding"],
                       descriptor["rejects"])
 
-
-def slot_size_for(plan: Optional[BatchPlan], collator: Collator, item_slot: int) -> int:
-    """A slot large enough for the run's messages: a micro-batch with a plan, else items."""
-    return item_slot if plan is None else max(item_slot, math.ceil(batch_bytes(collator) / 64) * 64)
