@@ -97,14 +97,34 @@ class BuiltBatch:
     rejects: Optional[dict]
 
 
+class SlotArrays:
+    """The worker collator's ``empty``: the large arrays of a micro-batch (input ids, labels,
+    position ids) are built in the message's slot, not copied there afterwards."""
+
+    def __init__(self) -> None:
+        self.writer: Optional[SlotWriter] = None
+        self.made: dict[int, str] = {}  # id of an array built in the slot -> its name in the layout
+
+    def start(self, slot: memoryview) -> SlotWriter:
+        self.writer, self.made = SlotWriter(slot), {}
+        return self.writer
+
+    def __call__(self, shape, dtype) -> np.ndarray:
+        name = f"_{len(self.made)}"
+        view = self.writer.allocate(name, dtype, shape)
+        self.made[id(view)] = name
+        return view
+
+
 def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position: int,
-                    ship_state) -> Iterator[BuiltBatch]:
+                    ship_state) -> Iterator:
     """Worker ``worker_id``'s micro-batches from ``start_position`` (a micro-batch boundary) on,
-    endless; ``ship_state(lane_id, lane)``: the state to ship (the run's ``StateEncoder.ship``)."""
-    collator = Collator(**plan.collator)
+    endless; ``ship_state(lane_id, lane)``: the state to ship (the run's ``StateEncoder.ship``).
+    Yields the descriptor maker of each (``write(slot)``: the batch collated into the slot)."""
+    slot_arrays = SlotArrays()
+    collator = Collator(**plan.collator, empty=slot_arrays)
     mbs, stride, num_lanes = plan.micro_batch_size, plan.world_size, plan.num_lanes
-    some_lane = next(iter(lanes.values()))
-    source_of = some_lane.spec.schedule.source_of
+    source_of = next(iter(lanes.values())).spec.schedule.source_of
     bulk = all(lane.bulk_rows for lane in lanes.values())
     micro_batch = start_position // mbs
     while True:
@@ -114,20 +134,26 @@ def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position
             taken = take_rows(lanes, num_lanes, source_of, first, stride, mbs) if bulk else None
             if taken is not None:
                 fills, rows, sources, lane_ids = taken
-                batch = collator.collate_rows(fills, rows, sources, first, stride, position + mbs)
                 padding, rejects = [0] * mbs, None
+                collate = lambda: collator.collate_rows(fills, rows, sources, first, stride, position + mbs)  # noqa: E731
             else:
                 items = [produce_one(lanes[(first + k * stride) % num_lanes], first + k * stride, False)
                          for k in range(mbs)]
                 if any(isinstance(item, End) for item in items):
                     raise RuntimeError("internal error: a lane of an endless run ran out (item messages handle ends)")
-                batch = collator.collate(items, position + mbs)
                 sources = [item.source_id for item in items]
                 lane_ids = [item.global_index % num_lanes for item in items]
                 padding = [item.sequence.padding for item in items]
                 rejects = _merged([item.chat_rejects for item in items])
-            yield BuiltBatch(position, batch, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding,
-                             rejects)
+                collate = lambda: collator.collate(items, position + mbs)  # noqa: E731
+            states = [[l, ship_state(l, lanes[l])] for l in lane_ids]
+
+            def write(slot: memoryview) -> dict:
+                writer = slot_arrays.start(slot)
+                return write_batch(BuiltBatch(position, collate(), states, sources, padding, rejects), writer,
+                                   slot_arrays.made)
+
+            yield write
         micro_batch += 1
 
 
@@ -140,15 +166,17 @@ def _merged(rejects: list) -> Optional[dict]:
     return out
 
 
-def write_batch(built: BuiltBatch, slot: memoryview) -> dict:
-    """The descriptor of ``built``, its arrays written to ``slot`` (see the module docstring)."""
-    writer = SlotWriter(slot)
+def write_batch(built: BuiltBatch, writer: SlotWriter, made: Optional[dict[int, str]] = None) -> dict:
+    """The descriptor of ``built``, its arrays in ``writer``'s slot (see the module docstring);
+    ``made``: the arrays already built there (:class:`SlotArrays`), renamed, not copied."""
     values = {}
     for key, value in built.batch.items():
-        if type(value) is np.ndarray:
-            writer.write(key, value)
-        else:
+        if type(value) is not np.ndarray:
             values[key] = value
+        elif made and id(value) in made:
+            writer.layout[key] = writer.layout.pop(made[id(value)])
+        else:
+            writer.write(key, value)
     return {"kind": "batch", "position": built.position, "keys": list(built.batch), "values": values,
             "layout": writer.layout, "lane_states": built.lane_states, "source_ids": built.source_ids,
             "padding": built.padding, "rejects": built.rejects, "io": IO.delta_to_ship()}

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 
 from loader.kinds.base import import_kind_modules
 from loader.stages.producer import End, build_lanes, produce, start_reading
-from loader.workers.batches import produce_batches, write_batch
+from loader.workers.batches import produce_batches
 from loader.workers.error_relay import error_message
 from loader.workers.messages import write_message
 from loader.workers.pipes import PipeWaiter
@@ -100,7 +100,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                 continue
             try:
                 if batches:  # whole micro-batches (loader.workers.batches): one per message, endless
-                    descriptor = write_batch(next(items), segment.view(slot))
+                    descriptor = next(items)(segment.view(slot))
                     flags[slot] = 1
                     messages.send(("items", run_id, slot, descriptor))
                     continue
