@@ -52,7 +52,7 @@ from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_
 from loader.stages.producer import Item, fill_sequence
 from loader.transforms import resume as transform_resume
 from loader.vision.block import ONLINE_IMAGE_REJECT_REASONS
-from loader.workers.batches import batch_plan
+from loader.workers.batches import batch_plan, batches_per_message
 from loader.workers.pool import WorkerPool
 
 __all__ = ["ZephonLoader", "ranks_have_step", "WorkerError"]  # WorkerError: importable from here as before
@@ -185,7 +185,8 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
             self._batch_plan = batch_plan(rank=self.topology.rank, world_size=self.topology.world_size,
                                           num_lanes=self.num_lanes, micro_batch_size=config.micro_batch_size,
                                           num_workers=min(config.num_workers, len(self.rank_lanes)),
-                                          collator=collator_args)
+                                          collator=collator_args, per_message=batches_per_message(
+                                              config.micro_batch_size, config.seq_len, plan.spec.tokenizer_json is not None))
         self._pool: Optional[WorkerPool] = None
         self._finalizer = None
         if config.num_workers > 0:

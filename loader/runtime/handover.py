@@ -64,10 +64,8 @@ class WorkerHandOver:
             features=self.features,
             extra_slot_bytes=0 if self.image_options is None else image_slot_bytes(
                 self.image_options.policy, self.config.seq_len, per_message, self.image_options.wrap_tokens),
-            batch_slot_bytes=0 if self._batch_plan is None else batch_bytes(self._collator),
+            batch_slot_bytes=0 if self._batch_plan is None else batch_bytes(self._collator, self._batch_plan.per_message),
         )
-        if self._pinned is not None:
-            pool.batch_empty = self._pinned.empty
         self._pool = pool
         self._finalizer = weakref.finalize(
             self, WorkerPool.shutdown_parts, pool.processes, pool.commands, pool.messages, pool.segments, pool.input_dir
@@ -234,7 +232,8 @@ class Run:
                 pending.extend(self.pool.receive(worker_id, self.timeout_s))
             ready = pending.popleft()
             if ready.position >= position:
-                break  # else the lead made it (batches_caught_up gave up on a slow worker)
+                break
+            ready.drop()  # the lead made it (batches_caught_up gave up on a slow worker)
         if ready.position != position:
             raise RuntimeError(f"internal ordering error: expected the micro-batch at rank position {position}, "
                                f"got {ready.position}")
@@ -249,7 +248,7 @@ class Run:
         for worker_id, pending in self.pending.items():
             while True:
                 while pending and pending[0].position < position:  # the lead made it
-                    pending.popleft()
+                    pending.popleft().drop()
                 if pending:
                     break
                 batches = self.pool.try_receive(worker_id)

@@ -13,15 +13,19 @@ The stream does not change: a lane's sequences depend on its state only, not on 
 holds it, so a worker that owns other lanes than ``lanes_of_worker`` gives each index the
 same sequence (the golden pins and tests/loader's worker tests hold the streams).
 
-Message format (``write_batch``, the descriptor of a ``("items", run_id, slot, descriptor)``
-message, ``kind == "batch"``): ``position`` (the rank position of its first row), ``keys``
-(the batch's keys in order), ``values`` (the keys whose values are not arrays: ``step``,
-``micro_step``, reject counts), ``layout`` (the arrays in the slot,
-:class:`~loader.workers.shm.SlotWriter`), ``lane_states`` (``[lane, shipped state]`` after the
-batch, :class:`~loader.workers.state_delta.StateEncoder`), ``source_ids`` and ``padding`` per
-row and ``rejects`` (online chat rejects, or None) for the loader's metrics, and ``io``. Every
-array of the batch travels the same way, whatever its name: image fields can follow once the
-slot is sized for them (today a loader with image sources keeps item messages).
+Message format (the descriptor of a ``("items", run_id, slot, descriptor)`` message with
+``kind == "batch"``): ``batches``, one entry per micro-batch (up to ``per_message`` of the
+worker's consecutive ones, :func:`batches_per_message`; :func:`write_batch`): ``position`` (the
+rank position of its first row), ``keys`` (the batch's keys in order), ``values`` (the keys
+whose values are not arrays: ``step``, ``micro_step``, reject counts), ``layout`` (its arrays
+in the slot, :class:`~loader.workers.shm.SlotWriter`), ``lane_states`` (``[lane, shipped
+state]`` after it, :class:`~loader.workers.state_delta.StateEncoder`), ``source_ids`` and
+``padding`` per row and ``rejects`` (online chat rejects, or None) for the loader's metrics;
+and ``io``. The worker collates the large arrays straight into the slot (:class:`SlotArrays`);
+the trainer copies a micro-batch out when it hands it out and gives the slot back after the
+message's last. Every array of a batch travels the same way, whatever its name: image fields
+can follow once the slot is sized for their pixels (today a loader with image sources keeps
+item messages).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from loader.order.ordering import rank_period
 from loader.stages.collate import Collator
 from loader.stages.features import FEATURES
 from loader.stages.producer import End, produce_one, take_rows
+from loader.workers.messages import MESSAGE_TOKENS, SlotLease
 from loader.workers.shm import SlotWriter, read_arrays
 
 
@@ -54,6 +59,7 @@ class BatchPlan:
     groups: int
     num_workers: int
     collator: dict
+    per_message: int = 1  # micro-batches per message (batches_per_message)
 
     def worker_of(self, micro_batch: int) -> int:
         return (micro_batch % self.groups) % self.num_workers
@@ -66,27 +72,28 @@ class BatchPlan:
 
 
 def batch_plan(*, rank: int, world_size: int, num_lanes: int, micro_batch_size: int, num_workers: int,
-               collator: dict) -> Optional[BatchPlan]:
+               collator: dict, per_message: int = 1) -> Optional[BatchPlan]:
     """The plan of a loader whose micro-batches fall on disjoint lane groups, at least one per
     worker (``micro_batch_size`` divides the rank's lane period), else None (item messages)."""
     period = rank_period(num_lanes, world_size)
     if period % micro_batch_size or period // micro_batch_size < num_workers:
         return None
-    return BatchPlan(rank, world_size, num_lanes, micro_batch_size, period // micro_batch_size, num_workers, collator)
+    return BatchPlan(rank, world_size, num_lanes, micro_batch_size, period // micro_batch_size, num_workers, collator,
+                     per_message)
 
 
-def batch_bytes(collator: Collator) -> int:
-    """Room for one micro-batch's arrays in the worst case (a segment at every token)."""
+def batch_bytes(collator: Collator, per_message: int = 1) -> int:
+    """Room for a message's micro-batches' arrays in the worst case (a segment at every token)."""
     tokens = collator.micro_batch_size * collator.seq_len
     per_token = 8 * sum(f in collator.fields for f in ("input_ids", "labels", "position_ids")) + 4  # + cu_seqlens
     per_token += sum(FEATURES[n].batch_dtype.itemsize for n in collator.batched)
-    return tokens * per_token + 64 * (len(collator.fields) + len(collator.batched) + 8) + 4096
+    return per_message * (tokens * per_token + 64 * (len(collator.fields) + len(collator.batched) + 8) + 4096)
 
 
 @dataclass
 class BuiltBatch:
     """A micro-batch a worker built (NumPy), with what the trainer records for it; on the
-    trainer's side (:func:`read_batch`) its arrays are copies out of the slot and
+    trainer's side (:class:`ShippedBatch`) its arrays are copied out of the slot and
     ``lane_states`` decoded."""
 
     position: int
@@ -103,24 +110,43 @@ class SlotArrays:
 
     def __init__(self) -> None:
         self.writer: Optional[SlotWriter] = None
-        self.made: dict[int, str] = {}  # id of an array built in the slot -> its name in the layout
+        # id of an array built in the slot for the micro-batch being collated -> (its name in the
+        # layout, the array: held, so that its id is not reused); cleared per micro-batch
+        self.made: dict[int, tuple[str, np.ndarray]] = {}
+        self._count = 0
 
     def start(self, slot: memoryview) -> SlotWriter:
         self.writer, self.made = SlotWriter(slot), {}
         return self.writer
 
     def __call__(self, shape, dtype) -> np.ndarray:
-        name = f"_{len(self.made)}"
+        self._count += 1
+        name = f"_{self._count}"
         view = self.writer.allocate(name, dtype, shape)
-        self.made[id(view)] = name
+        self.made[id(view)] = (name, view)
         return view
 
+    def written(self, batch: BuiltBatch) -> dict:
+        """:func:`write_batch` of ``batch``, collated with this as its ``empty`` just now."""
+        part = write_batch(batch, self.writer, self.made)
+        self.made = {}
+        return part
 
-def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position: int,
-                    ship_state) -> Iterator:
+
+def batches_per_message(micro_batch_size: int, seq_len: int, tokenizes: bool) -> int:
+    """Micro-batches per message: about ``MESSAGE_TOKENS`` (at most 4), so that the pipe, the
+    descriptor and the wake-up are paid once for several; one where sources tokenize online (a
+    message would wait for all of them to be tokenized)."""
+    if tokenizes:
+        return 1
+    return max(1, min(4, MESSAGE_TOKENS // (micro_batch_size * seq_len)))
+
+
+def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position: int, ship_state) -> Iterator:
     """Worker ``worker_id``'s micro-batches from ``start_position`` (a micro-batch boundary) on,
-    endless; ``ship_state(lane_id, lane)``: the state to ship (the run's ``StateEncoder.ship``).
-    Yields the descriptor maker of each (``write(slot)``: the batch collated into the slot)."""
+    endless, ``plan.per_message`` at a time; ``ship_state(lane_id, lane)``: the state to ship (the
+    run's ``StateEncoder.ship``). Yields the descriptor maker of each message (``write(slot)``:
+    its micro-batches collated into the slot)."""
     slot_arrays = SlotArrays()
     collator = Collator(**plan.collator, empty=slot_arrays)
     mbs, stride, num_lanes = plan.micro_batch_size, plan.world_size, plan.num_lanes
@@ -128,33 +154,41 @@ def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position
     bulk = all(lane.bulk_rows for lane in lanes.values())
     micro_batch = start_position // mbs
     while True:
-        if plan.worker_of(micro_batch) == worker_id:
-            position = micro_batch * mbs
-            first = plan.rank + position * stride
-            taken = take_rows(lanes, num_lanes, source_of, first, stride, mbs) if bulk else None
-            if taken is not None:
-                fills, rows, sources, lane_ids = taken
-                padding, rejects = [0] * mbs, None
-                collate = lambda: collator.collate_rows(fills, rows, sources, first, stride, position + mbs)  # noqa: E731
-            else:
-                items = [produce_one(lanes[(first + k * stride) % num_lanes], first + k * stride, False)
-                         for k in range(mbs)]
-                if any(isinstance(item, End) for item in items):
-                    raise RuntimeError("internal error: a lane of an endless run ran out (item messages handle ends)")
-                sources = [item.source_id for item in items]
-                lane_ids = [item.global_index % num_lanes for item in items]
-                padding = [item.sequence.padding for item in items]
-                rejects = _merged([item.chat_rejects for item in items])
-                collate = lambda: collator.collate(items, position + mbs)  # noqa: E731
-            states = [[l, ship_state(l, lanes[l])] for l in lane_ids]
+        pending = []  # (position, collate, states, sources, padding, rejects) per micro-batch
+        while len(pending) < plan.per_message:
+            if plan.worker_of(micro_batch) == worker_id:
+                pending.append(_cut(lanes, collator, plan, micro_batch, source_of, bulk, ship_state))
+            micro_batch += 1
 
-            def write(slot: memoryview) -> dict:
-                writer = slot_arrays.start(slot)
-                return write_batch(BuiltBatch(position, collate(), states, sources, padding, rejects), writer,
-                                   slot_arrays.made)
+        def write(slot: memoryview, pending=pending) -> dict:
+            slot_arrays.start(slot)
+            batches = [slot_arrays.written(BuiltBatch(position, collate(), states, sources, padding, rejects))
+                       for position, collate, states, sources, padding, rejects in pending]
+            return {"kind": "batch", "batches": batches, "io": IO.delta_to_ship()}
 
-            yield write
-        micro_batch += 1
+        yield write
+
+
+def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, source_of, bulk: bool, ship_state):
+    """One micro-batch's sequences taken from the lanes now (their states after it), collated later."""
+    mbs, stride, num_lanes = plan.micro_batch_size, plan.world_size, plan.num_lanes
+    position = micro_batch * mbs
+    first = plan.rank + position * stride
+    taken = take_rows(lanes, num_lanes, source_of, first, stride, mbs) if bulk else None
+    if taken is not None:
+        fills, rows, sources, lane_ids = taken
+        padding, rejects = [0] * mbs, None
+        collate = lambda: collator.collate_rows(fills, rows, sources, first, stride, position + mbs)  # noqa: E731
+    else:
+        items = [produce_one(lanes[(first + k * stride) % num_lanes], first + k * stride, False) for k in range(mbs)]
+        if any(isinstance(item, End) for item in items):
+            raise RuntimeError("internal error: a lane of an endless run ran out (item messages handle ends)")
+        sources = [item.source_id for item in items]
+        lane_ids = [item.global_index % num_lanes for item in items]
+        padding = [item.sequence.padding for item in items]
+        rejects = _merged([item.chat_rejects for item in items])
+        collate = lambda: collator.collate(items, position + mbs)  # noqa: E731
+    return position, collate, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding, rejects
 
 
 def _merged(rejects: list) -> Optional[dict]:
@@ -166,41 +200,60 @@ def _merged(rejects: list) -> Optional[dict]:
     return out
 
 
-def write_batch(built: BuiltBatch, writer: SlotWriter, made: Optional[dict[int, str]] = None) -> dict:
-    """The descriptor of ``built``, its arrays in ``writer``'s slot (see the module docstring);
-    ``made``: the arrays already built there (:class:`SlotArrays`), renamed, not copied."""
-    values = {}
+def write_batch(built: BuiltBatch, writer: SlotWriter, made: Optional[dict[int, tuple]] = None) -> dict:
+    """One micro-batch's part of a message's descriptor, its arrays in ``writer``'s slot (see the
+    module docstring); ``made``: the arrays already built there (:class:`SlotArrays`), not copied."""
+    values, layout = {}, {}
     for key, value in built.batch.items():
         if type(value) is not np.ndarray:
             values[key] = value
         elif made and id(value) in made:
-            writer.layout[key] = writer.layout.pop(made[id(value)])
+            layout[key] = writer.layout[made[id(value)][0]]
         else:
-            writer.write(key, value)
-    return {"kind": "batch", "position": built.position, "keys": list(built.batch), "values": values,
-            "layout": writer.layout, "lane_states": built.lane_states, "source_ids": built.source_ids,
-            "padding": built.padding, "rejects": built.rejects, "io": IO.delta_to_ship()}
+            name = f"{built.position}.{key}"
+            writer.write(name, value)
+            layout[key] = writer.layout[name]
+    return {"position": built.position, "keys": list(built.batch), "values": values, "layout": layout,
+            "lane_states": built.lane_states, "source_ids": built.source_ids, "padding": built.padding,
+            "rejects": built.rejects}
 
 
-def read_batch(descriptor: dict, slot: memoryview, give_back, decode_state, empty=np.empty) -> BuiltBatch:
-    """The batch of a :func:`write_batch` descriptor, copied out of ``slot`` (one copy per array,
-    into ``empty``'s memory: pinned memory too), after which the slot is given back."""
-    receive_shipped(descriptor.get("io"))
-    arrays = read_arrays(slot, descriptor["layout"])
-    values = descriptor["values"]
-    batch: dict[str, Any] = {}
-    for key in descriptor["keys"]:
-        if key in arrays:
-            view = arrays[key]
-            if empty is np.empty:
-                batch[key] = view.copy()
+class ShippedBatch(BuiltBatch):
+    """A micro-batch of a received message: views of the slot until :meth:`copy_out` (at its
+    hand-out), or :meth:`drop` (the lead made it); the slot goes back after the message's last."""
+
+    def __init__(self, part: dict, slot: memoryview, lease: SlotLease, decode_state) -> None:
+        super().__init__(part["position"], {}, [[lane, decode_state(state)] for lane, state in part["lane_states"]],
+                         part["source_ids"], part["padding"], part["rejects"])
+        self._part, self._slot, self._lease = part, slot, lease
+
+    def copy_out(self, empty=np.empty) -> dict:
+        """The batch, every array copied out of the slot (into ``empty``'s memory: pinned memory too)."""
+        part = self._part
+        arrays = read_arrays(self._slot, part["layout"])
+        values = part["values"]
+        batch: dict[str, Any] = {}
+        for key in part["keys"]:
+            if key in arrays:
+                view = arrays[key]
+                if empty is np.empty:
+                    batch[key] = view.copy()
+                else:
+                    batch[key] = out = empty(view.shape, view.dtype)
+                    np.copyto(out, view)
             else:
-                batch[key] = out = empty(view.shape, view.dtype)
-                np.copyto(out, view)
-        else:
-            batch[key] = values[key]
-    give_back()
-    states = [[lane, decode_state(state)] for lane, state in descriptor["lane_states"]]
-    return BuiltBatch(descriptor["position"], batch, states, descriptor["source_ids"], descriptor["padding"],
-                      descriptor["rejects"])
+                batch[key] = values[key]
+        self.batch = batch
+        self.drop()
+        return batch
 
+    def drop(self) -> None:
+        self._slot = None
+        self._lease.item_done()
+
+
+def read_batches(descriptor: dict, slot: memoryview, give_back, decode_state) -> list[ShippedBatch]:
+    """The micro-batches of a message of :func:`produce_batches`, in position order (views of ``slot``)."""
+    receive_shipped(descriptor.get("io"))
+    lease = SlotLease(len(descriptor["batches"]), give_back)
+    return [ShippedBatch(part, slot, lease, decode_state) for part in descriptor["batches"]]

@@ -26,13 +26,11 @@ import time
 from multiprocessing.connection import Connection
 from typing import Optional, Sequence
 
-import numpy as np
-
 from loader.errors import WorkerError
 from loader.kinds.base import kind_modules
 from loader.workers.child import BOOTSTRAP
 from loader.workers.error_relay import worker_exception
-from loader.workers.batches import read_batch
+from loader.workers.batches import read_batches
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
 from loader.workers.shm import SHM_DIR, Segment, remove_stale_segments, slot_bytes
@@ -115,8 +113,6 @@ class WorkerPool:
         self.items_per_message = items_per_message
         # extra_slot_bytes: a message's worst-case pixel data (image sources, loader.vision.transfer)
         self.slot_size = max(slot_bytes(seq_len, items_per_message, features) + extra_slot_bytes, batch_slot_bytes)
-        # Where a micro-batch received whole is copied to (np.empty, or pinned memory: the loader's).
-        self.batch_empty = np.empty
         self.prefetch = prefetch or default_prefetch(seq_len, self.slot_size, items_per_message)
         self.num_slots = slots_per_worker(self.prefetch, items_held, items_per_message)
         self.processes: list[WorkerProcess] = []
@@ -289,10 +285,9 @@ class WorkerPool:
             raise worker_exception(worker_id, message, WorkerError)
         slot, descriptor = message[2], message[3]
         decode = self.decoders[worker_id].decode
-        if descriptor.get("kind") == "batch":  # one micro-batch, copied out at once (loader.workers.batches)
+        if descriptor.get("kind") == "batch":  # whole micro-batches (loader.workers.batches)
             segment = self.segments[worker_id]
-            return [read_batch(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode,
-                               self.batch_empty)]
+            return read_batches(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode)
         if slot is None:
             return read_message(descriptor, memoryview(b""), None, decode)
         segment = self.segments[worker_id]
