@@ -44,6 +44,12 @@ from loader.workers.messages import MESSAGE_TOKENS, SlotLease
 from loader.workers.shm import SlotWriter, read_arrays
 
 
+# Whether loaders whose lane groups allow it use worker micro-batches (else item messages,
+# loader.workers.messages); both deliver the same stream. Measured against item messages on
+# the shared machine in bench/RESULTS.md (issue 35).
+WORKER_BATCHES = True
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Which worker builds which micro-batch of a rank (picklable: sent with a run's start).
