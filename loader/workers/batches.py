@@ -45,9 +45,11 @@ from loader.workers.shm import SlotWriter, read_arrays
 
 
 # Whether loaders whose lane groups allow it use worker micro-batches (else item messages,
-# loader.workers.messages); both deliver the same stream. Measured against item messages on
-# the shared machine in bench/RESULTS.md (issue 35).
-WORKER_BATCHES = True
+# loader.workers.messages); both deliver the same stream. Off: on the shared 2-core machine
+# they did not lower the trainer's CPU per micro-batch (one copy out of the slot per array
+# stays) and the workers' added collation cost 2-worker replay 14-20% (bench/RESULTS.md,
+# issue 35); tests/loader/test_worker_batches.py runs them.
+WORKER_BATCHES = False
 
 
 @dataclass(frozen=True)
