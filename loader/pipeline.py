@@ -39,6 +39,7 @@ from loader.checkpoint.step_states import StepStateHistory
 from loader.config import LoaderConfig
 from loader.errors import ConfigError, WorkerError
 from loader.io.manifest import Manifest
+from loader.kinds.base import kinds_of
 from loader.metrics import LoaderMetrics, MetricsRecorder
 from loader.model_inputs import build_layout
 from loader.model_inputs.loss_tokens import GlobalCounter
@@ -51,7 +52,6 @@ from loader.stages.collate import OUTPUTS, Collator, load_torch, to_torch
 from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
 from loader.stages.producer import Item, fill_sequence
 from loader.transforms import resume as transform_resume
-from loader.vision.block import ONLINE_IMAGE_REJECT_REASONS
 from loader.workers import batches as worker_batches
 from loader.workers.batches import batch_plan, batches_per_message
 from loader.workers.pool import WorkerPool
@@ -167,7 +167,8 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
         self._collator = Collator(
             **collator_args, empty=np.empty if self._pinned is None else self._pinned.empty,
             image_policy=image_options.policy if image_options is not None else None,
-            image_reject_reasons=ONLINE_IMAGE_REJECT_REASONS if image_options is not None else (),
+            image_reject_reasons=tuple(dict.fromkeys(r for kind in kinds_of(self.manifests)
+                                                     if kind.reject_field == "image_rejects" for r in kind.reject_reasons)),
         )
         self._metrics = MetricsRecorder(
             source_names=self.source_names, seq_len=config.seq_len, per_rank_batch=self.topology.per_rank_batch,
