@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from loader.errors import InputError
-from loader.io import backends
-from loader.io.backends import UnsupportedSchemeError
+from loader.io.backends import UnsupportedSchemeError, is_remote
 from loader.io.storage_options import StorageOptions
 
 FORMATS = ("jsonl", "parquet", "text", "webdataset")  # webdataset: image jobs (beam_jobs.formats.webdataset)
@@ -78,11 +77,6 @@ class InputFile:
     @classmethod
     def from_tuple(cls, values: Sequence) -> "InputFile":
         return cls(*values)
-
-
-def is_remote(path: str) -> bool:
-    """True for any ``scheme://`` path (gs://, s3://, ...): :func:`loader.io.backends.is_remote`."""
-    return backends.is_remote(path)
 
 
 def normalize_pattern(pattern: str) -> str:

@@ -63,11 +63,20 @@ from beam_jobs.image_records import (
     image_spec_from_args,
     resolve_image_job,
 )
-from beam_jobs.inputs import FORMATS, InputFile, expand_inputs, is_remote, most_documents
+from beam_jobs.inputs import FORMATS, InputFile, expand_inputs, most_documents
+from beam_jobs.job_options import (  # noqa: F401  (the defaults: also importable from here)
+    DEFAULT_MAX_REJECT_FRACTION,
+    DEFAULT_NUM_LANES,
+    DEFAULT_SEED,
+    DEFAULT_TARGET_FILE_MB,
+    LANE_BALANCES,
+    add_job_arguments,
+    field_default,
+    options_fields,
+)
 from beam_jobs.lane_balance import BalancedLanes, balanced_lane_count
 from beam_jobs.lane_count import ChooseLaneCount, lane_count_note
 from beam_jobs.lane_files import (
-    DEFAULT_TOKEN_COMPRESSION,
     RESERVED_COLUMNS,
     TOKEN_COMPRESSIONS,
     AssignLaneFn,
@@ -93,7 +102,7 @@ from loader.errors import (
     TransformError,
     ZephonError,
 )
-from loader.io.backends import UnsupportedSchemeError, backend_for
+from loader.io.backends import UnsupportedSchemeError, backend_for, is_remote
 from loader.io.manifest import DOCUMENT_REJECT_REASONS, Manifest, read_manifest
 from loader.io.storage_options import StorageOptions
 from loader.kinds.base import import_kind_modules, named_kinds
@@ -105,41 +114,39 @@ from loader.vision.reasons import IMAGE_REJECT_REASONS
 
 logger = logging.getLogger(__name__)
 
-LANE_BALANCES = ("hash", "documents")  # --lane-balance (beam_jobs.lane_balance)
-DEFAULT_NUM_LANES = None  # None: the largest of 64, 32, 16, 8 that fills every lane (beam_jobs.lane_count)
-DEFAULT_SEED = 0
-DEFAULT_TARGET_FILE_MB = 64.0
-DEFAULT_MAX_REJECT_FRACTION = 0.01
 DEFAULT_RUNNER_ARGS = ("--runner=FnApiRunner",)
 MAX_TARGET_FILE_MB = 1024.0  # Arrow string arrays hold < 2 GiB; a file is built in memory
 
 
 @dataclass(frozen=True)
 class ShardOptions:
-    """The sharding job's own options (``--help`` documents each). Validated on creation."""
+    """The sharding job's own options (``--help`` documents each). Validated on creation.
+
+    Flags, help and defaults are :data:`beam_jobs.job_options.JOB_OPTIONS`; ``images`` and
+    ``storage`` are made from the image and storage flags' own tables."""
 
     inputs: tuple[str, ...]
     output: str
-    format: Optional[str] = None
-    text_field: str = "text"
-    id_field: Optional[str] = None
-    keep_fields: tuple[str, ...] = ()
-    source_name: Optional[str] = None
-    num_lanes: Optional[int] = DEFAULT_NUM_LANES  # None: chosen by the job (beam_jobs.lane_count)
-    lane_balance: str = "hash"  # "documents": lane sizes within one (beam_jobs.lane_balance)
-    seed: int = DEFAULT_SEED
-    tokenizer: Optional[str] = None
-    token_compression: str = DEFAULT_TOKEN_COMPRESSION
-    target_file_mb: float = DEFAULT_TARGET_FILE_MB
-    overwrite: bool = False
-    max_reject_fraction: float = DEFAULT_MAX_REJECT_FRACTION
-    messages_field: Optional[str] = None
-    chat_template: Optional[str] = None
-    chat_loss_on: str = "all"
-    chat_max_tokens: Optional[int] = None
-    chat_overflow: str = "reject"
-    transforms: tuple[TransformSpec, ...] = ()  # --transform, in order (docs/guides/transforms.md)
-    dedup: Optional[str] = None  # --dedup: None or "exact"
+    format: Optional[str] = field_default("format")
+    text_field: str = field_default("text_field")
+    id_field: Optional[str] = field_default("id_field")
+    keep_fields: tuple[str, ...] = field_default("keep_fields")
+    source_name: Optional[str] = field_default("source_name")
+    num_lanes: Optional[int] = field_default("num_lanes")  # None: chosen by the job (beam_jobs.lane_count)
+    lane_balance: str = field_default("lane_balance")  # "documents": lane sizes within one (beam_jobs.lane_balance)
+    seed: int = field_default("seed")
+    tokenizer: Optional[str] = field_default("tokenizer")
+    token_compression: str = field_default("token_compression")
+    target_file_mb: float = field_default("target_file_mb")
+    overwrite: bool = field_default("overwrite")
+    max_reject_fraction: float = field_default("max_reject_fraction")
+    messages_field: Optional[str] = field_default("messages_field")
+    chat_template: Optional[str] = field_default("chat_template")
+    chat_loss_on: str = field_default("chat_loss_on")
+    chat_max_tokens: Optional[int] = field_default("chat_max_tokens")
+    chat_overflow: str = field_default("chat_overflow")
+    transforms: tuple[TransformSpec, ...] = field_default("transforms")  # --transform, in order
+    dedup: Optional[str] = field_default("dedup")  # --dedup: None or "exact"
     images: Optional[ImageSpec] = None  # an image job (--image-*, WebDataset input): docs/guides/images.md
     storage: StorageOptions = StorageOptions()  # --s3-*, --storage-* (beam_jobs.storage_flags), given to every I/O step
     kind: Optional[str] = None  # --kind: a named lane kind's job (loader.kinds.base; docs/guides/kinds.md)
@@ -253,10 +260,6 @@ class ShardOptions:
         )
 
 
-def _split_fields(values: Optional[Sequence[str]]) -> tuple[str, ...]:
-    return tuple(name for value in values or () for name in value.split(",") if name)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zephon shard",
@@ -267,113 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "without --runner the job runs locally on Beam's FnApiRunner (in-memory; add "
                     "--direct_running_mode=multi_processing --direct_num_workers=N for processes).",
     )
-    parser.add_argument("--input", dest="inputs", nargs="+", required=True, metavar="GLOB",
-                        help="(required) input files: one or more paths or globs, local, gs:// or s3:// (* within a "
-                             "directory, ** across directories). Keys without --id-field are relative "
-                             "to the longest common directory of the patterns' non-glob parts.")
-    parser.add_argument("--format", choices=FORMATS, default=None,
-                        help="input format for every file (default: inferred per file from the name: "
-                             ".jsonl/.json[.gz|.zst] -> jsonl, .parquet -> parquet, .txt[.gz|.zst] -> text, "
-                             "one document per text file; .tar -> webdataset, an image job)")
-    parser.add_argument("--text-field", default="text",
-                        help="field/column holding the document text (default: %(default)s)")
-    parser.add_argument("--id-field", default=None,
-                        help="field holding a unique document id used as the key (default: none; the key "
-                             "is '<path relative to the input root>#<record index>', stable for the same "
-                             "input files but not for a re-split of them)")
-    parser.add_argument("--keep-fields", nargs="+", default=None, metavar="FIELD",
-                        help="extra fields to keep, each as a JSON-encoded string column named like the "
-                             "field; space or comma separated (default: none)")
-    parser.add_argument("--source-name", default=None,
-                        help="name of this source recorded in the manifest (default: the --output "
-                             "directory's name)")
-    parser.add_argument("--num-lanes", type=int, default=DEFAULT_NUM_LANES,
-                        help="number of lanes L; choose it divisible by every data-parallel world size "
-                             "you will train with; every lane must receive a document, or the job fails "
-                             "naming a lane count that works (default: the largest of 64, 32, 16, 8 whose "
-                             "every lane receives a document, recorded in the manifest and named in the "
-                             "summary; 64 for all but small inputs)")
-    parser.add_argument("--lane-balance", choices=LANE_BALANCES, default="hash",
-                        help="how documents are dealt to lanes: 'hash' (lane = H(seed, key) mod L: a document's "
-                             "lane depends on its key alone) or 'documents' (the document of rank r in hash order "
-                             "goes to lane r mod L: lane sizes differ by at most one, so a finite epoch ends with "
-                             "almost no fill rows; recorded in the manifest; docs/guides/finite-epochs.md) "
-                             "(default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                        help="seed of the lane and in-lane order hashes, recorded in the manifest "
-                             "(default: %(default)s)")
-    parser.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
-                        help="Hugging Face tokenizer.json (local, gs:// or s3://) for offline tokenization into "
-                             "input_ids/num_tokens columns, without special tokens (default: none; the "
-                             "loader tokenizes online)")
-    parser.add_argument("--token-compression", choices=TOKEN_COMPRESSIONS, default=DEFAULT_TOKEN_COMPRESSION,
-                        help="Parquet codec of the input_ids column with --tokenizer (other columns are "
-                             "zstd): lz4 decodes fastest, which is what a CPU-bound loader replays every "
-                             "epoch; zstd stores fewer bytes; none skips decompression "
-                             "(default: %(default)s)")
-    parser.add_argument("--kind", default=None, metavar="NAME",
-                        help="a named lane kind (a plug-in: docs/guides/kinds.md) whose record converter reads "
-                             "the records and whose loader decoder makes the tokens from the text column; "
-                             "recorded in the manifest's 'kind' entry (registered now: "
-                             f"{', '.join(named_kinds()) or 'none'}; more with --kind-module) "
-                             "(default: none, a built-in kind chosen by the other flags)")
-    parser.add_argument("--kind-module", dest="kind_modules", action="append", default=None, metavar="MODULE",
-                        help="an importable Python module that registers lane kinds (register_kind, "
-                             "register_converter), imported before --kind is checked; repeatable (default: none)")
-    parser.add_argument("--target-file-mb", type=float, default=DEFAULT_TARGET_FILE_MB,
-                        help="target text MiB per lane file: files_per_lane = max(1, ceil(total text bytes "
-                             "/ num_lanes / target)); also bounds a writer's memory (default: %(default)s)")
-    chat = parser.add_argument_group(
-        "chat / SFT records", "records holding a conversation (a messages list of role/content, optional "
-        "record-level 'tools'), rendered with a chat template; with --tokenizer tokenized offline into "
-        "input_ids plus a loss_mask column (1 on the assistant's tokens), without it validated and stored as "
-        "a 'conversation' column that the loader renders, tokenizes and masks online (same batches); the "
-        "text column holds the rendered conversation either way")
-    chat.add_argument("--messages-field", default=None, metavar="FIELD",
-                      help="field/column holding each record's messages list; makes the job a chat job "
-                           "(needs --chat-template; with --tokenizer encoded offline, without it online by "
-                           "the loader; --text-field is not read: the text column holds the rendered "
-                           "conversation) "
-                           "(default: none, records are text documents)")
-    chat.add_argument("--chat-template", default=None, metavar="FILE",
-                      help="chat template (local, gs:// or s3://): a Jinja file, or a tokenizer_config.json whose "
-                           "chat_template is used with its special tokens, or the name of a template shipped "
-                           "with Zephon (chatml); rendered as transformers' "
-                           "apply_chat_template does, {%% generation %%} tags marking assistant tokens "
-                           "(default: none)")
-    chat.add_argument("--chat-loss-on", choices=("all", "last"), default="all",
-                      help="supervise every assistant turn or the last one only (default: %(default)s)")
-    chat.add_argument("--chat-max-tokens", type=int, default=None, metavar="N",
-                      help="longest conversation in tokens; what a longer one gets is --chat-overflow "
-                           "(default: no bound)")
-    chat.add_argument("--chat-overflow", choices=("reject", "truncate"), default="reject",
-                      help="a conversation above --chat-max-tokens: rejected (reason too_long, into "
-                           "_rejected/) or cut to its first N tokens (default: %(default)s)")
-    curation = parser.add_argument_group(
-        "transforms and deduplication", "applied to every valid document after reading, before lanes "
-        "(docs/guides/transforms.md); dropped and removed documents are counted in the manifest apart from rejects")
-    curation.add_argument("--transform", dest="transforms", action="append", default=None,
-                          metavar="MODULE:FUNCTION[@VERSION][:JSON-ARGS]",
-                          help="a transform (the loader's, same seeds: seed from --seed and the key), e.g. "
-                               "'drop_regex:{\"pattern\": \"lorem\"}' or 'my.filters:clean@2'; repeatable, "
-                               "applied in order; text ones before tokenization, tokens ones (after the text "
-                               "ones, needs --tokenizer) right after it; a dropped document stays in its lane as "
-                               "a tombstone (dropped_by column) the loader skips (default: none)")
-    curation.add_argument("--dedup", choices=DEDUP_MODES, default=None,
-                          help="exact: keep one document per normalised text (NFKC, casefold, whitespace runs "
-                               "as one space), the one with the smallest key; the removed ones are listed in "
-                               "_dedup/removed-*.jsonl (default: off)")
-    add_image_arguments(parser)
-    add_storage_arguments(parser)
-    parser.add_argument("--output", required=True,
-                        help="(required) dataset directory to write (local, gs:// or s3://); created if missing, "
-                             "refused if it is a file")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing dataset at --output (manifest first, then lane files and "
-                             "_rejected/); without it an existing dataset is an error (default: off)")
-    parser.add_argument("--max-reject-fraction", type=float, default=DEFAULT_MAX_REJECT_FRACTION,
-                        help="fail without writing manifest.json when rejected / (documents + rejected) is "
-                             "above this (default: %(default)s)")
+    add_job_arguments(parser, after_curation=lambda p: (add_image_arguments(p), add_storage_arguments(p)))
     return parser
 
 
@@ -384,33 +281,8 @@ def parse_args(argv: Sequence[str]) -> tuple[ShardOptions, list[str]]:
         import_kind_modules(known.kind_modules or ())  # --kind-module: registers the kinds --kind may name
     except ImportError as exc:
         raise ShardConfigError(f"--kind-module: {exc}; the module must be importable (on sys.path)") from exc
-    options = ShardOptions(
-        inputs=tuple(known.inputs),
-        output=known.output,
-        format=known.format,
-        text_field=known.text_field,
-        id_field=known.id_field,
-        keep_fields=_split_fields(known.keep_fields),
-        source_name=known.source_name,
-        num_lanes=known.num_lanes,
-        lane_balance=known.lane_balance,
-        seed=known.seed,
-        tokenizer=known.tokenizer,
-        token_compression=known.token_compression,
-        target_file_mb=known.target_file_mb,
-        overwrite=known.overwrite,
-        max_reject_fraction=known.max_reject_fraction,
-        messages_field=known.messages_field,
-        chat_template=known.chat_template,
-        chat_loss_on=known.chat_loss_on,
-        chat_max_tokens=known.chat_max_tokens,
-        chat_overflow=known.chat_overflow,
-        transforms=_transform_specs(known.transforms),
-        dedup=known.dedup,
-        images=image_spec_from_args(known),
-        storage=storage_options_from_args(known),
-        kind=known.kind,
-    )
+    options = ShardOptions(**options_fields(known, {"transforms": _transform_specs}),
+                           images=image_spec_from_args(known), storage=storage_options_from_args(known))
     return options, pipeline_args
 
 

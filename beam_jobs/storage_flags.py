@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from loader.errors import ConfigError, ShardConfigError
+from loader.io.backends import scheme_of
 from loader.io.storage_options import StorageOptions
 
 
@@ -87,7 +88,7 @@ def storage_options_from_args(known: argparse.Namespace) -> StorageOptions:
 def check_storage_options(storage: StorageOptions, paths: Sequence[Optional[str]]) -> None:
     """Refuse an ``--s3-profile`` that names no profile, before the job starts (on the workers it
     would fail every step). Only when an ``s3://`` path is among ``paths``: otherwise it is unused."""
-    if storage.s3_profile is None or not any(path and path.startswith("s3://") for path in paths):
+    if storage.s3_profile is None or not any(path and scheme_of(path) == "s3" for path in paths):
         return
     import botocore.session  # the s3 backend's client library, slow to import: only for a job that uses s3://
 

@@ -3,7 +3,7 @@
     python -m beam_jobs.train_tokenizer --out beam_jobs/assets/tokenizer.json
 
 The file is a demo and test fixture only: Zephon never assumes this vocabulary (users pass
-their own ``tokenizer.json``). It is trained on :mod:`beam_jobs.sample_data`'s generator,
+their own ``tokenizer.json``). It is trained on :mod:`loader.samples.corpus`'s generator,
 so it covers English-like prose, Python/JavaScript and multilingual text with emoji.
 
 Design choices, and why:
@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Iterable, Iterator, Optional, Sequence
 
-from beam_jobs import sample_data
+from loader.samples import corpus as sample_data
 from loader.cli import run_command
 
 logger = logging.getLogger(__name__)

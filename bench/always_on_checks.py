@@ -36,7 +36,7 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests"), str(REPO_ROOT / "tests
 import pyarrow.parquet as pq  # noqa: E402
 
 from bench.machine import load_average  # noqa: E402
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from loader.chat import render_limits  # noqa: E402
 from loader.chat.template import ChatTemplate  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402

@@ -35,7 +35,7 @@ DATA = os.path.join(ROOT, "bench", "_work", "audit_replay", "data")
 
 def dataset() -> str:
     if not os.path.exists(os.path.join(DATA, "manifest.json")):
-        from beam_jobs.sample_data import default_tokenizer_path
+        from loader.samples import default_tokenizer_path
         from loader.stages.tokenizer import load_tokenizer
         from tests.dataset_factory import synthetic_texts, write_dataset
 
@@ -46,7 +46,7 @@ def dataset() -> str:
 
 def measure(method: str, steps: int) -> tuple[int, float]:
     """(documents, CPU seconds) the replay of one lane takes from step 10 to ``steps``."""
-    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.samples import default_tokenizer_path
     from loader.commands import audit, audit_replay
     from loader.config import LoaderConfig
     from loader.io.provenance import ProvenanceStream
@@ -100,7 +100,7 @@ def measure_seek_index(steps: int) -> tuple[float, float, float]:
     """CPU seconds: (no index at steps + 5, fresh index at steps, from the index at steps + 5)."""
     import tempfile
 
-    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.samples import default_tokenizer_path
     from loader.commands import audit
     from loader.config import LoaderConfig
 

@@ -402,7 +402,7 @@ def render(results: dict, prof: dict, loaders: list[str], command: str, versions
         f"(capitals, {src['caps']['tokens']:,} tokens), same per-document token-length distribution (median ~200, "
         f"mean {src['web']['mean_doc_tokens']:.0f}); tokenizer `{os.path.relpath(info['tokenizer'], REPO)}` "
         f"(vocab {info['vocab_size']}), EOS id {info['eos_id']} after every document. "
-        "`beam_jobs.sample_data.make_sample` was not used: the mixing measurement needs two sources whose word "
+        "`loader.samples.corpus.make_sample` was not used: the mixing measurement needs two sources whose word "
         "tokens are disjoint, so the share of each source can be read back from the delivered ids for every loader.")
     lines.append(
         f"- Same for every loader: seq_len {prof['seq_len']}, global batch {prof['global_batch']} rows, "

@@ -74,7 +74,7 @@ def _tokenizer() -> str:
     if not path.exists():
         from tokenizers import AddedToken, Tokenizer
 
-        from beam_jobs.sample_data import default_tokenizer_path
+        from loader.samples import default_tokenizer_path
 
         tokenizer = Tokenizer.from_file(default_tokenizer_path())
         tokenizer.add_special_tokens([AddedToken(t, special=True) for t in PLACEHOLDERS])

@@ -2,7 +2,7 @@
 
     python bench/loader_throughput.py [--quick] [--repeats 3] [--docs 20000] [--only CASE ...]
 
-Data: the sample corpus (:mod:`beam_jobs.sample_data`, JSONL) sharded by the Beam job
+Data: the sample corpus (:mod:`loader.samples.corpus`, JSONL) sharded by the Beam job
 (``python -m beam_jobs.shard``), pre-tokenized or as text; cached under
 ``bench/_work/loader_throughput/`` (``--writer factory`` uses ``tests.dataset_factory``
 instead, for when the Beam job is unavailable). ``--docs D`` (default 20,000; quick 4,000):
@@ -155,7 +155,7 @@ def _datasets(docs: int) -> list[tuple[int, bool, int]]:
 
 def build_datasets(docs: int, writer: str, datasets=None) -> None:
     """Every dataset of ``_datasets(docs)``, or only ``datasets`` (``bench.before_after``)."""
-    from beam_jobs.sample_data import make_sample
+    from loader.samples.corpus import make_sample
 
     for count, pretokenized, lanes in datasets or _datasets(docs):
         out = _dataset_dir(count, pretokenized, writer, lanes)

@@ -39,7 +39,7 @@ TOKENS_PER_CASE = 3_000_000
 def build_dataset() -> str:
     from tokenizers import Tokenizer
 
-    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.samples import default_tokenizer_path
     from tests.dataset_factory import synthetic_texts, write_dataset
 
     path = WORK / "pre"
@@ -50,7 +50,7 @@ def build_dataset() -> str:
 
 
 def _config(dataset: str, seq_len: int, model_inputs):
-    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.samples import default_tokenizer_path
     from loader.config import LoaderConfig
 
     return LoaderConfig(datasets=[{"path": dataset}], seq_len=seq_len, global_batch_size=8, micro_batch_size=2,

@@ -134,7 +134,7 @@ def efficiency(docs: int = 40000) -> dict:
 def _audit_dataset() -> str:
     path = WORK_DIR / f"data_{AUDIT['docs']}"
     if not (path / "manifest.json").exists():
-        from beam_jobs.sample_data import default_tokenizer_path
+        from loader.samples import default_tokenizer_path
         from loader.stages.tokenizer import load_tokenizer
         from tests.dataset_factory import synthetic_texts, write_dataset
 
@@ -144,7 +144,7 @@ def _audit_dataset() -> str:
 
 
 def _audit_config(**overrides):
-    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.samples import default_tokenizer_path
     from loader.config import LoaderConfig
 
     fields = dict(datasets=[{"path": _audit_dataset()}], seq_len=AUDIT["seq_len"], global_batch_size=AUDIT["batch"],
@@ -194,7 +194,7 @@ def _balance_dataset() -> str:
     if not (path / "manifest.json").exists():
         import numpy as np
 
-        from beam_jobs.sample_data import default_tokenizer_path
+        from loader.samples import default_tokenizer_path
         from loader.stages.tokenizer import load_tokenizer
         from tests.dataset_factory import write_dataset
 
@@ -208,7 +208,7 @@ def _balance_dataset() -> str:
 
 
 def _balance_config(**overrides):
-    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.samples import default_tokenizer_path
     from loader.config import LoaderConfig
 
     fields = dict(datasets=[{"path": _balance_dataset()}], seq_len=BALANCE["seq_len"],

@@ -64,7 +64,7 @@ def recompile(variant: str) -> None:
 def lane_spec():
     if not os.path.exists(SPEC):
         from bench.audit_replay import dataset
-        from beam_jobs.sample_data import default_tokenizer_path
+        from loader.samples import default_tokenizer_path
         from loader.config import LoaderConfig
         from loader.pipeline import ZephonLoader
 

@@ -2,7 +2,7 @@
 
     python bench/shard_throughput.py [--docs 20000] [--repeats 3]
 
-Both sides read the same generated sample corpus (:mod:`beam_jobs.sample_data`, JSONL),
+Both sides read the same generated sample corpus (:mod:`loader.samples.corpus`, JSONL),
 key each document with :mod:`loader.order.hashing`, group rows by (lane, file bucket), sort by
 order key, optionally tokenize with ``tokenizers`` (``encode_batch_fast`` per row group),
 and write zstd Parquet with the same settings. The baseline's files are checked to be
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, str(REPO_ROOT))
-    from beam_jobs.sample_data import make_sample
+    from loader.samples.corpus import make_sample
 
     input_dir = str(WORK_DIR / f"sample_{args.docs}")
     if not os.path.isdir(input_dir):

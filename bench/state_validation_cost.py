@@ -30,7 +30,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from loader.checkpoint import schema as checkpoint_schema, state as state_mod  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
 from loader.pipeline import ZephonLoader  # noqa: E402

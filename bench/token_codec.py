@@ -2,7 +2,7 @@
 
     python bench/token_codec.py [--docs 20000] [--repeats 3] [--seconds 3]
 
-Data: the sample corpus (:mod:`beam_jobs.sample_data`, JSONL, ``--docs`` documents) sharded by
+Data: the sample corpus (:mod:`loader.samples.corpus`, JSONL, ``--docs`` documents) sharded by
 the Beam job three times, pre-tokenized into 16 lanes, with ``--token-compression`` lz4 (the
 default), zstd and none; cached under ``bench/_work/token_codec/``. For each codec:
 
@@ -42,7 +42,7 @@ ACCESS_LABELS = {"native": "pa.OSFile (loader)", "python_file": "Python file", "
 
 
 def build(docs: int) -> dict[str, Path]:
-    from beam_jobs.sample_data import make_sample
+    from loader.samples.corpus import make_sample
 
     corpus = WORK_DIR / f"corpus_{docs}"
     if not (corpus / "done").exists():

@@ -160,7 +160,8 @@ def read_log(path: Path) -> dict[int, dict]:
 # -- data ------------------------------------------------------------------------------------
 def prepare_data(work: Path, num_docs: int, sample_seed: int, logs: Path) -> tuple[Path, dict]:
     """Sample corpus -> two lane-sharded sources -> loader config. Reuses finished datasets."""
-    from beam_jobs.sample_data import default_tokenizer_path, make_sample
+    from loader.samples import default_tokenizer_path
+    from loader.samples.corpus import make_sample
 
     timings = {}
     data = work / "data"

@@ -35,7 +35,7 @@ from loader.errors import ZephonError
 
 # subcommand -> (module, one-line help). Each module exposes ``command(argv) -> int``.
 SUBCOMMANDS = {
-    "make-sample": ("beam_jobs.sample_data", "generate a deterministic sample corpus (JSONL, .gz, .zst, Parquet)"),
+    "make-sample": ("loader.samples.corpus", "generate a deterministic sample corpus (JSONL, .gz, .zst, Parquet)"),
     "shard": ("beam_jobs.shard", "run the Beam sharding job: raw documents -> lane-indexed Parquet + manifest"),
     "inspect": ("beam_jobs.inspect_dataset", "summarise a sharded dataset (lanes, documents, tokens, balance, rejects)"),
     "fingerprints": ("loader.commands.fingerprints", "print one SHA-256 per global batch for a loader config (compare runs, topologies, resumes)"),

@@ -271,8 +271,8 @@ class LoaderConfig:
         "worker_timeout_s": "A worker that produces nothing this long raises instead of hanging.",
         "read_ahead": "Read and decode each lane's next row groups on background threads (text is tokenized "
                       "ahead too); `false` reads on demand. Never changes a batch.",
-        "read_ahead_threads": "Threads per process doing the read-ahead, shared by all lanes and sources. "
-                              "Never changes a batch.",
+        "read_ahead_threads": "Threads per loader (and per worker process) doing the read-ahead, shared by all "
+                              "its lanes and sources; `close()` ends them. Never changes a batch.",
         "batch_fields": "Per-token tensors each micro-batch holds: `input_ids` (required), `labels`, "
                         "`position_ids`, `cu_seqlens`, `token_source_ids` (token mixing only), `loss_mask` "
                         "(sources with a loss mask only). Leave out what the trainer does not use: each costs "

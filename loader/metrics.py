@@ -19,8 +19,8 @@ fill_rows              finite data with filled tails (``epoch_tail = "fill"``): 
 rejected               per reason: documents the loader dropped while reading (online chat
                        rejects); the Beam job's rejects are in ``dataset_rejected``
 wait_s                 seconds spent inside ``next(loader)`` (what the trainer waited for)
-bytes_read             compressed bytes of the Parquet column chunks read (all lanes of the
-                       process, worker processes included: they report with every message)
+bytes_read             compressed bytes of the Parquet column chunks read (this loader's lanes,
+                       its worker processes included: they report with every message)
 row_groups_read        row groups read, likewise
 cache_hits/misses      lane-file cache (``cache_dir``, remote files) opens served locally / fetched
 =====================  ===================================================================
@@ -30,7 +30,9 @@ plus ``restores``, ``restore_s`` (seconds of the last ``load_state_dict``),
 ``dataset_rejected`` (per source and reason, from the manifests), and with ``balance`` set
 ``balance`` (:meth:`loader.balanced.Balancer.stats`: the last step's max/mean rank cost, balanced
 and as the default layout had it, their means, the exchange's seconds). I/O counters are per
-process: two loaders in one process (simulated ranks) see each other's reads.
+loader: each loader's streams count into its own :class:`IoCounters` (``StreamOwner.io``,
+:mod:`loader.io.owner`), so two loaders in one process (a train and an eval loader, simulated
+ranks) each report their own reads.
 
 Cost: per micro-batch two clock reads and one pass over its sequences (source id and padding
 count of each, no per-token work), the run's totals folded in once per step; per-token work
@@ -45,24 +47,25 @@ as ``{"zephon/...": float}`` for a framework logger (loader.integrations.hf / li
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
 
-# -- I/O counters (per process) ---------------------------------------------------------------
+# -- I/O counters (per loader) ----------------------------------------------------------------
 IO_FIELDS = ("bytes_read", "row_groups_read", "cache_hits", "cache_misses")
 
 
 class IoCounters:
-    """Process-wide I/O counts, incremented by the lane reader (once per row group) and the
-    lane-file cache (once per file open), from any thread."""
+    """The I/O counts of one loader's streams, incremented by the lane reader (once per row group)
+    and the lane-file cache (once per file open), from any thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -89,23 +92,46 @@ class IoCounters:
             return delta
 
 
+# The counters of streams built outside a loader (loader.io.owner.PROCESS_OWNER): a worker
+# process's streams (one loader's lanes), ``zephon audit``, tests.
 IO = IoCounters()
 
+# The counters a thread's file opens count into while a stream opens a lane file
+# (:func:`counting_into`): the lane-file cache sits below the storage facade, which knows no loader.
+_opening = threading.local()
 
-def note_row_group_read(row_group_metadata, columns: Sequence[str]) -> None:
-    """One row group read: its compressed bytes of ``columns`` (from the Parquet footer)."""
+
+@contextlib.contextmanager
+def counting_into(counters: IoCounters) -> Iterator[None]:
+    """Within the block, :func:`active_counters` on this thread is ``counters``."""
+    previous = getattr(_opening, "counters", None)
+    _opening.counters = counters
+    try:
+        yield
+    finally:
+        _opening.counters = previous
+
+
+def active_counters() -> IoCounters:
+    """The counters of the stream opening a file on this thread (:func:`counting_into`), else :data:`IO`."""
+    counters = getattr(_opening, "counters", None)
+    return IO if counters is None else counters
+
+
+def note_row_group_read(row_group_metadata, columns: Sequence[str], counters: IoCounters) -> None:
+    """One row group read into ``counters``: its compressed bytes of ``columns`` (from the Parquet footer)."""
     size = 0
     for i in range(row_group_metadata.num_columns):
         column = row_group_metadata.column(i)
         if column.path_in_schema in columns:
             size += column.total_compressed_size
-    IO.add(bytes_read=size, row_groups_read=1)
+    counters.add(bytes_read=size, row_groups_read=1)
 
 
-def receive_shipped(delta: Optional[dict[str, int]]) -> None:
+def receive_shipped(delta: Optional[dict[str, int]], counters: IoCounters) -> None:
     """In the trainer: add what a worker message reported (its reads since its last message)."""
     if delta:
-        IO.add(**delta)
+        counters.add(**delta)
 
 
 _PADDING = attrgetter("sequence.padding")
@@ -231,8 +257,10 @@ class MetricsRecorder:
 
     def __init__(self, *, source_names: Sequence[str], seq_len: int, per_rank_batch: int, supervised: bool,
                  token_mixing: bool, batched_token_sources: bool = True, log_every_steps: int = 0,
-                 dataset_rejected: Optional[dict[str, dict[str, int]]] = None, fill_rows: bool = False) -> None:
+                 dataset_rejected: Optional[dict[str, dict[str, int]]] = None, fill_rows: bool = False,
+                 io: IoCounters = IO) -> None:
         self.names = tuple(source_names)
+        self._io = io  # the loader's streams' counters (loader.io.owner.StreamOwner.io)
         self.fill_rows = fill_rows  # count fill rows (source id -1): finite data with filled tails
         # Token mixing without token_source_ids in the batch: the loader calls keep_token_sources
         # before collation (a worker's slot may be written again once the items are copied out).
@@ -244,7 +272,7 @@ class MetricsRecorder:
         self.token_mixing = token_mixing
         self.log_every_steps = log_every_steps
         self.dataset_rejected = dataset_rejected or {}
-        self._io_start = IO.snapshot()
+        self._io_start = io.snapshot()
         self._io_step = self._io_start  # at the last step boundary
         self._done = _Accumulator(len(self.names))  # whole steps handed out
         self._current = _Accumulator(len(self.names))
@@ -329,7 +357,7 @@ class MetricsRecorder:
         if self._last is not None:
             self._done.fold(self._last)
         self._last = current
-        io = IO.snapshot()
+        io = self._io.snapshot()
         self._last_io = (self._io_step, io)
         self._io_step = io
         self._current = _Accumulator(len(self.names))
@@ -370,7 +398,7 @@ class MetricsRecorder:
         self._after_restore = True
 
     def metrics(self, step: int) -> LoaderMetrics:
-        io = IO.snapshot()
+        io = self._io.snapshot()
         total = _Accumulator(len(self.names))
         for part in (self._done, self._last, self._current):  # the step in progress too
             if part is not None:

@@ -46,6 +46,8 @@ MOVED = {
     "loader.torch_data": "loader.integrations.torch_data",
     # One name per concept: torch_data is PyTorch's DataLoader and DCP, this one torchdata's.
     "loader.integrations.torchdata": "loader.integrations.stateful_dataloader",
+    # The sample corpus generator: out of the Beam package, which the trainer's workers may import.
+    "beam_jobs.sample_data": "loader.samples.corpus",
 }
 
 _IMPORT_MACHINERY = ("<frozen importlib", os.path.dirname(importlib.__file__))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import time
+import weakref
 from typing import Any, Optional
 
 import numpy as np
@@ -40,6 +41,7 @@ from loader.config import LoaderConfig
 from loader.errors import ConfigError, WorkerError
 from loader.io.manifest import Manifest
 from loader.kinds.base import kinds_of
+from loader.io.owner import StreamOwner
 from loader.metrics import LoaderMetrics, MetricsRecorder
 from loader.model_inputs import build_layout
 from loader.model_inputs.loss_tokens import GlobalCounter
@@ -113,6 +115,10 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
             else:
                 warn_pinning_unavailable()
         self.config = config
+        # The threads and I/O counters of this loader's streams (loader.io.owner): joined by close(),
+        # also on garbage collection and at exit (the finalizer holds the owner, not the loader).
+        self.owner = StreamOwner("zephon-loader")
+        self._owner_finalizer = weakref.finalize(self, self.owner.close)
         identity = resolve_data_parallel(rank=rank, world_size=world_size, dp_rank=dp_rank,
                                          dp_world_size=dp_world_size, device_mesh=device_mesh,
                                          dp_mesh_dim=dp_mesh_dim)
@@ -176,7 +182,7 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
             batched_token_sources="token_source_ids" in config.batch_fields,
             log_every_steps=config.metrics_log_every_steps,
             dataset_rejected={n: dict(m.rejected) for n, m in zip(self.source_names, self.manifests)},
-            fill_rows=self.fills,
+            fill_rows=self.fills, io=self.owner.io,
         )
         self._run: Optional[Run] = None
         # Workers that build whole micro-batches (loader.workers.batches): endless data without a
@@ -271,13 +277,18 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
                     stream.wait_for_read_ahead()
 
     def close(self) -> None:
-        """End the run and every worker process (also done on garbage collection and at exit)."""
-        self._end_run()
-        self._stop_pool()
-        if getattr(self, "_balancer", None) is not None:
-            self._balancer.close()
-        if self._global_counter is not None:
-            self._global_counter.close()
+        """End the run, every worker process and every thread of the loader (also done on garbage
+        collection, at exit, and on leaving a ``with`` block, Ctrl-C included). Iterating again
+        afterwards starts them anew."""
+        try:
+            self._end_run()
+            self._stop_pool()
+            if getattr(self, "_balancer", None) is not None:
+                self._balancer.close()
+            if self._global_counter is not None:
+                self._global_counter.close()
+        finally:
+            self.owner.close()
 
     def __enter__(self) -> "ZephonLoader":
         return self

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -28,6 +29,7 @@ PACKAGES = ("loader", "beam_jobs")
 CORE = (
     "loader.order", "loader.io", "loader.stages", "loader.checkpoint", "loader.workers", "loader.transforms",
     "loader.pipeline", "loader.config", "loader.metrics", "loader.validation", "loader.errors", "loader.registry",
+    "loader.caches",
     "loader.kinds.base", "loader.runtime",
 )
 # The concrete kinds of lane data: what the core must never import.
@@ -37,6 +39,20 @@ KINDS_PACKAGE = "loader.kinds"  # its __init__ lists the built-in kinds: a kind 
 # Core -> kind imports not yet moved behind loader.kinds: (importer, imported) -> count.
 CORE_TO_KIND_ALLOWED = {
     ("loader.config", "loader.vision.options"): 1,
+}
+
+# The sample corpus generator: only the commands that write a sample (and the tokenizer's
+# training script) import it, so no trainer's process loads it.
+SAMPLE_CORPUS = "loader.samples.corpus"
+SAMPLE_CORPUS_IMPORTERS = ("loader.commands.quickstart", "beam_jobs.train_tokenizer")
+
+# "Is this path remote?" has one answer, loader.io.backends.is_remote (or scheme_of): a check of a
+# path's text for "://" or a scheme prefix elsewhere is a second rule. Endpoint URLs are not paths.
+REMOTE_CHECK = re.compile(r"""["']://["']\s+(?:not\s+)?in\b|startswith\(\(?\s*f?["'][a-z0-9]+://""")
+REMOTE_CHECKS_ALLOWED = {
+    "loader.io.backends": "the rule itself",
+    "loader.io.gcs": "resolve_endpoint: an endpoint URL without a scheme gets http://",
+    "loader.io.s3": "resolve_endpoint: an endpoint URL without a scheme gets http://",
 }
 
 MAX_CLASS_LINES = 400
@@ -223,6 +239,37 @@ def check_core_names_no_kind(edges: list[Import]) -> None:
     assert not gone, f"no longer imported: remove from CORE_TO_KIND_ALLOWED (or lower the count): {gone}"
 
 
+def check_sample_corpus_out_of_the_runtime(edges: list[Import]) -> None:
+    importers = sorted({e.importer for e in edges if e.imported == SAMPLE_CORPUS}
+                       - set(SAMPLE_CORPUS_IMPORTERS))
+    assert not importers, (f"{SAMPLE_CORPUS} (a test-corpus generator) is imported by {importers}; the "
+                           "loader and the Beam job use loader.samples.default_tokenizer_path at most")
+
+
+def test_the_sample_corpus_is_imported_by_its_commands_only():
+    check_sample_corpus_out_of_the_runtime(import_graph())
+
+
+def remote_checks(sources: Optional[dict[str, str]] = None) -> dict[str, list[int]]:
+    """Modules that test a path for a scheme by hand: module -> line numbers."""
+    texts = sources or {module: path.read_text() for module, path in _modules().items()}
+    found = {}
+    for module, text in texts.items():
+        lines = [n for n, line in enumerate(text.splitlines(), 1) if REMOTE_CHECK.search(line)]
+        if lines and module not in REMOTE_CHECKS_ALLOWED:
+            found[module] = lines
+    return found
+
+
+def test_one_rule_for_remote_paths():
+    assert remote_checks() == {}, "use loader.io.backends.is_remote / scheme_of instead of these checks"
+
+
+def test_a_hand_made_remote_check_is_found():
+    found = remote_checks({"beam_jobs.x": 'if "://" in path:\n    pass\nok = p.startswith(("gs://", "s3://"))\n'})
+    assert found == {"beam_jobs.x": [1, 3]}
+
+
 def test_no_import_cycles():
     check_no_cycles(import_graph())
 
@@ -267,6 +314,12 @@ def test_a_core_import_of_a_kind_is_found():
     edges = import_graph(sources=_with("loader.io.manifest", "from loader.vision.record import ImagesRecord\n"))
     with pytest.raises(AssertionError, match="loader.vision.record"):
         check_core_names_no_kind(edges)
+
+
+def test_an_import_of_the_sample_corpus_is_found():
+    edges = import_graph(sources=_with("loader.stages.tokenizer", "from loader.samples import corpus\n"))
+    with pytest.raises(AssertionError, match="loader.stages.tokenizer"):
+        check_sample_corpus_out_of_the_runtime(edges)
 
 
 def test_a_big_class_is_found(tmp_path):

@@ -156,9 +156,9 @@ def make_corpus(data_dir: str, *, num_docs: int, tokenizer_path: str, seed: int 
 
 
 def default_tokenizer() -> str:
-    """The shipped tokenizer (beam_jobs.sample_data.default_tokenizer_path), if present."""
+    """The shipped tokenizer (loader.samples.default_tokenizer_path), if present."""
     try:
-        from beam_jobs.sample_data import default_tokenizer_path
+        from loader.samples import default_tokenizer_path
 
         path = default_tokenizer_path()
         if os.path.exists(path):

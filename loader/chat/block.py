@@ -44,12 +44,14 @@ from typing import Any, Optional
 
 import numpy as np
 
+from loader.caches import BoundedCache
 from loader.chat.conversations import ConversationRejected
-from loader.chat.encode import check_options, encode_conversations
+from loader.chat.encode import TOKENIZE_HELPER, check_options, encode_conversations
 from loader.chat.template import ChatTemplate
 from loader.errors import ChatConfigError, LaneDataError
 from loader.errors import ConfigError  # noqa: F401  (also importable from here)
 from loader.io.blocks import Block, TokenFormat, wrap_documents
+from loader.io.owner import PROCESS_OWNER, StreamOwner
 from loader.io.reject_tally import RejectTally  # noqa: F401  (also importable from here)
 from loader.stages.features import FEATURES, wrap_feature
 from loader.vision.reasons import IMAGE_CHAT_REJECT_REASONS
@@ -62,8 +64,8 @@ ONLINE_REJECT_REASONS = ("empty_loss_mask", "full_loss_mask", "too_long")
 MESSAGES_KEY, TOOLS_KEY = "messages", "tools"  # keys of the conversation JSON (beam_jobs.chat_records)
 
 _logged_reasons: set[str] = set()
-_logged_lock = threading.Lock()  # guards both
-_encoders: dict[tuple, "OnlineChat"] = {}  # OnlineChat.of_manifest: one per source and process
+_logged_lock = threading.Lock()
+_encoders: BoundedCache["OnlineChat"] = BoundedCache(64)  # OnlineChat.of_manifest: one per source and process
 
 
 def effective_max_tokens(max_tokens: Optional[int], *, seq_len: int, packing: str, wrap_tokens: int,
@@ -168,17 +170,12 @@ class OnlineChat:
         template once took ~0.1 s; per lane it delayed the first batch by lanes x that)."""
         key = (json.dumps(manifest.chat.to_dict(), sort_keys=True), id(tokenizer), source_name, seq_len, packing,
                wrap_tokens, overlong)
-        with _logged_lock:
-            cached = _encoders.get(key)
+        cached = _encoders.get(key)
         if cached is not None and cached.tokenizer is tokenizer:
             return cached
         encoder = cls._build(manifest, tokenizer, source_name=source_name, seq_len=seq_len, packing=packing,
                              wrap_tokens=wrap_tokens, overlong=overlong)
-        with _logged_lock:
-            if len(_encoders) > 64:
-                _encoders.clear()
-            _encoders[key] = encoder
-        return encoder
+        return _encoders.put(key, encoder)
 
     @classmethod
     def _build(cls, manifest, tokenizer, *, source_name: str, seq_len: int, packing: str,
@@ -197,9 +194,11 @@ class OnlineChat:
         check_options(chat.loss_on, max_tokens, chat.overflow)
         return cls(template, tokenizer, chat.loss_on, max_tokens, chat.overflow, source_name)
 
-    def block(self, conversations: list, token_format: TokenFormat, where: str, row_group: int) -> "ChatBlock":
-        """The block of one row group's ``conversation`` values (rows in replay order)."""
-        return ChatBlock(conversations, self, token_format, where, row_group)
+    def block(self, conversations: list, token_format: TokenFormat, where: str, row_group: int,
+              owner: Optional[StreamOwner] = None) -> "ChatBlock":
+        """The block of one row group's ``conversation`` values (rows in replay order); its
+        renders are tokenized on ``owner``'s helper thread (the stream's; None: the process's)."""
+        return ChatBlock(conversations, self, token_format, where, row_group, owner)
 
 
 class ChatBlock(Block):
@@ -209,11 +208,12 @@ class ChatBlock(Block):
     """
 
     def __init__(self, conversations: list, chat: OnlineChat, token_format: TokenFormat, where: str,
-                 row_group: int) -> None:
+                 row_group: int, owner: Optional[StreamOwner] = None) -> None:
         super().__init__(tokens=np.zeros(0, dtype=np.int32), doc_starts=np.zeros(1, dtype=np.int64),
                          complete=not conversations)
         self._conversations = conversations
         self._chat = chat
+        self._owner = PROCESS_OWNER if owner is None else owner
         self._format = token_format
         self._where = (where, row_group)
         self.reject_counts: dict[str, int] = {}
@@ -281,7 +281,8 @@ class ChatBlock(Block):
         outcomes = encode_conversations(
             records, chat.template, chat.tokenizer, loss_on=chat.loss_on, max_tokens=chat.max_tokens,
             overflow=chat.overflow, messages_field=MESSAGES_KEY, tools_field=TOOLS_KEY,
-            from_json=rows is None)  # json.loads output, unless a records-stage transform replaced records
+            from_json=rows is None,  # json.loads output, unless a records-stage transform replaced records
+            helper=self._owner.helper(TOKENIZE_HELPER))
         ids, masks, encoded_rows = [], [], []
         for k, outcome in enumerate(outcomes):
             if isinstance(outcome, ConversationRejected):

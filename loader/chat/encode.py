@@ -21,8 +21,6 @@ template's ``strftime_now`` is the one exception; templates that call it depend 
 
 from __future__ import annotations
 
-import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -36,6 +34,7 @@ from loader.chat.masks import TokenizedChat, covered_characters, encode_renders,
 from loader.chat.spans import LOSS_ON_CHOICES, AssistantSpans, assistant_spans, check_choice
 from loader.chat.template import ChatTemplate
 from loader.errors import ChatOptionError, ZephonError
+from loader.io.owner import PROCESS_OWNER
 
 # encode_conversations tokenizes its renders in parts of at least this many characters, each
 # on a helper thread while the records after it render: the tokenizer releases the GIL, so
@@ -44,8 +43,7 @@ from loader.errors import ChatOptionError, ZephonError
 # Smaller parts overlap more of the work but pay the batched call's overhead more often.
 TOKENIZE_PART_CHARS = 24 * 1024
 
-_helper_lock = threading.Lock()
-_helper: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid, executor): none inherited across fork
+TOKENIZE_HELPER = "chat-tokenize"  # the name of that thread's executor (loader.io.owner.StreamOwner.helper)
 
 # What a template may raise on data it does not accept: its own raise_exception
 # (TemplateError and its subclasses), or Python errors from operations on odd values.
@@ -188,6 +186,7 @@ def encode_conversations(
     messages_field: str = "messages",
     tools_field: str = "tools",
     from_json: bool = False,
+    helper: Optional[ThreadPoolExecutor] = None,
 ) -> list[Union[EncodedConversation, ConversationRejected]]:
     """:func:`encode_conversation` of each record, the renders tokenized in batched calls.
 
@@ -199,8 +198,12 @@ def encode_conversations(
     its :class:`ConversationRejected`, in record order. ``from_json``: the records are
     ``json.loads`` output (only JSON types), so they render without transformers' copy of
     the messages (the same text: :meth:`loader.chat.template.ChatTemplate.render`).
+    ``helper``: the one-thread executor of those parts (a loader stream's owner's; None: the
+    process's, :data:`loader.io.owner.PROCESS_OWNER`).
     """
     check_options(loss_on, max_tokens, overflow)
+    if helper is None:
+        helper = PROCESS_OWNER.helper(TOKENIZE_HELPER)
     outcomes: list = []
     parts: list[tuple[list[str], Future]] = []  # each part's renders and their encode_renders, in order
     texts: list[str] = []  # the renders of the part being filled
@@ -215,7 +218,7 @@ def encode_conversations(
             texts.append(outcome.text)
             chars += len(outcome.text)
             if chars >= TOKENIZE_PART_CHARS:
-                parts.append((texts, _tokenize_helper().submit(encode_renders, tokenizer, texts)))
+                parts.append((texts, helper.submit(encode_renders, tokenizer, texts)))
                 texts, chars = [], 0
         outcomes.append(outcome)
     last = encode_renders(tokenizer, texts)  # the last part: on this thread, while the helper finishes
@@ -230,14 +233,3 @@ def encode_conversations(
             except ConversationRejected as exc:
                 outcomes[index] = exc
     return outcomes
-
-
-def _tokenize_helper() -> ThreadPoolExecutor:
-    """The process's one helper thread for :func:`encode_conversations`' parts (a new one after a fork).
-
-    One thread: the parts of a call tokenize in order, each on the tokenizer's own thread pool."""
-    global _helper
-    with _helper_lock:
-        if _helper is None or _helper[0] != os.getpid():
-            _helper = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-chat-tokenize"))
-        return _helper[1]

@@ -31,18 +31,19 @@ do not add up to its UTF-8 length, is tokenized again with offsets
 from __future__ import annotations
 
 import json
-import threading
 from typing import Optional
 
 import numpy as np
+
+from loader.caches import BoundedCache
 
 # Pre-tokenizers that never drop a character (with a behaviour other than "Removed").
 _KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Split", "Punctuation", "Digits")
 # Post-processors that add nothing and keep offsets with add_special_tokens=False.
 _OFFSET_KEEPING_POST_PROCESSORS = ("TemplateProcessing",)
 
-_lock = threading.Lock()
-_tables: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, signature, table or None)
+# id(tokenizer) -> (tokenizer, signature, table or None): the tokenizer is kept to tell a reused id apart
+_tables: BoundedCache[tuple] = BoundedCache(16)
 
 
 def byte_level_symbols() -> dict[str, int]:
@@ -128,15 +129,11 @@ def byte_lengths(tokenizer) -> Optional[np.ndarray]:
     """:func:`table_from_config` of a ``tokenizers.Tokenizer``, cached per tokenizer object
     (and rebuilt if its vocabulary size or normalizer / pre-tokenizer / post-processor change)."""
     signature = _signature(tokenizer)
-    with _lock:
-        cached = _tables.get(id(tokenizer))
+    cached = _tables.get(id(tokenizer))
     if cached is not None and cached[0] is tokenizer and cached[1] == signature:
         return cached[2]
     table = table_from_config(json.loads(tokenizer.to_str()))
-    with _lock:
-        if len(_tables) > 16:
-            _tables.clear()
-        _tables[id(tokenizer)] = (tokenizer, signature, table)
+    _tables.put(id(tokenizer), (tokenizer, signature, table))
     return table
 
 

@@ -24,7 +24,8 @@ import time
 from typing import Optional, Sequence
 
 from loader.cli import run_command
-from beam_jobs import inspect_dataset, sample_data, shard
+from beam_jobs import inspect_dataset, shard
+from loader.samples import corpus as sample_data
 from beam_jobs.progress import StageTimer
 from loader.config import LoaderConfig
 from loader.commands.fingerprints import collect_fingerprints

@@ -33,6 +33,7 @@ import numpy as np
 
 from loader.errors import EmptyLaneError, LaneDataError
 from loader.io.cursor_record import cursor_state
+from loader.io.backends import is_remote
 from loader.order.packing_windows import window_outputs
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def cache_dir(config_cache_dir: Optional[str] = None) -> str:
     ``$XDG_CACHE_HOME/zephon/window-counts`` (``~/.cache`` by default)."""
     if os.environ.get(CACHE_ENV):
         return os.environ[CACHE_ENV]
-    if config_cache_dir and "://" not in config_cache_dir:
+    if config_cache_dir and not is_remote(config_cache_dir):
         return os.path.join(config_cache_dir, "window-counts")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "zephon", "window-counts")

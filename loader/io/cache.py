@@ -41,7 +41,7 @@ from typing import BinaryIO, Callable, Iterator, Optional
 
 from loader.errors import StorageError
 from loader.io.storage_options import CHECKSUM_ATTEMPTS, SHA256_HEX, sha256_of_file
-from loader.metrics import IO
+from loader.metrics import active_counters
 
 log = logging.getLogger(__name__)
 
@@ -116,21 +116,21 @@ class LaneFileCache:
         path = self.entry_path(entry)
         handle, _ = self._open_verified(path, entry)
         if handle is not None:
-            IO.add(cache_hits=1)  # loader.metrics
+            active_counters().add(cache_hits=1)  # the opening stream's loader (loader.metrics)
             return handle
         key = self.key(entry)
         with _flock(os.path.join(self.root, "locks", f"{key[:3]}.lock")):
             # Another process may have filled (or repaired) it while we waited.
             handle, problem = self._open_verified(path, entry)
             if handle is not None:
-                IO.add(cache_hits=1)  # filled by another process meanwhile
+                active_counters().add(cache_hits=1)  # filled by another process meanwhile
                 return handle
             if problem is not None:
                 log.warning("cache copy %s of %s is corrupt (%s): deleting it and fetching again",
                             path, url, problem)
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
-            IO.add(cache_misses=1)
+            active_counters().add(cache_misses=1)
             return self._fill(url, entry, key, path, fetch)
 
     def _check(self, handle: BinaryIO, entry) -> Optional[str]:

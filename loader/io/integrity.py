@@ -15,6 +15,7 @@ import re
 
 import pyarrow.parquet as pq
 
+from loader.caches import BoundedCache
 from loader.errors import LaneDataError
 from loader.io import storage, storage_options
 from loader.io.manifest import MANIFEST_NAME, FileEntry, lane_file_path
@@ -25,7 +26,8 @@ PART_FILE_NAME = re.compile(r"part-\d{5,}\.parquet")
 
 # Local lane files whose SHA-256 matched the manifest in this process, by identity on disk
 # (a file replaced in place is hashed again): each is hashed once per process, on first open.
-_verified_local_files: set[tuple] = set()
+# Bounded: a file forgotten is hashed again on its next open (a cost, never a wrong answer).
+_verified_local_files: BoundedCache[bool] = BoundedCache(65536)
 
 
 def verify_local_file(path: str, handle, entry: FileEntry) -> None:
@@ -42,7 +44,7 @@ def verify_local_file(path: str, handle, entry: FileEntry) -> None:
             f"{path}: SHA-256 {digest} does not match the manifest's {entry.sha256} (verify_local_files): "
             f"the file is corrupt or was replaced; {FIX}"
         )
-    _verified_local_files.add(identity)
+    _verified_local_files.put(identity, True)
 
 
 def check_footer(metadata: pq.FileMetaData, entry: FileEntry, path: str) -> None:

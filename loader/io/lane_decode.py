@@ -42,7 +42,7 @@ class LaneBlockDecoder:
             columns = [column] + [f.column for f in self.features] + list(self._kind_columns) + (
                 [TOMBSTONE_COLUMN] if self.tombstone_transforms else [])  # last: popped below
             table = parquet.read_row_group(row_group, columns=columns, use_threads=False)
-            note_row_group_read(parquet.metadata.row_group(row_group), columns)  # loader.metrics
+            note_row_group_read(parquet.metadata.row_group(row_group), columns, self.owner.io)  # loader.metrics
             # combine_chunks copies even a single chunk
             values, *feature_columns = [c.chunk(0) if c.num_chunks == 1 else c.combine_chunks() for c in table.columns]
             check_row_group(len(values), parquet.metadata, row_group, path)
@@ -76,7 +76,7 @@ class LaneBlockDecoder:
                 values=values, columns=feature_columns, column_names=self._kind_columns, features=self.features,
                 token_format=self.token_format, tokenizer=None if self.pretokenized else self.tokenizer, where=path,
                 row_group=row_group, chat=self.chat, images=self.images, epoch=epoch,
-                block_of=lambda: self.blocks_of_epoch(epoch).index((file_ordinal, row_group))))
+                block_of=lambda: self.blocks_of_epoch(epoch).index((file_ordinal, row_group)), owner=self.owner))
             if self.chat is not None and self.transforms is not None:  # around the render (loader.chat.block)
                 block.transform(self.transforms, transform_columns)
                 counts = block.transform_counts

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 from loader.errors import LaneDataError, ZephonError
 from loader.io import storage
 from loader.io.integrity import FIX, check_footer, verify_local_file
+from loader.metrics import counting_into
 from loader.order.epochs import epoch_blocks, row_order
 
 
@@ -18,7 +19,7 @@ class LaneFiles:
     One file open at a time (its footer checked against the manifest entry as it opens), the
     row groups of each file, the order each epoch replays them in (``blocks_of_epoch``), and
     the check that a file's row groups hold the manifest's token total. Uses the stream's
-    ``files``, ``dataset_path``, ``storage_options``, ``seed``, ``source_name``, ``lane_id`` and
+    ``files``, ``dataset_path``, ``storage_options``, ``owner`` (its I/O counters), ``seed``, ``source_name``, ``lane_id`` and
     the caches its ``__init__`` makes (``_row_groups``, ``_epoch_blocks``, ``_open_file``,
     ``_file_group_tokens``, ``_tokens_checked``).
     """
@@ -46,7 +47,8 @@ class LaneFiles:
             self._close_file()
             entry = self.files[file_ordinal]
             path = storage.join(self.dataset_path, entry.path)
-            handle = storage.open_lane_file(self.dataset_path, entry, self.storage_options)
+            with counting_into(self.owner.io):  # the cache's hits and misses (loader.metrics)
+                handle = storage.open_lane_file(self.dataset_path, entry, self.storage_options)
             try:
                 if self.storage_options.verify_local_files and not storage.is_remote(path):
                     verify_local_file(path, handle, entry)

@@ -8,18 +8,20 @@ from typing import Optional
 import numpy as np
 
 from loader.io.blocks import Block
-from loader.io.read_ahead import prepare_later
+from loader.io.owner import StreamOwner
+
+log = logging.getLogger(__name__)
 
 log = logging.getLogger(__name__)
 
 
-def prepare_block(key: tuple[int, int], block: Block) -> None:
+def prepare_block(owner: StreamOwner, key: tuple[int, int], block: Block) -> None:
     """A block just read ahead (``key``: its epoch and index): its remaining decoding (an online
-    chat block's render, tokenization and masks) queued on the prepare thread; blocks with
+    chat block's render, tokenization and masks) queued on its owner's prepare thread; blocks with
     nothing to prepare (pre-tokenized, text: see ``TextBlock``) cost nothing here."""
     prepare = type(block).prepare
     if not block.complete and prepare is not Block.prepare:
-        prepare_later(prepare, block, key)  # the unbound method: the block itself is held weakly
+        owner.prepare_later(prepare, block, key)  # the unbound method: the block itself is held weakly
 
 
 class LaneReadAhead:

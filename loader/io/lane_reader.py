@@ -25,6 +25,7 @@ block, which every process rebuilds alike).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -39,12 +40,12 @@ from loader.io.integrity import check_no_unlisted_files
 from loader.io.lane_decode import LaneBlockDecoder
 from loader.io.lane_files import LaneFiles
 from loader.io.lane_read_ahead import LaneReadAhead, prepare_block
+from loader.io.owner import PROCESS_OWNER, StreamOwner
 from loader.io.lane_restore import TRANSFORMS_CHANGED, CursorRestore
 from loader.io.manifest import MANIFEST_NAME, FileEntry, Manifest
 from loader.io.read_ahead import READ_AHEAD_BLOCKS, ReadAheadQueue
 from loader.io.reject_tally import RejectTally
 from loader.kinds.base import BlockSource, lane_kind
-from loader.metrics import note_row_group_read
 from loader.order.epochs import epoch_blocks, row_order
 from loader.stages.features import Feature, column_features, slice_features
 from loader.transforms.chain import TransformCounts, chain_for
@@ -96,7 +97,9 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
         transforms: tuple = (),  # resolved loader.transforms.TransformSpec of this source, in order
         chat=None,  # a loader.chat.block.OnlineChat for online chat lanes (manifest.online_chat)
         images=None,  # a loader.vision.block.ImageOptions for image lanes (manifest.images)
+        owner: StreamOwner = PROCESS_OWNER,  # its background threads and I/O counters (the loader's)
     ) -> None:
+        self.owner = owner
         # Image lanes: text, segments and image sizes become tokens, loss_mask and image_ref in
         # the block (loader.vision.block); image bytes are read only to resolve refs.
         self.images = images
@@ -159,7 +162,8 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
         self.read_ahead_threads = read_ahead_threads
         self.read_ahead_blocks = read_ahead_blocks  # see read_ahead_depth
         # Blocks being read in the background, in stream order, keyed (epoch, block).
-        self._ahead = ReadAheadQueue(self._read_queued_block, read_ahead_threads, prepare=prepare_block)
+        self._ahead = ReadAheadQueue(self._read_queued_block, functools.partial(owner.read_ahead_pool, read_ahead_threads),
+                                     prepare=functools.partial(prepare_block, owner))
         # The next block, read early by documents_ahead: ((epoch, block), Block).
         self._peeked: Optional[tuple[tuple[int, int], Block]] = None
         # Transforms (loader.transforms): the source's chain, the columns it reads, and the

@@ -1,23 +1,19 @@
 """Read-ahead: background threads that read and decode a stream's next row groups.
 
 pyarrow and numpy release the GIL for this work, so on two or more cores it overlaps the
-packing and collation on the calling thread. The threads are shared by all streams of the
-process; each stream's reads run one after another, in its order (a stream's Parquet file
-is not read by two threads at once). With one thread the reads were the bound of
-pre-tokenized replay on two cores (bench/RESULTS.md, issue 6 profile). The pools are rebuilt
-after a fork, whose child would inherit the pool objects but not their threads.
+packing and collation on the calling thread. The threads are shared by the streams of one
+loader (its :class:`~loader.io.owner.StreamOwner`, which joins them on ``close()``); each
+stream's reads run one after another, in its order (a stream's Parquet file is not read by two
+threads at once). With one thread the reads were the bound of pre-tokenized replay on two
+cores (bench/RESULTS.md, issue 6 profile).
 """
 
 from __future__ import annotations
 
 import collections
-import heapq
-import itertools
 import logging
 import math
-import os
 import threading
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from fractions import Fraction
 from typing import Any, Callable, Hashable, Optional
@@ -43,76 +39,9 @@ def read_ahead_depth(share: Fraction, *, takes_next_block_early: bool = False) -
     return max(1, math.ceil(READ_AHEAD_BLOCKS * share)) + (1 if takes_next_block_early else 0)
 
 
-_pool_lock = threading.Lock()
-_pools: tuple[int, dict[int, ThreadPoolExecutor]] = (os.getpid(), {})
-_preparer: tuple[int, Optional["_Preparer"]] = (os.getpid(), None)
-
-
-def read_ahead_pool(threads: int) -> ThreadPoolExecutor:
-    global _pools
-    with _pool_lock:
-        if _pools[0] != os.getpid():
-            _pools = (os.getpid(), {})
-        pool = _pools[1].get(threads)
-        if pool is None:
-            pool = _pools[1][threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zephon-read-ahead")
-        return pool
-
-
-def prepare_later(prepare: Callable[[Any], None], item: Any, order: tuple) -> None:
-    """Run ``prepare(item)`` on the process's one prepare thread, lowest ``order`` first (a
-    block's ``(epoch, block index)``: the one its lane needs soonest), unless ``item`` is gone
-    by then (held weakly: a block dropped by a restore is not worked on).
-
-    Not on the read-ahead threads: a prepare there (a chat row group's render, ~0.1-0.5 s) ran
-    before the next read queued on that thread, so a block wanted now (another lane's first)
-    waited for the render of one wanted epochs later: the first batch took 2.5x longer. Not
-    first-come first-served either: each lane queues its next two blocks at once, and the
-    thread spent half its time on blocks wanted an epoch later while the stream encoded the
-    ones it needed itself. A failed prepare is dropped: whoever uses the item does the work
-    again and gets the error.
-    """
-    global _preparer
-    with _pool_lock:
-        if _preparer[0] != os.getpid() or _preparer[1] is None:
-            _preparer = (os.getpid(), _Preparer())
-        preparer = _preparer[1]
-    preparer.submit(order, prepare, weakref.ref(item))
-
-
-class _Preparer:
-    """One daemon thread working through a heap of prepares (see :func:`prepare_later`)."""
-
-    def __init__(self) -> None:
-        self._heap: list = []
-        self._serial = itertools.count()  # ties: first asked, first done
-        self._ready = threading.Condition()
-        threading.Thread(target=self._run, name="zephon-prepare", daemon=True).start()
-
-    def submit(self, order: tuple, prepare: Callable[[Any], None], ref: "weakref.ref") -> None:
-        with self._ready:
-            heapq.heappush(self._heap, (order, next(self._serial), prepare, ref))
-            self._ready.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._ready:
-                while not self._heap:
-                    self._ready.wait()
-                _, _, prepare, ref = heapq.heappop(self._heap)
-            item = ref()
-            if item is None:
-                continue
-            try:
-                prepare(item)
-            except Exception:  # noqa: BLE001 - raised again, with its context, where the item is used
-                log.debug("preparing a %s early failed; the error is raised where it is used", type(item).__name__,
-                          exc_info=True)
-            del item
-
-
 class ReadAheadQueue:
-    """One stream's reads queued ahead, in stream order, run one at a time on the shared pool.
+    """One stream's reads queued ahead, in stream order, run one at a time on ``pool()`` (its
+    owner's read-ahead pool: :meth:`loader.io.owner.StreamOwner.read_ahead_pool`).
 
     ``read(key, *args)`` does the read; its result (or its error) is handed to whoever asks
     for the key with :meth:`take`. While any read is pending only the read-ahead thread
@@ -120,14 +49,14 @@ class ReadAheadQueue:
 
     ``prepare(key, result)``, if given, is called on the same thread right after a read's
     result is handed over: it may queue work on the result that does not touch the file (a
-    chat block's render) elsewhere (:func:`prepare_later`).
+    chat block's render) elsewhere (:meth:`loader.io.owner.StreamOwner.prepare_later`).
     """
 
-    def __init__(self, read: Callable[..., Any], threads: int,
+    def __init__(self, read: Callable[..., Any], pool: Callable[[], ThreadPoolExecutor],
                  prepare: Optional[Callable[[Hashable, Any], None]] = None) -> None:
         self._read = read
         self._prepare = prepare
-        self._threads = threads
+        self._pool = pool
         # Reads handed out or pending, in stream order: (key, future).
         self._ahead: collections.deque[tuple[Hashable, Future]] = collections.deque()
         # Reads not started yet, with their arguments; guarded by _lock, as is _draining
@@ -156,7 +85,7 @@ class ReadAheadQueue:
             start = not self._draining
             self._draining = True
         if start:
-            read_ahead_pool(self._threads).submit(self._drain)
+            self._pool().submit(self._drain)
 
     def _drain(self) -> None:
         """On a read-ahead thread: the queued reads, in order, until none is left."""

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
 
 from loader.errors import ConfigError, ManifestError
 from loader.registry import Registry
 from loader.io.blocks import Block, TokenFormat
 from loader.stages.features import Feature
+
+if TYPE_CHECKING:
+    from loader.io.owner import StreamOwner
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class BlockSource:
     ``columns``: the feature columns the lane reads, then the kind's own lane columns (named by
     ``column_names``); ``chat`` / ``images``: the lane's online chat (``OnlineChat``) and image
     options, None when the lane has none; ``epoch`` and ``block_of()`` (the row group's index in
-    the epoch's order, computed on first call) place the block in its stream.
+    the epoch's order, computed on first call) place the block in its stream; ``owner``: the
+    stream's :class:`~loader.io.owner.StreamOwner`, on whose threads a block may run helper work.
     """
 
     values: Any  # a pyarrow Array
@@ -55,6 +59,7 @@ class BlockSource:
     images: Any
     epoch: int
     block_of: Callable[[], int]
+    owner: Optional[StreamOwner] = None  # the stream's threads: a kind's block runs its helpers there
 
 
 class LaneKind:

@@ -31,7 +31,8 @@ class ChatKind(LaneKind):
         return chat is not None and images is None
 
     def decode(self, source: BlockSource) -> Block:
-        return source.chat.block(source.values.to_pylist(), source.token_format, source.where, source.row_group)
+        return source.chat.block(source.values.to_pylist(), source.token_format, source.where, source.row_group,
+                                 source.owner)
 
     def stream_options(self, manifest, spec, source_name: str, tokenizer) -> dict:
         return {"chat": online_chat(manifest, spec, source_name, tokenizer)}

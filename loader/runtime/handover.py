@@ -61,7 +61,7 @@ class WorkerHandOver:
         pool = WorkerPool(
             num_workers=min(self.config.num_workers, len(self.rank_lanes)), seq_len=self.config.seq_len,
             prefetch=self.config.prefetch, items_held=items_held, items_per_message=per_message,
-            features=self.features,
+            features=self.features, io=self.owner.io,
             extra_slot_bytes=max(kind.worker_slot_bytes(self.spec, self.config.seq_len, per_message)
                                  for kind in kinds_of(self.manifests)),
             batch_slot_bytes=0 if self._batch_plan is None else batch_bytes(self._collator, self._batch_plan.per_message),
@@ -155,7 +155,7 @@ class Run:
         if pool is None or warm_start:
             # The trainer's thread calls produce_one for each index in turn: no generator and
             # no position bookkeeping between the loader and its lanes.
-            self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states)
+            self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states, loader.owner)
             start_reading(self.in_process_lanes, loader.next_global_index, self.num_lanes)
             self.bulk_rows = (self.reads_lanes_directly and not self.fills
                               and cfg.micro_batch_size <= rank_period(self.num_lanes, loader.topology.world_size)

@@ -23,6 +23,7 @@ from loader.checkpoint.records import StateSnapshot, lane_key
 from loader.errors import LaneExhausted, StateError
 from loader.io.blocks import TokenFormat
 from loader.io.lane_reader import LaneTokenStream
+from loader.io.owner import PROCESS_OWNER, StreamOwner
 from loader.io.read_ahead import read_ahead_depth
 from loader.io.storage import StorageOptions
 from loader.kinds.base import manifest_kind
@@ -89,7 +90,8 @@ class Lane:
     # and records each token's provenance (loader.io.provenance).
     stream_class = LaneTokenStream
 
-    def __init__(self, spec: LaneSpec, lane_id: int, manifests: Sequence, tokenizer) -> None:
+    def __init__(self, spec: LaneSpec, lane_id: int, manifests: Sequence, tokenizer,
+                 owner: StreamOwner = PROCESS_OWNER) -> None:
         self.spec = spec
         self.lane_id = lane_id
         self.outputs = 0
@@ -118,6 +120,7 @@ class Lane:
                 read_ahead_threads=spec.read_ahead_threads,
                 read_ahead_blocks=read_ahead_depth(share, takes_next_block_early=self.token_mixing),
                 transforms=source.transforms,
+                owner=owner,
                 **kind.stream_options(manifest, spec, source.name, tokenizer),
             )
             # Finite data with filled tails: a lane whose documents are all dropped (transforms,

@@ -20,6 +20,7 @@ from loader.stages.features import FEATURES, IGNORE_INDEX
 from loader.stages.lane import Lane, LaneSpec
 from loader.io.manifest import Manifest
 from loader.checkpoint.records import StateSnapshot
+from loader.io.owner import PROCESS_OWNER, StreamOwner
 from loader.stages.packing import PackedSequence
 
 
@@ -71,7 +72,10 @@ def fill_item(global_index: int, num_lanes: int, exhausted_state: Optional[dict]
     return Item(global_index, FILL_SOURCE, sequence, state)
 
 
-def build_lanes(spec: LaneSpec, lane_ids: list[int], lane_states: dict[int, dict]) -> dict[int, Lane]:
+def build_lanes(spec: LaneSpec, lane_ids: list[int], lane_states: dict[int, dict],
+                owner: StreamOwner = PROCESS_OWNER) -> dict[int, Lane]:
+    """The lanes ``lane_ids`` of ``spec`` at ``lane_states``; their streams' threads and I/O
+    counters are ``owner``'s (the loader's: :mod:`loader.io.owner`)."""
     tokenizer = None
     if spec.tokenizer_json is not None:
         from tokenizers import Tokenizer
@@ -80,7 +84,7 @@ def build_lanes(spec: LaneSpec, lane_ids: list[int], lane_states: dict[int, dict
     manifests = [Manifest.from_json(s.manifest_json, s.dataset_path) for s in spec.sources]
     lanes = {}
     for lane_id in lane_ids:
-        lane = Lane(spec, lane_id, manifests, tokenizer)
+        lane = Lane(spec, lane_id, manifests, tokenizer, owner=owner)
         if lane_id in lane_states:
             state = lane_states[lane_id]
             # A snapshot (a worker's cursor state, loader.workers.state_delta) is built now.

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from loader.caches import BoundedCache
 from loader.errors import TransformError
 from loader.transforms.document import Document, RowFetcher
 from loader.transforms.spec import TransformSpec
@@ -318,7 +319,7 @@ class TransformChain:
         return False
 
 
-_chains: dict[tuple, TransformChain] = {}
+_chains: BoundedCache[TransformChain] = BoundedCache(64)
 
 
 def chain_for(specs: Sequence[TransformSpec], *, seed: int, source: str, pretokenized: bool,
@@ -331,8 +332,5 @@ def chain_for(specs: Sequence[TransformSpec], *, seed: int, source: str, pretoke
 
     key = (json.dumps([s.to_entry() for s in specs], sort_keys=True), seed, source, pretokenized,
            tuple(feature_names), vocab_size)
-    chain = _chains.get(key)
-    if chain is None:
-        chain = _chains[key] = TransformChain(specs, seed=seed, source=source, pretokenized=pretokenized,
-                                              feature_names=feature_names, vocab_size=vocab_size)
-    return chain
+    return _chains.get_or_make(key, lambda: TransformChain(specs, seed=seed, source=source, pretokenized=pretokenized,
+                                                           feature_names=feature_names, vocab_size=vocab_size))

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from loader.caches import BoundedCache
 from loader.errors import TransformError
 from loader.transforms.chain import UNCHANGED, TransformChain, TransformCounts
 from loader.transforms.rows import fetcher  # the text and pre-tokenized lanes' own
@@ -126,7 +127,7 @@ class ChatTransforms:
         return new_ids, new_masks
 
 
-_chains: dict[tuple, ChatTransforms] = {}
+_chains: BoundedCache[ChatTransforms] = BoundedCache(64)
 
 
 def chat_transforms_for(specs: Sequence[TransformSpec], *, seed: int, source: str) -> Optional[ChatTransforms]:
@@ -134,7 +135,4 @@ def chat_transforms_for(specs: Sequence[TransformSpec], *, seed: int, source: st
     if not specs:
         return None
     key = (json.dumps([s.to_entry() for s in specs], sort_keys=True), seed, source)
-    chain = _chains.get(key)
-    if chain is None:
-        chain = _chains[key] = ChatTransforms(specs, seed=seed, source=source)
-    return chain
+    return _chains.get_or_make(key, lambda: ChatTransforms(specs, seed=seed, source=source))

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from loader.errors import LaneDataError
 from loader.io import storage
+from loader.metrics import counting_into
 from loader.vision.block import decode_ref
 from loader.vision.reasons import ImageRejected
 
@@ -144,7 +145,8 @@ class ImageResolver:
         stream = self.stream
         if not self._open or self._open[0] != file_ordinal:
             self.close()
-            handle = storage.open_lane_file(stream.dataset_path, stream.files[file_ordinal], stream.storage_options)
+            with counting_into(stream.owner.io):  # the cache's hits and misses (loader.metrics)
+                handle = storage.open_lane_file(stream.dataset_path, stream.files[file_ordinal], stream.storage_options)
             self._open = (file_ordinal, pq.ParquetFile(handle, pre_buffer=False, page_checksum_verification=True),
                           handle)
         try:

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from loader.metrics import IO, receive_shipped
+from loader.metrics import IO, IoCounters, receive_shipped
 from loader.order.ordering import rank_period
 from loader.stages.collate import Collator
 from loader.stages.features import FEATURES
@@ -260,8 +260,9 @@ class ShippedBatch(BuiltBatch):
         self._lease.item_done()
 
 
-def read_batches(descriptor: dict, slot: memoryview, give_back, decode_state) -> list[ShippedBatch]:
-    """The micro-batches of a message of :func:`produce_batches`, in position order (views of ``slot``)."""
-    receive_shipped(descriptor.get("io"))
+def read_batches(descriptor: dict, slot: memoryview, give_back, decode_state, io: IoCounters = IO) -> list[ShippedBatch]:
+    """The micro-batches of a message of :func:`produce_batches`, in position order (views of
+    ``slot``); the worker's reads it reports are added to ``io`` (the pool's loader's counters)."""
+    receive_shipped(descriptor.get("io"), io)
     lease = SlotLease(len(descriptor["batches"]), give_back)
     return [ShippedBatch(part, slot, lease, decode_state) for part in descriptor["batches"]]

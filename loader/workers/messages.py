@@ -17,7 +17,7 @@ import numpy as np
 
 from loader.kinds.base import sequence_attachment
 from loader.stages.features import FEATURES, NO_FEATURES, in_order
-from loader.metrics import IO, receive_shipped
+from loader.metrics import IO, IoCounters, receive_shipped
 from loader.stages.packing import ConcatRow, PackedSequence
 from loader.stages.producer import End, Item
 from loader.workers.shm import SlotWriter, read_arrays
@@ -151,13 +151,14 @@ def write_message(items: list, slot: memoryview, segments: bool = True) -> dict:
 
 
 def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[], None]],
-                 decode_state: Optional[Callable[[Any], Any]] = None) -> list:
-    """The items of a :func:`write_message` descriptor; their arrays are views of ``slot``.
+                 decode_state: Optional[Callable[[Any], Any]] = None, io: IoCounters = IO) -> list:
+    """The items of a :func:`write_message` descriptor; their arrays are views of ``slot``; the
+    worker's reads it reports are added to ``io`` (the counters of the pool's loader).
     ``decode_state``: the run's :meth:`loader.workers.state_delta.StateDecoder.decode`, called
     on every item's lane state in message order. Written without segments, other rows have
     ``labels`` and ``segment_starts`` None (the batch does not read them)."""
     items: list = []
-    receive_shipped(descriptor.get("io"))
+    receive_shipped(descriptor.get("io"), io)
     if descriptor["global_index"]:
         arrays = read_arrays(slot, descriptor["layout"])
         input_ids = arrays["input_ids"]

@@ -30,6 +30,7 @@ from loader.errors import WorkerError
 from loader.kinds.base import kind_modules
 from loader.workers.child import BOOTSTRAP
 from loader.workers.error_relay import worker_exception
+from loader.metrics import IO, IoCounters
 from loader.workers.batches import read_batches
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
@@ -104,12 +105,14 @@ def slots_per_worker(prefetch: int, items_held: int, items_per_message: int) -> 
 class WorkerPool:
     def __init__(self, *, num_workers: int, seq_len: int, prefetch: Optional[int], items_held: int,
                  items_per_message: int, extra_slot_bytes: int = 0, features: Optional[Sequence[str]] = None,
-                 batch_slot_bytes: int = 0) -> None:
+                 batch_slot_bytes: int = 0, io: IoCounters = IO) -> None:
         """``prefetch``: the config's (None: :func:`default_prefetch`); ``items_held``: the items
         the trainer may hold at once (:func:`slots_per_worker`); ``items_per_message``:
-        :func:`~loader.workers.messages.items_per_message`; ``batch_slot_bytes``: room for one
-        micro-batch built in a worker (:mod:`loader.workers.batches`; 0: none is)."""
+        :func:`~loader.workers.messages.items_per_message`; ``batch_slot_bytes``: room for a
+        message of micro-batches built in a worker (:mod:`loader.workers.batches`; 0: none is);
+        ``io``: the counters the workers' reads are added to (the loader's, :mod:`loader.metrics`)."""
         remove_stale_segments()
+        self.io = io
         self.items_per_message = items_per_message
         # extra_slot_bytes: a message's worst-case pixel data (image sources, loader.vision.transfer)
         self.slot_size = max(slot_bytes(seq_len, items_per_message, features) + extra_slot_bytes, batch_slot_bytes)
@@ -287,11 +290,13 @@ class WorkerPool:
         decode = self.decoders[worker_id].decode
         if descriptor.get("kind") == "batch":  # whole micro-batches (loader.workers.batches)
             segment = self.segments[worker_id]
-            return read_batches(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode)
+            return read_batches(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode,
+                                self.io)
         if slot is None:
-            return read_message(descriptor, memoryview(b""), None, decode)
+            return read_message(descriptor, memoryview(b""), None, decode, self.io)
         segment = self.segments[worker_id]
-        return read_message(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode)
+        return read_message(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode,
+                            self.io)
 
     def _give_back(self, segment: Segment, run_id: int, slot: int) -> None:
         if run_id == self.run_id:  # a later start has reclaimed every slot already

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader import cli
 from loader.checkpoint.state import StateError
 from tests.dataset_factory import synthetic_texts, write_dataset

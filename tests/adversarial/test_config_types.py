@@ -310,7 +310,7 @@ def test_bad_tokenizer_files(tmp_path, kind):
     elif kind == "json_not_tokenizer":
         path.write_text('{"vocab": {"a": 0}}')
     elif kind == "truncated":
-        from beam_jobs.sample_data import default_tokenizer_path
+        from loader.samples import default_tokenizer_path
 
         path.write_bytes(Path(default_tokenizer_path()).read_bytes()[:5000])
     with pytest.raises(TokenizerError) as exc:

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.io import integrity, storage_options
 from loader.config import LoaderConfig
 from loader.errors import ZephonError

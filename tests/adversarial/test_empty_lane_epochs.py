@@ -14,7 +14,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from loader.io.lane_reader import EmptyLaneError, LaneTokenStream
 from loader.pipeline import ZephonLoader

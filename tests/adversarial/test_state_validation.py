@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 import pytest
 from tokenizers import Tokenizer
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader

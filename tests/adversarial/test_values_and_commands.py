@@ -19,7 +19,7 @@ import shutil
 import pytest
 
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.cli import run_command
 from loader.commands.audit import audit_step
 from loader.config import LoaderConfig

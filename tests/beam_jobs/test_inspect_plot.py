@@ -13,7 +13,7 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from beam_jobs.inspect_plot import dataset_figure, document_lengths, histogram_bins
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader import cli
 from loader.order.hashing import file_bucket, lane_of_key, order_key_of
 from loader.io.manifest import MANIFEST_NAME, lane_file_path, read_manifest

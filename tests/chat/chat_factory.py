@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 TEMPLATE_FILES = ("chatml_generation.jinja", "llama3_generation.jinja")

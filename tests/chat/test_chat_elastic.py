@@ -21,7 +21,7 @@ from beam_jobs import shard
 from loader.config import LoaderConfig
 from loader.commands.fingerprints import collect_fingerprints
 from loader.stages.tokenizer import load_tokenizer
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from tests.chat.chat_factory import make_records
 from tests.chat.test_chat_shard import MAX_TOKENS, NUM_LANES, _config, _job_args, _write_jsonl
 from tests.dataset_factory import synthetic_texts, write_dataset

@@ -87,7 +87,7 @@ def test_parts_on_the_helper_thread_give_the_single_call_outcomes(monkeypatch, t
     for part_chars in (1, 5000):
         parts, calls = _encode(monkeypatch, part_chars, records, template, tok, **options)
         assert parts == single, part_chars
-        helper = [count for name, count in calls if name.startswith("zephon-chat-tokenize")]
+        helper = [count for name, count in calls if "-chat-tokenize" in name]  # the owner's helper thread
         assert len(helper) >= 2 and len(calls) == len(helper) + 1  # parts on the helper, the last one here
         assert sum(count for _, count in calls) == sum(entry[0] != "rejected" or entry[1] in
                                                        ("empty_loss_mask", "too_long") for entry in single)

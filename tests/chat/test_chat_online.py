@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.chat import ConversationRejected, encode_conversation, load_chat_template
 from loader.chat import block as chat_block
 from loader.chat.block import ONLINE_REJECT_REASONS, ChatConfigError

@@ -14,7 +14,7 @@ from datetime import datetime
 
 import pytest
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from tests.chat.chat_factory import DATE, SPECIAL_TOKENS, TEMPLATE_FILES, TEMPLATES_DIR, make_records, template_text, tokenizer
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.chat import ConversationRejected, encode_conversation, load_chat_template
 from loader.config import LoaderConfig
 from loader.io.manifest import DOCUMENT_REJECT_REASONS

@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 
 pytest.importorskip("torch")
 
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from examples.baseline_data import BaselineData, OnlineBaselineData, document_list, prepack  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
 from loader.commands.fingerprints import sequence_bytes  # noqa: E402

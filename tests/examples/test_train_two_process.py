@@ -34,7 +34,7 @@ torch_dist = pytest.importorskip("torch.distributed")
 if not torch_dist.is_available() or not torch_dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from examples.elastic_demo import LOSS_RTOL, read_log, torchrun  # noqa: E402
 from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402
 

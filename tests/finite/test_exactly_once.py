@@ -17,7 +17,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from loader.io.manifest import read_manifest
 from tests.chat.chat_factory import TEMPLATES_DIR

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from beam_jobs import shard
 from beam_jobs.lane_balance import balanced_lane_count
 from beam_jobs.lane_count import AUTO_LANE_COUNTS, choose_lane_count, lane_mask
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.checkpoint.state import StateError
 from loader.config import LoaderConfig
 from loader.commands.fingerprints import collect_fingerprints, fill_note

@@ -18,7 +18,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.chat.block import ChatConfigError
 from loader.config import LoaderConfig
 from loader.io.manifest import read_manifest

@@ -178,3 +178,24 @@ def test_requirements_are_pinned_within_pyproject():
     assert "gcp" in beam.extras
     dockerfile = open(os.path.join(TEMPLATE, "Dockerfile")).read()
     assert f"apache/beam_python3.11_sdk:{next(iter(beam.specifier)).version}" in dockerfile
+
+
+def test_metadata_and_options_come_from_the_option_table(metadata):
+    """One table (beam_jobs.job_options) makes the parser, ShardOptions and this metadata: every
+    table option is a parameter, every other parameter one of the image or storage tables', and
+    every ShardOptions field is filled by exactly one table, with the table's default."""
+    import dataclasses
+
+    from beam_jobs import job_options, storage_flags
+
+    declared = {p["name"] for p in metadata["parameters"]}
+    table = set(job_options.template_names())
+    storage = {flag.flag[2:].replace("-", "_") for flag in storage_flags.STORAGE_FLAGS}
+    assert table <= declared and storage <= declared
+    others = declared - table - storage
+    assert others and all(name.startswith(("image_", "max_image")) for name in others), others
+    fields = {f.name: f for f in dataclasses.fields(shard.ShardOptions)}
+    assert set(fields) == set(job_options.table_fields()) | {"images", "storage"}
+    for name in job_options.table_fields():
+        if fields[name].default is not dataclasses.MISSING:
+            assert fields[name].default == job_options.field_default(name), name

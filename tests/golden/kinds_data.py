@@ -20,7 +20,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer
 
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from tests.chat.chat_factory import TEMPLATES_DIR, make_records
 from tests.dataset_factory import synthetic_texts, write_dataset

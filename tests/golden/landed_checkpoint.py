@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 import loader
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 
 # Not try/except ImportError: an editable install can resolve a sub-package missing from the

@@ -54,7 +54,7 @@ import tokenizers
 from tokenizers import Tokenizer
 
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from loader.commands.fingerprints import collect_fingerprints
 from loader.order.hashing import file_bucket, lane_of_key, order_key_of, stable_hash64, stable_permutation

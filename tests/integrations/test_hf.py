@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
 from loader.commands.fingerprints import collect_fingerprints  # noqa: E402
 from loader.integrations.hf import (  # noqa: E402

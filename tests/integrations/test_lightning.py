@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("lightning")
 torch = pytest.importorskip("torch")
 
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
 from loader.commands.fingerprints import collect_fingerprints  # noqa: E402
 from loader.integrations.lightning import STATE_KIND, LightningIntegrationError, ZephonLightning  # noqa: E402

@@ -45,7 +45,7 @@ LAUNCH_TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> LoaderConfig:
-    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.samples import default_tokenizer_path
     from tokenizers import Tokenizer
 
     root = tmp_path_factory.mktemp("torchdata")

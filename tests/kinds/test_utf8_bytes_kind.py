@@ -21,7 +21,7 @@ import pytest
 
 import tests.kinds.utf8_bytes_kind as utf8_bytes_kind  # registers the kind (loader and Beam sides)
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from loader.errors import ConfigError, ManifestError, ShardConfigError
 from loader.io.manifest import Manifest, read_manifest

@@ -18,7 +18,7 @@ from typing import Callable
 import pytest
 from tokenizers import Tokenizer
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from loader.commands.fingerprints import collect_fingerprints
 from loader.io.manifest import Manifest

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 from tokenizers import Tokenizer
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader import cli
 from loader.config import LoaderConfig
 from loader.commands.fingerprints import collect_fingerprints

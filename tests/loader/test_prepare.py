@@ -15,9 +15,10 @@ import time
 
 import numpy as np
 
-from loader.io import read_ahead
+import pytest
+
 from loader.io.blocks import Block, TextBlock, TokenFormat
-from loader.io.read_ahead import prepare_later
+from loader.io.owner import StreamOwner
 
 FORMAT = TokenFormat(bos_id=1, eos_id=2)
 
@@ -101,7 +102,14 @@ def test_a_prepared_chat_block_equals_one_encoded_by_the_stream():
     assert first.reject_counts == second.reject_counts
 
 
-def test_prepares_run_soonest_wanted_first_and_skip_what_is_gone():
+@pytest.fixture
+def owner():
+    owner = StreamOwner("test-prepare")
+    yield owner
+    owner.close()
+
+
+def test_prepares_run_soonest_wanted_first_and_skip_what_is_gone(owner):
     done: list[str] = []
     gate = threading.Event()
 
@@ -113,23 +121,23 @@ def test_prepares_run_soonest_wanted_first_and_skip_what_is_gone():
         assert gate.wait(10)
 
     blocker = Item("blocker")
-    prepare_later(hold, blocker, (-1, 0))  # keeps the thread busy while the others queue
+    owner.prepare_later(hold, blocker, (-1, 0))  # keeps the thread busy while the others queue
     items = {name: Item(name) for name in ("e2", "e1b1", "e1b0", "gone")}
-    prepare_later(lambda item: done.append(item.name), items["e2"], (2, 0))
-    prepare_later(lambda item: done.append(item.name), items["e1b1"], (1, 1))
-    prepare_later(lambda item: done.append(item.name), items["gone"], (0, 5))
-    prepare_later(lambda item: done.append(item.name), items["e1b0"], (1, 0))
+    owner.prepare_later(lambda item: done.append(item.name), items["e2"], (2, 0))
+    owner.prepare_later(lambda item: done.append(item.name), items["e1b1"], (1, 1))
+    owner.prepare_later(lambda item: done.append(item.name), items["gone"], (0, 5))
+    owner.prepare_later(lambda item: done.append(item.name), items["e1b0"], (1, 0))
     del items["gone"]
     gc.collect()
     gate.set()
     marker = Item("marker")
     finished = threading.Event()
-    prepare_later(lambda item: finished.set(), marker, (9, 9))
+    owner.prepare_later(lambda item: finished.set(), marker, (9, 9))
     assert finished.wait(10)
     assert done == ["e1b0", "e1b1", "e2"]
 
 
-def test_a_failing_prepare_does_not_stop_the_thread():
+def test_a_failing_prepare_does_not_stop_the_thread(owner):
     class Item:
         pass
 
@@ -138,7 +146,7 @@ def test_a_failing_prepare_does_not_stop_the_thread():
 
     finished = threading.Event()
     first, second = Item(), Item()
-    prepare_later(boom, first, (0, 0))
-    prepare_later(lambda item: finished.set(), second, (0, 1))
+    owner.prepare_later(boom, first, (0, 0))
+    owner.prepare_later(lambda item: finished.set(), second, (0, 1))
     assert finished.wait(10)
-    assert read_ahead._preparer[1] is not None
+    assert [t.name for t in owner.threads()] == [f"{owner.name}-prepare"]

@@ -22,7 +22,7 @@ from typing import Callable
 import pytest
 from tokenizers import Tokenizer
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from loader.io.manifest import Manifest
 from tests.dataset_factory import synthetic_texts, write_dataset

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from loader.commands.fingerprints import collect_fingerprints  # noqa: E402
 from loader.config import ConfigError, LoaderConfig  # noqa: E402
 from loader.model_inputs import LAYOUTS  # noqa: E402

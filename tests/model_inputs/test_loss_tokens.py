@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from loader.checkpoint.state import StateError, merge_rank_states  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
 from loader.model_inputs.loss_tokens import data_parallel_share  # noqa: E402

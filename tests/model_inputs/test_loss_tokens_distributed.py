@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
 from loader.pipeline import ZephonLoader  # noqa: E402
 from tests.dataset_factory import synthetic_texts, write_dataset  # noqa: E402

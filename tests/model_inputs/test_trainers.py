@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from beam_jobs.sample_data import default_tokenizer_path  # noqa: E402
+from loader.samples import default_tokenizer_path  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
 from loader.integrations.hf import HFIntegrationError, ZephonTrainer  # noqa: E402
 from loader.pipeline import ZephonLoader  # noqa: E402

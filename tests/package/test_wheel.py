@@ -90,7 +90,7 @@ def test_installed_wheel_runs_quickstart_and_an_sft_shard_outside_the_checkout(i
     manifest = json.loads((tmp_path / "sft" / "manifest.json").read_text())
     assert manifest["documents"] == 40 and manifest["chat"]["template_origin"] == "chatml"
     batch = _run(installed, [python, "-c", (
-        "import loader; from beam_jobs.sample_data import default_tokenizer_path as t\n"
+        "import loader; from loader.samples import default_tokenizer_path as t\n"
         "config = loader.LoaderConfig(datasets=[loader.SourceConfig(path='sft')], seq_len=128, global_batch_size=4, "
         "micro_batch_size=4, seed=0, packing='best_fit', tokenizer=t())\n"
         "data = loader.ZephonLoader(config, dp_rank=0, dp_world_size=1, output='numpy'); b = next(iter(data))\n"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from loader.stages.tokenizer import load_tokenizer
 from tests.dataset_factory import synthetic_texts, write_dataset

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from loader.config import LoaderConfig
 from loader.io.lane_reader import EmptyLaneError
 from loader.pipeline import ZephonLoader

@@ -137,7 +137,7 @@ def test_counters_match_the_documents_and_the_topology(transform_corpus):
     assert reports[0] == reports[1]
     # 40 steps of 8 x 48 tokens pass every lane's first epoch: each lane's documents are counted once.
     from loader.stages.tokenizer import load_tokenizer
-    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.samples import default_tokenizer_path
 
     tokenizer = load_tokenizer(default_tokenizer_path())
     lengths = [len(e.ids) for e in tokenizer.encode_batch(transform_corpus.texts, add_special_tokens=False)]

@@ -13,7 +13,7 @@ import pytest
 
 from beam_jobs import shard
 from beam_jobs.dedup import normalize_text, read_removed
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from tests.dataset_factory import synthetic_texts
 from tests.resume_harness import LoaderRun, lane_epochs
 from loader.transforms import TransformSpec

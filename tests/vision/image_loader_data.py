@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from beam_jobs import shard
-from beam_jobs.sample_data import default_tokenizer_path
+from loader.samples import default_tokenizer_path
 from image_datasets import write_jsonl
 from image_factory import FORMATS, image_bytes
 from loader.config import LoaderConfig

@@ -199,7 +199,7 @@ def test_image_configs_that_cannot_work_are_refused_naming_the_fix(data, tmp_pat
         ZephonLoader(base.replace(images={"image_token": "<nope>"}))
     with pytest.raises(ConfigError, match="images.overflow must be one of"):
         base.replace(images={"overflow": "drop"})
-    from beam_jobs.sample_data import default_tokenizer_path
+    from loader.samples import default_tokenizer_path
 
     with pytest.raises(TokenizerError, match="images.image_start_token='<|vision_start|>'"):
         ZephonLoader(base.replace(tokenizer=default_tokenizer_path()))

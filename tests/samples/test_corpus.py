@@ -16,7 +16,8 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from beam_jobs import sample_data, train_tokenizer
+from beam_jobs import train_tokenizer
+from loader.samples import corpus as sample_data
 from loader.stages.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES, load_tokenizer, resolve_special_token
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def test_same_arguments_give_byte_identical_files_across_processes(sample, tmp_p
     # A second run in a fresh interpreter with a different hash seed: catches any use of
     # hash(), set order or other per-process state.
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    command = [sys.executable, "-m", "beam_jobs.sample_data", str(tmp_path), "--docs", str(SMALL_DOCS), "--seed", "7", "--with-bad-records"]
+    command = [sys.executable, "-m", "loader.samples.corpus", str(tmp_path), "--docs", str(SMALL_DOCS), "--seed", "7", "--with-bad-records"]
     subprocess.run(command, cwd=REPO_ROOT, env=env, check=True, capture_output=True)
     first, second = file_bytes(Path(sample.out_dir)), file_bytes(tmp_path)
     assert sorted(first) == sorted(second)

@@ -1,4 +1,8 @@
-"""A deterministic sample corpus for demos and tests, and the shipped tokenizer fixture.
+"""A deterministic sample corpus for demos and tests (``zephon make-sample``, ``zephon quickstart``).
+
+Out of the trainer's import path: only those commands (and the tokenizer's training script,
+:mod:`beam_jobs.train_tokenizer`) import it; the shipped tokenizer fixture's path is
+:func:`loader.samples.default_tokenizer_path`.
 
 ``zephon make-sample OUT`` (or :func:`make_sample`) writes three sources of different
 character, each split into several part files whose formats rotate through the requested
@@ -41,17 +45,16 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from loader.cli import run_command
 from loader.order.hashing import stable_hash64
+from loader.samples import default_tokenizer_path  # noqa: F401  (also importable from here)
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZER_ASSET = Path(__file__).resolve().parent / "assets" / "tokenizer.json"
 
 SOURCES = ("prose", "code", "multilingual")
 # Share of --docs given to each source (largest-remainder rounding, in SOURCES order).
@@ -78,15 +81,6 @@ PARQUET_ROW_GROUP_ROWS = 1000
 BAD_RECORDS_DIR = "bad_records"
 
 _PARQUET_SCHEMA = None  # built lazily so importing this module does not import pyarrow
-
-
-def default_tokenizer_path() -> str:
-    """Absolute path of the small byte-level BPE ``tokenizer.json`` shipped with Zephon.
-
-    A demo fixture (vocabulary 8000, trained on this module's sample corpus by
-    :mod:`beam_jobs.train_tokenizer`); real runs pass their own tokenizer file.
-    """
-    return str(_TOKENIZER_ASSET)
 
 
 @dataclass(frozen=True)
