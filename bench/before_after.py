@@ -75,7 +75,10 @@ CASES = {
     "pre_best_fit_k2": ("pre", "best_fit", 2),
     "text_concat_k0": ("text", "concat", 0),
     "text_concat_k2": ("text", "concat", 2),
+    "pre_concat_ids_k0": ("pre", "concat", 0),
 }
+# Cases whose micro-batches hold only some fields (``batch_fields``; default: all four).
+CASE_FIELDS = {"pre_concat_ids_k0": ["input_ids"]}
 DEFAULT_CASES = ("pre_concat_k0", "pre_concat_k2", "pre_best_fit_k0", "pre_best_fit_k2")
 TREES = ("old", "new")
 
@@ -348,7 +351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         tokens = lt._dataset_tokens(data[kind][1])
         steps = max(2, int(a.epochs * tokens) // per_step)
         specs[case] = {"kind": "loader", "dataset": data[kind][0], "packing": packing, "num_workers": workers,
-                       "steps": steps}
+                       "steps": steps, **({"batch_fields": CASE_FIELDS[case]} if case in CASE_FIELDS else {})}
         print(f"[before_after] {case}: {steps} steps x {per_step:,} tokens ({a.epochs:g} epochs of "
               f"{tokens:,} tokens), {workers} workers, {packing}", flush=True)
     results: dict[str, dict[str, list]] = {c: {t: [None] * a.rounds for t in TREES} for c in a.cases}

@@ -40,9 +40,14 @@ PRETOK_LOADERS = ("zephon", "litdata", "grain_packed", "streaming_packed", "torc
                   "grain", "streaming", "torchdata", "energon", "hf_datasets")
 TEXT_LOADERS = ("zephon", "litdata", "grain", "streaming", "torchdata", "energon", "hf_datasets")
 WORKERS = (0, 2)
-GOAL_WORKER_P99_MS = 0.2
-GOAL_WORKER_VS_INPROCESS = 0.7
-GOAL_REPLAY_VS_BEST_PEER = 2.0
+# Issue 35: goals that this machine allows. next() p99 is judged against the best peer's p99 in
+# the same run (a fixed 20 us task already has a p99 of 0.23 ms here: bench/noise_floor.py), and
+# in-process replay against the scan floor of the same lane files (not against a peer that
+# memcpys pre-packed rows).
+GOAL_WORKER_OVERHEAD_VS_INPROCESS = 0.5  # 2 workers: trainer overhead per step <= 0.5x Zephon in-process
+GOAL_WORKER_VS_INPROCESS = 0.9
+GOAL_REPLAY_IDS_VS_SCAN = 0.9  # input_ids only
+GOAL_REPLAY_FULL_VS_SCAN = 0.75  # labels, position_ids, cu_seqlens too (``zephon_full``)
 GOAL_TEXT_VS_TOKENIZER = 0.9
 GOAL_FIRST_BATCH_S = 0.5
 GOAL_RSS_RATIO = 1.10
@@ -163,7 +168,7 @@ def best_peer(results: dict[str, list[dict]], mode: str, workers: Optional[int],
     best: tuple[Optional[str], Optional[float]] = (None, None)
     for k, runs in results.items():
         loader, m, kw = k.split("|")[:3]
-        if loader in ("zephon", "none") or m != mode or (workers is not None and kw != f"k{workers}"):
+        if loader in ("zephon", "zephon_full", "none") or m != mode or (workers is not None and kw != f"k{workers}"):
             continue
         v = value(runs)
         if v is None:
@@ -188,22 +193,30 @@ def goals(results: dict, prof: dict) -> list[tuple[str, str, str]]:
 
     z2 = tr.get(key("zephon", "pretok", 2), [])
     oh = overhead_us(z2, nominal)
+    oh0 = overhead_us(tr.get(key("zephon", "pretok", 0), []), nominal)
     peer, peer_oh = best_peer(tr, "pretok", 2, lambda runs: overhead_us(runs, nominal), lower_is_better=True)
-    out.append(("2 workers: trainer overhead per step <= best peer's (pre-tokenized, 2 workers)",
-                status(None if oh is None or peer_oh is None else oh <= max(peer_oh, 0.0)),
-                _fmt_pair(f"Zephon {_us(oh)}", f"best peer {_peer_name(peer)} {_us(peer_oh)}")))
+    out.append((f"2 workers: trainer overhead per step <= {GOAL_WORKER_OVERHEAD_VS_INPROCESS}x Zephon in-process "
+                "and <= best peer's (pre-tokenized, busy trainer)",
+                status(None if oh is None or peer_oh is None or oh0 is None
+                       else oh <= max(peer_oh, 0.0) and oh <= GOAL_WORKER_OVERHEAD_VS_INPROCESS * max(oh0, 0.0)),
+                f"Zephon {_us(oh)} vs in-process {_us(oh0)} = {_ratio(oh, oh0)}; best peer {_peer_name(peer)} "
+                f"{_us(peer_oh)}"))
     p99 = med(z2, "next_p99_ms")
-    out.append((f"2 workers: next() p99 < {GOAL_WORKER_P99_MS} ms (pre-tokenized, busy trainer)",
-                status(None if p99 is None else p99 < GOAL_WORKER_P99_MS),
-                f"p99 {_ms(p99)}, p50 {_ms(med(z2, 'next_p50_ms'))}, max {_ms(med(z2, 'next_max_ms'))}"))
+    peer, peer_p99 = best_peer(tr, "pretok", 2, lambda runs: med(runs, "next_p99_ms"), lower_is_better=True)
+    out.append(("2 workers: next() p99 <= best peer's p99 (pre-tokenized, busy trainer)",
+                status(None if p99 is None or peer_p99 is None else p99 <= peer_p99),
+                f"p99 {_ms(p99)} vs {_peer_name(peer)} {_ms(peer_p99)}; p50 {_ms(med(z2, 'next_p50_ms'))}, "
+                f"max {_ms(med(z2, 'next_max_ms'))}"))
     k0, k2 = med(rp.get(key("zephon", "pretok", 0), []), "tokens_per_s"), med(rp.get(key("zephon", "pretok", 2), []), "tokens_per_s")
     out.append((f"2 workers: replay tok/s >= {GOAL_WORKER_VS_INPROCESS}x Zephon in-process (pre-tokenized)",
                 status(None if not k0 or k2 is None else k2 >= GOAL_WORKER_VS_INPROCESS * k0),
                 f"{_rate(k2)} vs {_rate(k0)} = {_ratio(k2, k0)}"))
-    peer, peer_rate = best_peer(rp, "pretok", 0, lambda runs: med(runs, "tokens_per_s"), lower_is_better=False)
-    out.append((f"in-process: replay >= {GOAL_REPLAY_VS_BEST_PEER}x best peer (pre-tokenized)",
-                status(None if k0 is None or not peer_rate else k0 >= GOAL_REPLAY_VS_BEST_PEER * peer_rate),
-                f"{_rate(k0)} vs {_peer_name(peer)} {_rate(peer_rate)} = {_ratio(k0, peer_rate)}"))
+    scan = (floors.get("scan") or {}).get("tokens_per_s")
+    full = med(rp.get(key("zephon_full", "pretok", 0), []), "tokens_per_s")
+    for what, rate, goal in (("input_ids only", k0, GOAL_REPLAY_IDS_VS_SCAN), ("full batch", full, GOAL_REPLAY_FULL_VS_SCAN)):
+        out.append((f"in-process: replay, {what} >= {goal}x the scan floor (pre-tokenized)",
+                    status(None if rate is None or not scan else rate >= goal * scan),
+                    f"{_rate(rate)} vs {_rate(scan)} = {_ratio(rate, scan)}"))
     t0 = med(rp.get(key("zephon", "text", 0), []), "tokens_per_s")
     tok = (floors.get("tokenize") or {}).get("tokens_per_s")
     out.append((f"in-process: text >= {GOAL_TEXT_VS_TOKENIZER}x tokenizer floor (encode_batch_fast)",
@@ -416,7 +429,8 @@ def chart_rows(results: dict, prof: dict) -> dict:
                      "p99_ms": metric(tr, lambda runs: med(runs, "next_p99_ms")),
                      "busy_tok_s": metric(tr, lambda runs: med(runs, "tokens_per_s")),
                      "replay_tok_s": metric(rp, lambda runs: med(runs, "tokens_per_s"))}
-    out["p99_goal_ms"] = GOAL_WORKER_P99_MS
+    # The p99 goal: the best peer's p99 with 2 workers in the same run (pre-tokenized).
+    out["p99_goal_ms"] = best_peer(tr, "pretok", 2, lambda runs: med(runs, "next_p99_ms"), lower_is_better=True)[1]
     return out
 
 

@@ -314,8 +314,34 @@ class MetricsRecorder:
             for item in items:
                 if item.chat_rejects:
                     _add(current.rejected, item.chat_rejects)
+        self._counted(items, batch, wait_s, rank_position)
+
+    def count_rows(self, source_ids: list[int], batch: dict[str, Any], wait_s: float, rank_position: int,
+                   padding: Optional[list[int]] = None, rejects: Optional[dict[str, int]] = None) -> None:
+        """:meth:`count` of a micro-batch given by its rows' source ids (no fill rows), their
+        ``padding`` (None: full rows) and its online ``rejects``: the loader's bulk paths, which
+        make no items (in-process concat rows; micro-batches built whole by a worker)."""
+        current = self._current
+        current.wait_s += wait_s
+        current.sequences += len(source_ids)
+        seq_len = self.seq_len
+        if self.token_mixing:
+            self._count_token_sources(self._per_token_sources(batch))
+        elif padding is None and len(current.tokens) == 1:
+            current.tokens[0] += len(source_ids) * seq_len
+        else:
+            for source_id, pad in zip(source_ids, padding or [0] * len(source_ids)):
+                current.tokens[source_id] += seq_len - pad
+                current.padding += pad
+        if rejects:
+            _add(current.rejected, rejects)
+        self._counted(source_ids, batch, wait_s, rank_position)
+
+    def _counted(self, rows: list, batch: dict[str, Any], wait_s: float, rank_position: int) -> None:
+        """What :meth:`count` and :meth:`count_rows` share after the token counts; ``rows``: the
+        items, or their source ids."""
         if self.supervised:
-            self._count_supervised(items, batch)
+            self._count_supervised(rows, batch)
         if self._after_restore:
             self.first_batch_after_restore_s = wait_s
             self._after_restore = False
@@ -361,7 +387,8 @@ class MetricsRecorder:
             counts = np.bincount(per_token[supervised].astype(np.int64), minlength=len(self.names))
         else:
             counts = np.zeros(len(self.names), np.int64)
-            np.add.at(counts, [it.source_id for it in items], supervised.reshape(len(items), -1).sum(axis=1))
+            sources = [r if type(r) is int else r.source_id for r in items]  # items or source ids
+            np.add.at(counts, sources, supervised.reshape(len(items), -1).sum(axis=1))
         for s in range(len(self.names)):
             self._current.supervised[s] += int(counts[s])
 

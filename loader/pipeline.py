@@ -55,6 +55,8 @@ from loader.stages.collate import OUTPUTS, Collator, load_torch, to_torch
 from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
 from loader.stages.producer import Item, fill_sequence
 from loader.transforms import resume as transform_resume
+from loader.workers import batches as worker_batches
+from loader.workers.batches import batch_plan, batches_per_message
 from loader.workers.pool import WorkerPool
 
 __all__ = ["ZephonLoader", "ranks_have_step", "WorkerError"]  # WorkerError: importable from here as before
@@ -163,15 +165,17 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
         self._step_states = StepStateHistory(config.step_states_kept)
         self._step_states.reset(0, {})
         self._lanes_in_step: set[int] = set()  # lanes that produced since the last step boundary
-        self._collator = Collator(
+        collator_args = dict(
             seq_len=config.seq_len, global_batch_size=config.global_batch_size,
             micro_batch_size=config.micro_batch_size, per_rank_batch=self.topology.per_rank_batch,
-            batch_fields=config.batch_fields, features=self.features, chat_reject_reasons=plan.chat_reject_reasons,
-            empty=np.empty if self._pinned is None else self._pinned.empty,
+            batch_fields=tuple(config.batch_fields), features=tuple(self.features),
+            chat_reject_reasons=tuple(plan.chat_reject_reasons), fill_rows=self.fills,
+        )
+        self._collator = Collator(
+            **collator_args, empty=np.empty if self._pinned is None else self._pinned.empty,
             image_policy=image_options.policy if image_options is not None else None,
             image_reject_reasons=tuple(dict.fromkeys(r for kind in kinds_of(self.manifests)
                                                      if kind.reject_field == "image_rejects" for r in kind.reject_reasons)),
-            fill_rows=self.fills,
         )
         self._metrics = MetricsRecorder(
             source_names=self.source_names, seq_len=config.seq_len, per_rank_batch=self.topology.per_rank_batch,
@@ -184,6 +188,16 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
         self._run: Optional[Run] = None
         # A framework path refused at iter(), raised by next() (loader.integrations.framework_paths).
         self._refusal: Optional[Exception] = None
+        # Workers that build whole micro-batches (loader.workers.batches): endless data without a
+        # balancer, image sources or token sources copied beside the batch, and lane groups per worker.
+        self._batch_plan = None
+        if worker_batches.WORKER_BATCHES and config.num_workers > 0 and not self.looks_ahead and not config.balance \
+                and image_options is None and not self._metrics.copies_token_sources:
+            self._batch_plan = batch_plan(rank=self.topology.rank, world_size=self.topology.world_size,
+                                          num_lanes=self.num_lanes, micro_batch_size=config.micro_batch_size,
+                                          num_workers=min(config.num_workers, len(self.rank_lanes)),
+                                          collator=collator_args, per_message=batches_per_message(
+                                              config.micro_batch_size, config.seq_len, plan.spec.tokenizer_json is not None))
         self._pool: Optional[WorkerPool] = None
         self._finalizer = None
         if config.num_workers > 0:
@@ -239,6 +253,18 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
         if self._balancer is not None:
             return self._balancer.next_batch()
         started = time.perf_counter()  # the trainer's wait (loader.metrics)
+        rows = self._next_rows()
+        if rows is not None:  # bulk concat rows: no item per sequence (loader.runtime.steps)
+            first_index, fills, row_ids, sources = rows
+            batch = self._collator.collate_rows(fills, row_ids, sources, first_index, self.topology.world_size,
+                                                self.rank_position)
+            self._metrics.count_rows(sources, batch, time.perf_counter() - started, self.rank_position)
+            return self._handed_out(batch)
+        ready = self._next_ready_batch()
+        if ready is not None:  # built whole by a worker (loader.workers.batches)
+            self._metrics.count_rows(ready.source_ids, ready.batch, time.perf_counter() - started, self.rank_position,
+                                     ready.padding, ready.rejects)
+            return self._handed_out(ready.batch)
         items = self._next_items()
         batch = self._collate(items)
         self._metrics.count(items, batch, time.perf_counter() - started, self.rank_position)

@@ -148,6 +148,12 @@ def lanes_of_worker(rank_lanes: list[int], worker_id: int, num_workers: int) -> 
     return list(rank_lanes[worker_id::num_workers])
 
 
+def rank_period(num_lanes: int, world_size: int) -> int:
+    """Positions after which a rank's lanes repeat: its positions ``p`` and ``p + P`` fall on the
+    same lane (``(r + p * W) % L``), any ``P`` consecutive positions on ``P`` distinct lanes."""
+    return num_lanes // math.gcd(world_size, num_lanes)
+
+
 def rank_global_index(rank: int, world_size: int, rank_position: int) -> int:
     """The global index of the rank's ``rank_position``-th sequence (0-based, since step 0)."""
     return rank + rank_position * world_size

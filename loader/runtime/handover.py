@@ -9,8 +9,9 @@ from typing import Optional
 
 from loader.errors import WorkerError
 from loader.kinds.base import kinds_of
-from loader.order.ordering import lanes_of_worker
-from loader.stages.producer import End, Item, build_lanes, fill_item, produce_one, start_reading
+from loader.order.ordering import lanes_of_worker, rank_period
+from loader.stages.producer import End, Item, build_lanes, fill_item, produce_one, start_reading, take_rows
+from loader.workers.batches import batch_bytes
 from loader.workers.messages import items_per_message
 from loader.workers.pool import WorkerPool
 
@@ -63,6 +64,7 @@ class WorkerHandOver:
             features=self.features, io=self.owner.io,
             extra_slot_bytes=max(kind.worker_slot_bytes(self.spec, self.config.seq_len, per_message)
                                  for kind in kinds_of(self.manifests)),
+            batch_slot_bytes=0 if self._batch_plan is None else batch_bytes(self._collator, self._batch_plan.per_message),
         )
         self._pool = pool
         self._finalizer = weakref.finalize(
@@ -146,19 +148,33 @@ class Run:
         self.fill_row = loader.fill_row
         self.exhausted: dict[int, Optional[dict]] = {}
         self._done_workers: set[int] = set()
+        # Whether micro-batches may be taken as rows of the packers' fills (take_rows), or come
+        # whole from the workers (next_batch): set below.
+        self.bulk_rows = False
+        self.batch_plan = None
         if pool is None or warm_start:
             # The trainer's thread calls produce_one for each index in turn: no generator and
             # no position bookkeeping between the loader and its lanes.
             self.in_process_lanes = build_lanes(loader.spec, loader.rank_lanes, loader.lane_states, loader.owner)
             start_reading(self.in_process_lanes, loader.next_global_index, self.num_lanes)
+            self.bulk_rows = (self.reads_lanes_directly and not self.fills
+                              and cfg.micro_batch_size <= rank_period(self.num_lanes, loader.topology.world_size)
+                              and all(lane.bulk_rows for lane in self.in_process_lanes.values()))
+            self._source_of = loader.spec.schedule.source_of
             return
         num_workers = len(pool.processes)
-        lanes_per_worker = [lanes_of_worker(loader.rank_lanes, k, num_workers) for k in range(num_workers)]
+        # Whole micro-batches from the workers (loader.workers.batches) from a micro-batch boundary on.
+        plan = loader._batch_plan if loader.rank_position % cfg.micro_batch_size == 0 else None
+        self.batch_plan = plan
+        if plan is not None:
+            lanes_per_worker = [plan.lanes_of(k) for k in range(num_workers)]
+        else:
+            lanes_per_worker = [lanes_of_worker(loader.rank_lanes, k, num_workers) for k in range(num_workers)]
         self.worker_of_lane = {l: k for k, lane_ids in enumerate(lanes_per_worker) for l in lane_ids}
         self.pending = {k: collections.deque() for k in range(num_workers)}
         pool.start_run(loader.spec, lanes_per_worker, loader.lane_states, num_lanes=self.num_lanes,
                        rank=loader.topology.rank, world_size=loader.topology.world_size,
-                       start_position=loader.rank_position, segments=loader._collator.reads_segments)
+                       start_position=loader.rank_position, segments=loader._collator.reads_segments, plan=plan)
 
     @property
     def processes(self) -> list:
@@ -169,7 +185,9 @@ class Run:
             raise StopIteration
         if global_index % self.num_lanes in self.exhausted:
             return fill_item(global_index, self.num_lanes, self.exhausted[global_index % self.num_lanes], self.fill_row)
-        if self.lead is not None and not self._workers_caught_up(global_index):
+        if self.lead is not None and (self.batch_plan is not None or not self._workers_caught_up(global_index)):
+            # (With whole micro-batches from the workers, only the lead's items come here:
+            # StepDelivery._next_ready_batch decided so at the micro-batch boundary.)
             try:
                 return self.lead.next_item(global_index)
             except StopIteration:
@@ -203,6 +221,55 @@ class Run:
         if item.global_index != global_index:
             raise RuntimeError(f"internal ordering error: expected index {global_index}, got {item.global_index}")
         return item
+
+    def next_batch(self, position: int):
+        """The micro-batch starting at rank position ``position``, built whole by the worker the
+        :attr:`batch_plan` names (a :class:`~loader.workers.batches.BuiltBatch`)."""
+        worker_id = self.batch_plan.worker_of(position // self.batch_plan.micro_batch_size)
+        pending = self.pending[worker_id]
+        while True:
+            while not pending:
+                pending.extend(self.pool.receive(worker_id, self.timeout_s))
+            ready = pending.popleft()
+            if ready.position >= position:
+                break
+            ready.drop()  # the lead made it (batches_caught_up gave up on a slow worker)
+        if ready.position != position:
+            raise RuntimeError(f"internal ordering error: expected the micro-batch at rank position {position}, "
+                               f"got {ready.position}")
+        return ready
+
+    def batches_caught_up(self, position: int) -> bool:
+        """:meth:`_workers_caught_up` for workers that build whole micro-batches, asked at the
+        micro-batch boundary ``position`` (a rank position): whether every worker has a batch at or
+        past it; the lead makes the micro-batch until then (or until it has led four times the
+        gap it had over the slowest worker once every worker was producing)."""
+        caught_up = True
+        for worker_id, pending in self.pending.items():
+            while True:
+                while pending and pending[0].position < position:  # the lead made it
+                    pending.popleft().drop()
+                if pending:
+                    break
+                batches = self.pool.try_receive(worker_id)
+                if batches is None:
+                    caught_up = False
+                    break
+                self._last_received[worker_id] = batches[-1].position
+                pending.extend(batches)
+        if not caught_up and self._lead_until is None and len(self._last_received) == len(self.pending):
+            self._lead_until = position + 4 * (position - min(self._last_received.values()))
+        if caught_up or (self._lead_until is not None and position >= self._lead_until):
+            self.lead.close_lanes()
+            self.lead = None
+            return True
+        return False
+
+    def take_rows(self, first_index: int, stride: int, count: int) -> Optional[tuple[list, list, list, list]]:
+        """:func:`~loader.stages.producer.take_rows` of the in-process lanes (only where
+        :attr:`bulk_rows`: in-process lanes read directly, every lane
+        :attr:`~loader.stages.lane.Lane.bulk_rows`, distinct lanes per micro-batch)."""
+        return take_rows(self.in_process_lanes, self.num_lanes, self._source_of, first_index, stride, count)
 
     def _workers_caught_up(self, global_index: int) -> bool:
         """Whether every worker has its next item at or past ``global_index``; once they all

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from typing import Optional
 
 from loader.model_inputs.loss_tokens import GlobalCounter, data_parallel_share, sum_over_ranks
 from loader.order.data_parallel import initialized_distributed
@@ -53,6 +54,47 @@ class StepDelivery:
         if self._metrics.copies_token_sources:  # not batched: copied before collation frees worker slots
             self._metrics.keep_token_sources(items)
         return items
+
+    def _next_rows(self) -> Optional[tuple[int, list, list, list]]:
+        """The rank's next micro-batch as ``(first global index, fills, rows, source ids)`` of
+        bulk concat rows (:meth:`~loader.runtime.handover.Run.take_rows`), or None: then
+        :meth:`_next_items` makes it. Endless in-process runs only (no step looked ahead)."""
+        if self.looks_ahead:
+            return None
+        self._start_run()
+        run = self._run
+        if not run.bulk_rows:
+            return None
+        first_index = self.next_global_index
+        taken = run.take_rows(first_index, self.topology.world_size, self.config.micro_batch_size)
+        if taken is None:
+            return None
+        fills, rows, sources, lane_ids = taken
+        self.rank_position += len(rows)
+        self._lanes_in_step.update(lane_ids)
+        if self.rank_position % self.topology.per_rank_batch == 0:
+            self._record_step_boundary()
+        return first_index, fills, rows, sources
+
+    def _next_ready_batch(self):
+        """The rank's next micro-batch as a worker built it whole
+        (:class:`~loader.workers.batches.BuiltBatch`), its lanes' states recorded; None when the
+        run's workers send items (then :meth:`_next_items` makes it)."""
+        if self.looks_ahead:
+            return None
+        self._start_run()
+        run = self._run
+        if run.batch_plan is None or (run.lead is not None and not run.batches_caught_up(self.rank_position)):
+            return None  # (the lead makes this micro-batch, item by item)
+        ready = run.next_batch(self.rank_position)
+        ready.copy_out(self._collator.empty)  # out of the slot (pinned memory too), which goes back
+        self.rank_position += len(ready.source_ids)
+        for lane_id, state in ready.lane_states:
+            self.lane_states[lane_id] = state
+            self._lanes_in_step.add(lane_id)
+        if self.rank_position % self.topology.per_rank_batch == 0:
+            self._record_step_boundary()
+        return ready
 
     def _record_step_boundary(self) -> None:
         """The last micro-batch of a step is being handed out: keep the lanes' states as of now."""

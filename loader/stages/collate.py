@@ -28,6 +28,7 @@ from loader.stages.features import FEATURES, IGNORE_INDEX, batch_feature
 from loader.stages.packing import ConcatRow
 
 OUTPUTS = ("torch", "numpy")
+_TRUE = np.ones(1, dtype=bool)
 
 
 class Collator:
@@ -64,25 +65,16 @@ class Collator:
         """The micro-batch of ``items`` (NumPy); ``rank_position``: sequences handed out so far,
         these included. Releases the items' shared-memory leases (everything is copied)."""
         seq_len = self.seq_len
-        fields = self.fields
         rows = len(items)
         sequences = [it.sequence for it in items]
         # One call per array, converting int32 -> int64 while copying (not stack + astype);
         # the per-call overhead, not the bytes, is what costs at these sizes.
         input_ids = self._rows([s.input_ids for s in sequences], rows, seq_len)
-        first_index = items[0].global_index
-        batch: dict[str, Any] = {
-            "input_ids": input_ids,
-            "source_ids": np.array([it.source_id for it in items], dtype=np.int64),
-            "global_indices": np.array([it.global_index for it in items], dtype=np.int64),
-            "step": first_index // self.global_batch_size,
-            "micro_step": ((rank_position - len(items)) % self.per_rank_batch) // self.micro_batch_size,
-        }
-        if self.fill_rows:  # fill rows: source id -1 (loader.stages.producer.FILL_SOURCE)
-            batch["fill"] = batch["source_ids"] < 0
+        batch = self._header(input_ids, [it.source_id for it in items], [it.global_index for it in items],
+                             rank_position)
         # Datasets without features: no loop, no arrays (self._needed is empty).
-        feature_arrays = {name: batch_feature(name, sequences, rows, seq_len) for name in self._needed}
-        wants_segments = "position_ids" in fields or "cu_seqlens" in fields
+        feature_arrays = {name: batch_feature(name, [s.features for s in sequences], rows, seq_len)
+                          for name in self._needed}
         if self.reads_segments:
             # Rows of concat fills (nearly all rows of concat packing) carry only where their
             # documents start: labels and segments of all of them come from one flat array.
@@ -90,50 +82,7 @@ class Collator:
             concat_rows = [r for r, s in enumerate(sequences) if type(s) is ConcatRow]
             other_rows = [r for r, s in enumerate(sequences) if type(s) is not ConcatRow]
             doc_flat = _flat_positions([sequences[r].doc_starts for r in concat_rows], seq_len, concat_rows)
-        if "labels" in fields:
-            if not concat_rows:
-                labels = self._rows([s.labels for s in sequences], rows, seq_len)
-            else:
-                # From the input ids just written (still in cache), not from per-row copies.
-                if self.empty is np.empty:
-                    labels = input_ids.copy()
-                else:
-                    labels = self.empty((rows, seq_len), np.int64)
-                    np.copyto(labels, input_ids)
-                labels.reshape(-1)[doc_flat] = IGNORE_INDEX
-                for r in other_rows:
-                    labels[r] = sequences[r].labels
-                # Concat rows' label rules over the whole batch (other rows have theirs already).
-                for name in self.label_masks:
-                    labels[feature_arrays[name] == 0] = IGNORE_INDEX
-            batch["labels"] = labels
-        if wants_segments:
-            # Segment starts of the whole micro-batch (row r's shifted by r * seq_len) plus the
-            # end: that is cu_seqlens. Every row starts a segment, so position ids restart at
-            # row boundaries without a per-row loop. A concat row's segments start at the row
-            # start and at its documents' starts, which may coincide: marks on a flag array
-            # merge them without a sort.
-            if not concat_rows:
-                cu = np.append(_flat_positions([s.segment_starts for s in sequences], seq_len), rows * seq_len)
-            else:
-                is_start = np.zeros(rows * seq_len + 1, dtype=bool)
-                is_start[doc_flat] = True
-                is_start[::seq_len] = True  # row starts, and the end
-                if other_rows:
-                    is_start[_flat_positions([sequences[r].segment_starts for r in other_rows], seq_len, other_rows)] = True
-                cu = np.flatnonzero(is_start)
-            if "position_ids" in fields:
-                # position = index - start of its segment; the subtraction runs in place on
-                # the repeated starts, against an arange built once per loader.
-                if self._positions is None or len(self._positions) != rows * seq_len:
-                    self._positions = np.arange(rows * seq_len, dtype=np.int64)
-                starts = np.repeat(cu[:-1], np.diff(cu))
-                position_ids = (starts.reshape(rows, seq_len) if self.empty is np.empty
-                                else self.empty((rows, seq_len), np.int64))
-                np.subtract(self._positions, starts, out=position_ids.reshape(-1))
-                batch["position_ids"] = position_ids
-            if "cu_seqlens" in fields:
-                batch["cu_seqlens"] = cu.astype(np.int32)
+            self._segments(batch, input_ids, feature_arrays, doc_flat, sequences, concat_rows, other_rows)
         for name in self.batched:
             batch[FEATURES[name].batch_field] = feature_arrays[name]
         if self.image_policy is not None:
@@ -153,6 +102,96 @@ class Collator:
                 item.lease.item_done()
         return batch
 
+    def collate_rows(self, fills: list, rows: list[int], source_ids: list[int], first_index: int, stride: int,
+                     rank_position: int) -> dict[str, Any]:
+        """:meth:`collate` of full concat rows given as ``(fill, row)`` pairs (``fills[k]``'s row
+        ``rows[k]``, :meth:`loader.stages.packing.ConcatPacker.take_fill_row`) at global indices
+        ``first_index, first_index + stride, ...``: the same batch, without a sequence object
+        per row. Only for loaders without image or chat sources and without fill rows."""
+        seq_len = self.seq_len
+        count = len(rows)
+        input_ids = self._rows([fill.input_ids[row] for fill, row in zip(fills, rows)], count, seq_len)
+        batch = self._header(input_ids, source_ids, range(first_index, first_index + count * stride, stride),
+                             rank_position)
+        feature_arrays = {}
+        if self._needed:
+            row_features = [fill.row_features(row) for fill, row in zip(fills, rows)]
+            feature_arrays = {name: batch_feature(name, row_features, count, seq_len) for name in self._needed}
+        if self.reads_segments:
+            doc_flat = _flat_positions([fill.row_doc_starts(row) for fill, row in zip(fills, rows)], seq_len)
+            self._segments(batch, input_ids, feature_arrays, doc_flat, None, rows, ())
+        for name in self.batched:
+            batch[FEATURES[name].batch_field] = feature_arrays[name]
+        return batch
+
+    def _header(self, input_ids: np.ndarray, source_ids, global_indices, rank_position: int) -> dict[str, Any]:
+        """A batch's ``input_ids`` and per-sequence fields (``rank_position``: see :meth:`collate`)."""
+        rows = len(input_ids)
+        first_index = global_indices[0]
+        batch: dict[str, Any] = {
+            "input_ids": input_ids,
+            "source_ids": np.array(source_ids, dtype=np.int64),
+            "global_indices": np.array(global_indices, dtype=np.int64),
+            "step": first_index // self.global_batch_size,
+            "micro_step": ((rank_position - rows) % self.per_rank_batch) // self.micro_batch_size,
+        }
+        if self.fill_rows:  # fill rows: source id -1 (loader.stages.producer.FILL_SOURCE)
+            batch["fill"] = batch["source_ids"] < 0
+        return batch
+
+    def _segments(self, batch: dict[str, Any], input_ids: np.ndarray, feature_arrays: dict, doc_flat: np.ndarray,
+                  sequences: Optional[list], concat_rows: Sequence[int], other_rows: Sequence[int]) -> None:
+        """``labels``, ``position_ids`` and ``cu_seqlens`` as the fields ask: concat rows' (at
+        ``concat_rows``) from ``doc_flat``, their document starts in the flattened batch; the
+        ``other_rows`` of ``sequences`` from their own labels and segment starts."""
+        fields, seq_len = self.fields, self.seq_len
+        rows = len(input_ids)
+        if "labels" in fields:
+            if not concat_rows:
+                labels = self._rows([s.labels for s in sequences], rows, seq_len)
+            else:
+                # From the input ids just written (still in cache), not from per-row copies.
+                if self.empty is np.empty:
+                    labels = input_ids.copy()
+                else:
+                    labels = self.empty((rows, seq_len), np.int64)
+                    np.copyto(labels, input_ids)
+                labels.reshape(-1)[doc_flat] = IGNORE_INDEX
+                for r in other_rows:
+                    labels[r] = sequences[r].labels
+                # Concat rows' label rules over the whole batch (other rows have theirs already).
+                for name in self.label_masks:
+                    labels[feature_arrays[name] == 0] = IGNORE_INDEX
+            batch["labels"] = labels
+        if "position_ids" in fields or "cu_seqlens" in fields:
+            # Segment starts of the whole micro-batch (row r's shifted by r * seq_len) plus the
+            # end: that is cu_seqlens. Every row starts a segment, so position ids restart at
+            # row boundaries without a per-row loop. A concat row's segments start at the row
+            # start and at its documents' starts, which may coincide: the few starts are sorted
+            # and the repeats dropped (half the time of marking a flag per token and reading
+            # the marks back, bench/RESULTS.md issue 35).
+            if not concat_rows:
+                cu = np.append(_flat_positions([s.segment_starts for s in sequences], seq_len), rows * seq_len)
+            else:
+                parts = [doc_flat, np.arange(0, rows * seq_len + 1, seq_len, dtype=np.int64)]  # row starts, the end
+                if other_rows:
+                    parts.append(_flat_positions([sequences[r].segment_starts for r in other_rows], seq_len, other_rows))
+                cu = np.concatenate(parts)
+                cu.sort()
+                if len(cu) > 1:
+                    cu = cu[np.concatenate((_TRUE, cu[1:] != cu[:-1]))]
+            if "position_ids" in fields:
+                # position = index - start of its segment; the subtraction runs in place on
+                # the repeated starts, against an arange built once per loader.
+                if self._positions is None or len(self._positions) != rows * seq_len:
+                    self._positions = np.arange(rows * seq_len, dtype=np.int64)
+                starts = np.repeat(cu[:-1], np.diff(cu))
+                position_ids = (starts.reshape(rows, seq_len) if self.empty is np.empty
+                                else self.empty((rows, seq_len), np.int64))
+                np.subtract(self._positions, starts, out=position_ids.reshape(-1))
+                batch["position_ids"] = position_ids
+            if "cu_seqlens" in fields:
+                batch["cu_seqlens"] = cu.astype(np.int32)
 
     def loss_tokens(self, items: Sequence) -> int:
         """Tokens of ``items`` a causal-LM loss counts, ``labels[:, 1:] != -100`` of the labels

@@ -181,13 +181,14 @@ def mask_labels(labels: np.ndarray, features: Mapping[str, np.ndarray]) -> None:
             labels[values == 0] = IGNORE_INDEX
 
 
-def batch_feature(name: str, sequences: Sequence, rows: int, seq_len: int) -> np.ndarray:
-    """``[rows, seq_len]`` of feature ``name`` over a micro-batch, in its batch dtype; a row
-    without it (a source without the feature) holds the default on every token."""
+def batch_feature(name: str, row_features: Sequence[Mapping[str, np.ndarray]], rows: int, seq_len: int) -> np.ndarray:
+    """``[rows, seq_len]`` of feature ``name`` over a micro-batch (``row_features``: each row's
+    features), in its batch dtype; a row without it (a source without the feature) holds the
+    default on every token."""
     feature = FEATURES[name]
     per_row = []
-    for sequence in sequences:
-        values = sequence.features.get(name)
+    for features in row_features:
+        values = features.get(name)
         per_row.append(np.full(seq_len, feature.default, feature.dtype) if values is None else values)
     return np.concatenate(per_row, dtype=feature.batch_dtype).reshape(rows, seq_len)
 

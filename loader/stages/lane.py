@@ -150,6 +150,12 @@ class Lane:
                                 and p.stream.state_is_cursor for p in self.packers)
         # Whether snapshot() can hold a best-fit StateSnapshot (worker state deltas encode only those).
         self.holds_bins = any(isinstance(p, BestFitPacker) for p in self.packers)
+        # Whether a sequence of this lane is always its source's concat packer's next row and
+        # nothing else (no token mix, images or chat rejects to attach): the loader then takes
+        # a micro-batch's rows straight from the packers' fills (take_fill_row).
+        self.bulk_rows = (not self.token_mixing and not self._chat_streams
+                          and all(r is None for r in self._image_resolvers)
+                          and all(type(p) is ConcatPacker for p in self.packers))
 
     def _packer(self, stream, cap: Optional[tuple] = None):
         """The source's packer; ``cap``: its kind's best-fit bin cap (LaneKind.bin_cap), or None."""

@@ -74,6 +74,9 @@ class _ConcatFill:
         self._doc_starts: Optional[np.ndarray] = None
         self._doc_bounds: list[int] = []
 
+    def row_features(self, row: int) -> Mapping[str, np.ndarray]:
+        return NO_FEATURES if self.features is None else {n: v[row] for n, v in self.features.items()}
+
     def row_doc_starts(self, row: int) -> np.ndarray:
         if self._doc_starts is None:
             rows, seq_len = self.input_ids.shape
@@ -94,7 +97,7 @@ class ConcatRow(PackedSequence):
 
     def __init__(self, fill: _ConcatFill, row: int) -> None:
         self.input_ids = fill.input_ids[row]
-        self.features = NO_FEATURES if fill.features is None else {n: v[row] for n, v in fill.features.items()}
+        self.features = fill.row_features(row)
         self.majority_source = -1 if fill.majority is None else fill.majority[row]
         self._fill, self._row = fill, row
 
@@ -228,6 +231,20 @@ class ConcatPacker:
             return None
         return _sequence_from_pieces([chunk], self.seq_len, self.pad_id, piece_segment_starts=False,
                                      features=self.features)
+
+    def rows_waiting(self) -> int:
+        """Rows of the current fill not handed out yet; when the fill is used up, the next one
+        is cut first (0: the next sequence is not a bulk row: :meth:`next_sequence` makes it)."""
+        if self._next_row == self._fill_rows and self._bulk:
+            self._fill()
+        return self._fill_rows - self._next_row
+
+    def take_fill_row(self) -> tuple["_ConcatFill", int]:
+        """The next sequence as ``(fill, row)`` without a :class:`ConcatRow` (after :meth:`rows_waiting`
+        said there is one): the loader's bulk path builds a micro-batch from these."""
+        row = self._next_row
+        self._next_row = row + 1
+        return self._cut_rows, row
 
     def _fill(self) -> bool:
         seq_len = self.seq_len

@@ -141,3 +141,39 @@ def produce_one(lane: Lane, global_index: int, snapshot_state: bool, end_state: 
     # Positional, and no rejects call for lanes without online chat: this runs per sequence.
     return Item(global_index, source_id, sequence, lane.get_state() if snapshot_state else None, None,
                 lane.take_chat_rejects() if lane.has_online_chat else None)
+
+
+def take_rows(lanes: dict[int, Lane], num_lanes: int, source_of, first_index: int, stride: int,
+              count: int) -> Optional[tuple[list, list, list, list]]:
+    """The ``count`` sequences at ``first_index, first_index + stride, ...`` (on distinct lanes
+    of ``lanes``, all :attr:`~loader.stages.lane.Lane.bulk_rows`) as ``(fills, rows, source ids,
+    lane ids)``, each row of a concat packer's fill
+    (:meth:`~loader.stages.packing.ConcatPacker.take_fill_row`), when every one of them is a bulk
+    row; else None, having taken none (the caller makes them one by one with
+    :func:`produce_one`: a block's last row, a stopped source, the end). ``source_of``: the
+    mixing schedule's.
+
+    What :func:`produce_one` would make, without an item or a row object per sequence: the
+    per-sequence Python was most of the trainer's time in pre-tokenized replay
+    (bench/RESULTS.md, issue 35).
+    """
+    packers, sources, lane_ids = [], [], []
+    global_index = first_index
+    for _ in range(count):
+        lane_id = global_index % num_lanes
+        lane = lanes[lane_id]
+        source_id = source_of(global_index)
+        packer = lane.packers[source_id]
+        if lane.stopped[source_id] or (packer._next_row >= packer._fill_rows and not packer.rows_waiting()):
+            return None
+        packers.append(packer)
+        sources.append(source_id)
+        lane_ids.append(lane_id)
+        global_index += stride
+    fills, rows = [], []
+    for packer, lane_id in zip(packers, lane_ids):
+        fill, row = packer.take_fill_row()
+        lanes[lane_id].outputs += 1
+        fills.append(fill)
+        rows.append(row)
+    return fills, rows, sources, lane_ids

@@ -11,7 +11,8 @@ Protocol (``multiprocessing.connection`` framing over two pipes)::
     trainer -> worker   ("start", run_id, input_path, start_position)   lanes, states: in a private file
                         ("stop",)                                       or end-of-file: exit
     worker -> trainer   ("ready", pid)
-                        ("items", run_id, slot or None, descriptor)     see loader.workers.messages
+                        ("items", run_id, slot or None, descriptor)     see loader.workers.messages,
+                                                            or one micro-batch: loader.workers.batches
                         ("error", run_id, traceback text, pickled ZephonError or None)
                                                             (loader.workers.error_relay)
 
@@ -31,6 +32,7 @@ from multiprocessing.connection import Connection
 
 from loader.kinds.base import import_kind_modules
 from loader.stages.producer import End, build_lanes, produce, start_reading
+from loader.workers.batches import produce_batches
 from loader.workers.error_relay import error_message
 from loader.workers.messages import write_message
 from loader.workers.pipes import PipeWaiter
@@ -70,6 +72,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
     run_id = None
     items = None  # the current run's item generator
     segments = True  # the current run's messages carry labels and segment starts
+    batches = False  # the current run's messages are whole micro-batches (loader.workers.batches)
     lanes: dict = {}
     try:
         while True:
@@ -87,7 +90,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                     run_id, input_path, start_position = command[1:]
                     flags[:] = 0
                     try:
-                        lanes, items, segments = _start(input_path, start_position)
+                        lanes, items, segments, batches = _start(input_path, start_position)
                     except BaseException:  # noqa: BLE001 - the trainer gets the traceback
                         lanes, items = {}, None
                         messages.send(error_message(run_id))
@@ -96,6 +99,11 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                 command_waiter.ready(_SLOT_WAIT_S)
                 continue
             try:
+                if batches:  # whole micro-batches (loader.workers.batches): one per message, endless
+                    descriptor = next(items)(segment.view(slot))
+                    flags[slot] = 1
+                    messages.send(("items", run_id, slot, descriptor))
+                    continue
                 batch = []
                 for item in items:
                     batch.append(item)
@@ -123,13 +131,15 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
 
 def _start(input_path: str, start_position: int):
     with open(input_path, "rb") as fh:  # our own file, mode 0600, written by the trainer
-        spec, lane_ids, lane_states, num_lanes, rank, world_size, segments = pickle.load(fh)
+        spec, lane_ids, lane_states, num_lanes, rank, world_size, segments, plan, worker_id = pickle.load(fh)
     os.unlink(input_path)
     lanes = build_lanes(spec, lane_ids, lane_states)
     start_reading(lanes, rank + start_position * world_size, num_lanes)  # every lane's block at once
+    if plan is not None:
+        return lanes, produce_batches(lanes, plan, worker_id, start_position, StateEncoder().ship), segments, True
     items = produce(lanes, num_lanes=num_lanes, rank=rank, world_size=world_size,
                     start_position=start_position, snapshot_state=False, fill_tails=spec.fill_tails)
-    return lanes, _with_lane_states(items, lanes, num_lanes), segments
+    return lanes, _with_lane_states(items, lanes, num_lanes), segments, False
 
 
 def _with_lane_states(items, lanes: dict, num_lanes: int):

@@ -31,6 +31,7 @@ from loader.kinds.base import kind_modules
 from loader.workers.child import BOOTSTRAP
 from loader.workers.error_relay import worker_exception
 from loader.metrics import IO, IoCounters
+from loader.workers.batches import read_batches
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
 from loader.workers.shm import SHM_DIR, Segment, remove_stale_segments, slot_bytes
@@ -104,16 +105,17 @@ def slots_per_worker(prefetch: int, items_held: int, items_per_message: int) -> 
 class WorkerPool:
     def __init__(self, *, num_workers: int, seq_len: int, prefetch: Optional[int], items_held: int,
                  items_per_message: int, extra_slot_bytes: int = 0, features: Optional[Sequence[str]] = None,
-                 io: IoCounters = IO) -> None:
+                 batch_slot_bytes: int = 0, io: IoCounters = IO) -> None:
         """``prefetch``: the config's (None: :func:`default_prefetch`); ``items_held``: the items
         the trainer may hold at once (:func:`slots_per_worker`); ``items_per_message``:
-        :func:`~loader.workers.messages.items_per_message`; ``io``: the counters the workers'
-        reads are added to (the loader's, :mod:`loader.metrics`)."""
+        :func:`~loader.workers.messages.items_per_message`; ``batch_slot_bytes``: room for a
+        message of micro-batches built in a worker (:mod:`loader.workers.batches`; 0: none is);
+        ``io``: the counters the workers' reads are added to (the loader's, :mod:`loader.metrics`)."""
         remove_stale_segments()
         self.io = io
         self.items_per_message = items_per_message
         # extra_slot_bytes: a message's worst-case pixel data (image sources, loader.vision.transfer)
-        self.slot_size = slot_bytes(seq_len, items_per_message, features) + extra_slot_bytes
+        self.slot_size = max(slot_bytes(seq_len, items_per_message, features) + extra_slot_bytes, batch_slot_bytes)
         self.prefetch = prefetch or default_prefetch(seq_len, self.slot_size, items_per_message)
         self.num_slots = slots_per_worker(self.prefetch, items_held, items_per_message)
         self.processes: list[WorkerProcess] = []
@@ -209,10 +211,13 @@ class WorkerPool:
 
     # -- runs ------------------------------------------------------------------------------
     def start_run(self, spec, lanes_per_worker: list[list[int]], lane_states: dict[int, dict], *,
-                  num_lanes: int, rank: int, world_size: int, start_position: int, segments: bool = True) -> None:
+                  num_lanes: int, rank: int, world_size: int, start_position: int, segments: bool = True,
+                  plan=None) -> None:
         """Every worker drops what it was doing and produces from ``start_position``;
         ``segments``: whether its messages carry labels and segment starts
-        (:func:`~loader.workers.messages.write_message`)."""
+        (:func:`~loader.workers.messages.write_message`); ``plan``: a
+        :class:`~loader.workers.batches.BatchPlan` when the workers build whole micro-batches
+        (``lanes_per_worker`` then the plan's)."""
         self.run_id += 1
         # Each worker's encoder starts anew too (loader.workers.state_delta).
         self.decoders = [StateDecoder(spec.source_names, spec.token_mixing) for _ in lanes_per_worker]
@@ -220,7 +225,7 @@ class WorkerPool:
             path = os.path.join(self.input_dir, f"run-{self.run_id}-worker-{worker_id}.pickle")
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
                 states = {l: lane_states[l] for l in lane_ids if l in lane_states}
-                pickle.dump((spec, lane_ids, states, num_lanes, rank, world_size, segments), fh,
+                pickle.dump((spec, lane_ids, states, num_lanes, rank, world_size, segments, plan, worker_id), fh,
                             protocol=pickle.HIGHEST_PROTOCOL)
             self._send(worker_id, ("start", self.run_id, path, start_position))
 
@@ -283,6 +288,10 @@ class WorkerPool:
             raise worker_exception(worker_id, message, WorkerError)
         slot, descriptor = message[2], message[3]
         decode = self.decoders[worker_id].decode
+        if descriptor.get("kind") == "batch":  # whole micro-batches (loader.workers.batches)
+            segment = self.segments[worker_id]
+            return read_batches(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode,
+                                self.io)
         if slot is None:
             return read_message(descriptor, memoryview(b""), None, decode, self.io)
         segment = self.segments[worker_id]

@@ -1,0 +1,268 @@
+"""Whole micro-batches built in the workers: the trainer's side only takes a ready batch.
+
+Where a rank's micro-batches fall on disjoint groups of lanes, each worker owns whole groups
+and builds every micro-batch of them itself, with the loader's own
+:class:`~loader.stages.collate.Collator`; one message carries one micro-batch::
+
+    rank positions   0..7 | 8..15 | 16..23 | 24..31 | ...   (micro_batch_size 8, 16 lanes, W = 1)
+    lanes            0..7 | 8..15 | 0..7   | 8..15  | ...
+    group            0    | 1     | 0      | 1      | ...   micro-batch m: group m % G
+    worker (K = 2)   0    | 1     | 0      | 1      | ...   group g: worker g % K
+
+The stream does not change: a lane's sequences depend on its state only, not on which process
+holds it, so a worker that owns other lanes than ``lanes_of_worker`` gives each index the
+same sequence (the golden pins and tests/loader's worker tests hold the streams).
+
+Message format (the descriptor of a ``("items", run_id, slot, descriptor)`` message with
+``kind == "batch"``): ``batches``, one entry per micro-batch (up to ``per_message`` of the
+worker's consecutive ones, :func:`batches_per_message`; :func:`write_batch`): ``position`` (the
+rank position of its first row), ``keys`` (the batch's keys in order), ``values`` (the keys
+whose values are not arrays: ``step``, ``micro_step``, reject counts), ``layout`` (its arrays
+in the slot, :class:`~loader.workers.shm.SlotWriter`), ``lane_states`` (``[lane, shipped
+state]`` after it, :class:`~loader.workers.state_delta.StateEncoder`), ``source_ids`` and
+``padding`` per row and ``rejects`` (online chat rejects, or None) for the loader's metrics;
+and ``io``. The worker collates the large arrays straight into the slot (:class:`SlotArrays`);
+the trainer copies a micro-batch out when it hands it out and gives the slot back after the
+message's last. Every array of a batch travels the same way, whatever its name: image fields
+can follow once the slot is sized for their pixels (today a loader with image sources keeps
+item messages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from loader.metrics import IO, IoCounters, receive_shipped
+from loader.order.ordering import rank_period
+from loader.stages.collate import Collator
+from loader.stages.features import FEATURES
+from loader.stages.producer import End, produce_one, take_rows
+from loader.workers.messages import MESSAGE_TOKENS, SlotLease
+from loader.workers.shm import SlotWriter, read_arrays
+
+
+# Whether loaders whose lane groups allow it use worker micro-batches (else item messages,
+# loader.workers.messages); both deliver the same stream. Off: on the shared 2-core machine
+# they did not lower the trainer's CPU per micro-batch (one copy out of the slot per array
+# stays) and the workers' added collation cost 2-worker replay 14-20% (bench/RESULTS.md,
+# issue 35); tests/loader/test_worker_batches.py runs them.
+WORKER_BATCHES = False
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Which worker builds which micro-batch of a rank (picklable: sent with a run's start).
+
+    ``groups``: micro-batch ``m`` uses the lanes of group ``m % groups``; group ``g`` is worker
+    ``g % num_workers``'s. ``collator``: the keyword arguments of the loader's :class:`Collator`.
+    """
+
+    rank: int
+    world_size: int
+    num_lanes: int
+    micro_batch_size: int
+    groups: int
+    num_workers: int
+    collator: dict
+    per_message: int = 1  # micro-batches per message (batches_per_message)
+
+    def worker_of(self, micro_batch: int) -> int:
+        return (micro_batch % self.groups) % self.num_workers
+
+    def lanes_of(self, worker_id: int) -> list[int]:
+        """The lanes worker ``worker_id`` owns: those of its groups, in position order."""
+        mbs = self.micro_batch_size
+        return [(self.rank + p * self.world_size) % self.num_lanes
+                for g in range(worker_id, self.groups, self.num_workers) for p in range(g * mbs, (g + 1) * mbs)]
+
+
+def batch_plan(*, rank: int, world_size: int, num_lanes: int, micro_batch_size: int, num_workers: int,
+               collator: dict, per_message: int = 1) -> Optional[BatchPlan]:
+    """The plan of a loader whose micro-batches fall on disjoint lane groups, at least one per
+    worker (``micro_batch_size`` divides the rank's lane period), else None (item messages)."""
+    period = rank_period(num_lanes, world_size)
+    if period % micro_batch_size or period // micro_batch_size < num_workers:
+        return None
+    return BatchPlan(rank, world_size, num_lanes, micro_batch_size, period // micro_batch_size, num_workers, collator,
+                     per_message)
+
+
+def batch_bytes(collator: Collator, per_message: int = 1) -> int:
+    """Room for a message's micro-batches' arrays in the worst case (a segment at every token)."""
+    tokens = collator.micro_batch_size * collator.seq_len
+    per_token = 8 * sum(f in collator.fields for f in ("input_ids", "labels", "position_ids")) + 4  # + cu_seqlens
+    per_token += sum(FEATURES[n].batch_dtype.itemsize for n in collator.batched)
+    return per_message * (tokens * per_token + 64 * (len(collator.fields) + len(collator.batched) + 8) + 4096)
+
+
+@dataclass
+class BuiltBatch:
+    """A micro-batch a worker built (NumPy), with what the trainer records for it; on the
+    trainer's side (:class:`ShippedBatch`) its arrays are copied out of the slot and
+    ``lane_states`` decoded."""
+
+    position: int
+    batch: dict
+    lane_states: list
+    source_ids: list
+    padding: list
+    rejects: Optional[dict]
+
+
+class SlotArrays:
+    """The worker collator's ``empty``: the large arrays of a micro-batch (input ids, labels,
+    position ids) are built in the message's slot, not copied there afterwards."""
+
+    def __init__(self) -> None:
+        self.writer: Optional[SlotWriter] = None
+        # id of an array built in the slot for the micro-batch being collated -> (its name in the
+        # layout, the array: held, so that its id is not reused); cleared per micro-batch
+        self.made: dict[int, tuple[str, np.ndarray]] = {}
+        self._count = 0
+
+    def start(self, slot: memoryview) -> SlotWriter:
+        self.writer, self.made = SlotWriter(slot), {}
+        return self.writer
+
+    def __call__(self, shape, dtype) -> np.ndarray:
+        self._count += 1
+        name = f"_{self._count}"
+        view = self.writer.allocate(name, dtype, shape)
+        self.made[id(view)] = (name, view)
+        return view
+
+    def written(self, batch: BuiltBatch) -> dict:
+        """:func:`write_batch` of ``batch``, collated with this as its ``empty`` just now."""
+        part = write_batch(batch, self.writer, self.made)
+        self.made = {}
+        return part
+
+
+def batches_per_message(micro_batch_size: int, seq_len: int, tokenizes: bool) -> int:
+    """Micro-batches per message: about ``MESSAGE_TOKENS`` (at most 4), so that the pipe, the
+    descriptor and the wake-up are paid once for several; one where sources tokenize online (a
+    message would wait for all of them to be tokenized)."""
+    if tokenizes:
+        return 1
+    return max(1, min(4, MESSAGE_TOKENS // (micro_batch_size * seq_len)))
+
+
+def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position: int, ship_state) -> Iterator:
+    """Worker ``worker_id``'s micro-batches from ``start_position`` (a micro-batch boundary) on,
+    endless, ``plan.per_message`` at a time; ``ship_state(lane_id, lane)``: the state to ship (the
+    run's ``StateEncoder.ship``). Yields the descriptor maker of each message (``write(slot)``:
+    its micro-batches collated into the slot)."""
+    slot_arrays = SlotArrays()
+    collator = Collator(**plan.collator, empty=slot_arrays)
+    mbs, stride, num_lanes = plan.micro_batch_size, plan.world_size, plan.num_lanes
+    source_of = next(iter(lanes.values())).spec.schedule.source_of
+    bulk = all(lane.bulk_rows for lane in lanes.values())
+    micro_batch = start_position // mbs
+    while True:
+        pending = []  # (position, collate, states, sources, padding, rejects) per micro-batch
+        while len(pending) < plan.per_message:
+            if plan.worker_of(micro_batch) == worker_id:
+                pending.append(_cut(lanes, collator, plan, micro_batch, source_of, bulk, ship_state))
+            micro_batch += 1
+
+        def write(slot: memoryview, pending=pending) -> dict:
+            slot_arrays.start(slot)
+            batches = [slot_arrays.written(BuiltBatch(position, collate(), states, sources, padding, rejects))
+                       for position, collate, states, sources, padding, rejects in pending]
+            return {"kind": "batch", "batches": batches, "io": IO.delta_to_ship()}
+
+        yield write
+
+
+def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, source_of, bulk: bool, ship_state):
+    """One micro-batch's sequences taken from the lanes now (their states after it), collated later."""
+    mbs, stride, num_lanes = plan.micro_batch_size, plan.world_size, plan.num_lanes
+    position = micro_batch * mbs
+    first = plan.rank + position * stride
+    taken = take_rows(lanes, num_lanes, source_of, first, stride, mbs) if bulk else None
+    if taken is not None:
+        fills, rows, sources, lane_ids = taken
+        padding, rejects = [0] * mbs, None
+        collate = lambda: collator.collate_rows(fills, rows, sources, first, stride, position + mbs)  # noqa: E731
+    else:
+        items = [produce_one(lanes[(first + k * stride) % num_lanes], first + k * stride, False) for k in range(mbs)]
+        if any(isinstance(item, End) for item in items):
+            raise RuntimeError("internal error: a lane of an endless run ran out (item messages handle ends)")
+        sources = [item.source_id for item in items]
+        lane_ids = [item.global_index % num_lanes for item in items]
+        padding = [item.sequence.padding for item in items]
+        rejects = _merged([item.chat_rejects for item in items])
+        collate = lambda: collator.collate(items, position + mbs)  # noqa: E731
+    return position, collate, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding, rejects
+
+
+def _merged(rejects: list) -> Optional[dict]:
+    out = None
+    for counts in rejects:
+        for reason, count in (counts or {}).items():
+            out = {} if out is None else out
+            out[reason] = out.get(reason, 0) + count
+    return out
+
+
+def write_batch(built: BuiltBatch, writer: SlotWriter, made: Optional[dict[int, tuple]] = None) -> dict:
+    """One micro-batch's part of a message's descriptor, its arrays in ``writer``'s slot (see the
+    module docstring); ``made``: the arrays already built there (:class:`SlotArrays`), not copied."""
+    values, layout = {}, {}
+    for key, value in built.batch.items():
+        if type(value) is not np.ndarray:
+            values[key] = value
+        elif made and id(value) in made:
+            layout[key] = writer.layout[made[id(value)][0]]
+        else:
+            name = f"{built.position}.{key}"
+            writer.write(name, value)
+            layout[key] = writer.layout[name]
+    return {"position": built.position, "keys": list(built.batch), "values": values, "layout": layout,
+            "lane_states": built.lane_states, "source_ids": built.source_ids, "padding": built.padding,
+            "rejects": built.rejects}
+
+
+class ShippedBatch(BuiltBatch):
+    """A micro-batch of a received message: views of the slot until :meth:`copy_out` (at its
+    hand-out), or :meth:`drop` (the lead made it); the slot goes back after the message's last."""
+
+    def __init__(self, part: dict, slot: memoryview, lease: SlotLease, decode_state) -> None:
+        super().__init__(part["position"], {}, [[lane, decode_state(state)] for lane, state in part["lane_states"]],
+                         part["source_ids"], part["padding"], part["rejects"])
+        self._part, self._slot, self._lease = part, slot, lease
+
+    def copy_out(self, empty=np.empty) -> dict:
+        """The batch, every array copied out of the slot (into ``empty``'s memory: pinned memory too)."""
+        part = self._part
+        arrays = read_arrays(self._slot, part["layout"])
+        values = part["values"]
+        batch: dict[str, Any] = {}
+        for key in part["keys"]:
+            if key in arrays:
+                view = arrays[key]
+                if empty is np.empty:
+                    batch[key] = view.copy()
+                else:
+                    batch[key] = out = empty(view.shape, view.dtype)
+                    np.copyto(out, view)
+            else:
+                batch[key] = values[key]
+        self.batch = batch
+        self.drop()
+        return batch
+
+    def drop(self) -> None:
+        self._slot = None
+        self._lease.item_done()
+
+
+def read_batches(descriptor: dict, slot: memoryview, give_back, decode_state, io: IoCounters = IO) -> list[ShippedBatch]:
+    """The micro-batches of a message of :func:`produce_batches`, in position order (views of
+    ``slot``); the worker's reads it reports are added to ``io`` (the pool's loader's counters)."""
+    receive_shipped(descriptor.get("io"), io)
+    lease = SlotLease(len(descriptor["batches"]), give_back)
+    return [ShippedBatch(part, slot, lease, decode_state) for part in descriptor["batches"]]

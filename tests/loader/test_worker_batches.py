@@ -1,0 +1,136 @@
+"""Bulk paths of issue 35: micro-batches as rows of the concat fills in-process, and built whole
+by the workers. Both must deliver exactly the micro-batches (keys, dtypes, values) and the
+states of the per-item path, which the rest of the suite pins."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from loader.pipeline import ZephonLoader
+from loader.workers import batches as batches_module
+from loader.workers.batches import batch_plan
+from tests.loader.settings import MICRO_BATCH, NUM_LANES
+
+
+@pytest.fixture(autouse=True)
+def worker_batches(monkeypatch):
+    """Worker micro-batches on, whatever the default (loader.workers.batches.WORKER_BATCHES)."""
+    monkeypatch.setattr(batches_module, "WORKER_BATCHES", True)
+
+
+STEPS = 12  # micro-batches per run: GLOBAL_BATCH // MICRO_BATCH = 8 per step, epochs end every ~10 steps
+
+
+def batches(config, micro_batches: int, *, wait: bool = True, pace_s: float = 0.0, bulk: bool = True,
+            restore=None, save_at=()):
+    """The run's micro-batches (NumPy), its states at ``save_at`` and whether it used the bulk paths."""
+    loader = ZephonLoader(config, output="numpy")
+    if restore is not None:
+        loader.load_state_dict(restore)
+    if wait and config.num_workers:
+        loader.wait_for_workers(timeout_s=60)
+    out, states, used = [], {}, {"rows": 0, "ready": 0}
+    try:
+        for k in range(micro_batches):
+            if not bulk and loader._run is not None:
+                loader._run.bulk_rows = False
+            out.append(next(loader))
+            if loader._run.bulk_rows:
+                used["rows"] += 1
+            if loader._run.batch_plan is not None and loader._run.lead is None:
+                used["ready"] += 1
+            if k in save_at:
+                states[k] = loader.state_dict()
+            if pace_s:
+                time.sleep(pace_s)
+        metrics = loader.metrics().total
+    finally:
+        loader.close()
+    return out, states, used, metrics
+
+
+def assert_same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for k, (x, y) in enumerate(zip(a, b)):
+        assert list(x) == list(y), f"micro-batch {k}: keys {list(x)} != {list(y)}"
+        for key in x:
+            if isinstance(x[key], np.ndarray):
+                assert x[key].dtype == y[key].dtype and np.array_equal(x[key], y[key]), f"micro-batch {k}: {key}"
+            else:
+                assert type(x[key]) is type(y[key]) and x[key] == y[key], f"micro-batch {k}: {key}"
+
+
+@pytest.mark.parametrize("fields", [None, ("input_ids",), ("input_ids", "labels", "cu_seqlens")])
+def test_in_process_bulk_rows_match_the_item_path(make_config, fields):
+    config = make_config("concat", pretokenized=True, **({"batch_fields": fields} if fields else {}))
+    bulk, bulk_states, used, bulk_metrics = batches(config, 8 * STEPS, save_at=(7, 50))
+    items, item_states, _, item_metrics = batches(config, 8 * STEPS, bulk=False, save_at=(7, 50))
+    assert used["rows"] == 8 * STEPS  # the run was eligible throughout (its rows: whenever a fill has them)
+    assert_same(bulk, items)
+    assert bulk_states == item_states
+    assert bulk_metrics.tokens == item_metrics.tokens and bulk_metrics.sequences == item_metrics.sequences
+
+
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_worker_micro_batches_match_in_process_and_resume(make_config, packing):
+    config = make_config(packing, pretokenized=True)
+    reference, states, _, ref_metrics = batches(config, 8 * STEPS, save_at=(5, 40))
+    workers = config.replace(num_workers=2)
+    got, worker_states, used, metrics = batches(workers, 8 * STEPS, save_at=(5, 40))
+    assert used["ready"] == 8 * STEPS  # every micro-batch came whole from a worker
+    assert_same(reference, got)
+    assert worker_states == states
+    assert metrics.tokens == ref_metrics.tokens and metrics.padding_tokens == ref_metrics.padding_tokens
+    resumed, _, _, _ = batches(workers, 8 * STEPS - 41, restore=states[40])
+    assert_same(reference[41:], resumed)
+
+
+def test_hand_over_from_the_warm_start_to_whole_batches(make_config):
+    """No wait for the workers: the trainer's lanes lead until the workers' batches catch up."""
+    config = make_config("concat", pretokenized=True)
+    loader = ZephonLoader(config.replace(num_workers=2), output="numpy")
+    got, deadline = [], time.monotonic() + 60
+    try:
+        while True:
+            got.append(next(loader))
+            run = loader._run
+            if run.batch_plan is not None and run.lead is None:
+                break
+            assert time.monotonic() < deadline, "the workers never took over"
+            time.sleep(0.01)  # a trainer with other work: the workers catch up
+        led = len(got)
+        got += [next(loader) for _ in range(16)]
+        assert loader._run.pool is not None and loader._run.lead is None
+    finally:
+        loader.close()
+    reference, _, _, _ = batches(config, len(got))
+    assert_same(reference, got)
+    assert led >= 1
+
+
+def test_text_sources_through_worker_batches(make_config):
+    config = make_config("concat")
+    reference, _, _, _ = batches(config, 3 * 8)
+    got, _, used, _ = batches(config.replace(num_workers=2), 3 * 8)
+    assert used["ready"] == 3 * 8
+    assert_same(reference, got)
+
+
+def test_batch_plan_groups():
+    plan = batch_plan(rank=0, world_size=1, num_lanes=NUM_LANES, micro_batch_size=MICRO_BATCH, num_workers=2,
+                      collator={})
+    assert plan.groups == NUM_LANES // MICRO_BATCH
+    owned = [plan.lanes_of(k) for k in range(2)]
+    assert sorted(owned[0] + owned[1]) == list(range(NUM_LANES))  # a partition of the rank's lanes
+    for m in range(2 * plan.groups):  # each micro-batch's lanes belong to the worker that builds it
+        lanes = {(m * MICRO_BATCH + p) % NUM_LANES for p in range(MICRO_BATCH)}
+        assert lanes <= set(owned[plan.worker_of(m)])
+    # Two ranks of 16 lanes: positions p of rank 1 fall on lanes 1, 3, ..., 15 (period 8).
+    plan = batch_plan(rank=1, world_size=2, num_lanes=16, micro_batch_size=4, num_workers=2, collator={})
+    assert plan.groups == 2 and sorted(plan.lanes_of(0) + plan.lanes_of(1)) == list(range(1, 16, 2))
+    # A micro-batch that does not divide the lane period, or fewer groups than workers: item messages.
+    assert batch_plan(rank=0, world_size=1, num_lanes=8, micro_batch_size=3, num_workers=2, collator={}) is None
+    assert batch_plan(rank=0, world_size=1, num_lanes=8, micro_batch_size=8, num_workers=2, collator={}) is None
