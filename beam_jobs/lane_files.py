@@ -28,7 +28,6 @@ image bytes. Text datasets are written exactly as before (same schema, same byte
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional, Sequence
@@ -51,6 +50,7 @@ from beam_jobs.image_lanes import (
 )
 from beam_jobs.outputs import join_output, write_atomically
 from beam_jobs.transform_steps import TokenStage, ENTRY_COUNTS
+from loader.io.blocks import tokenize_documents
 from loader.io.manifest import CONVERSATION_COLUMN, TOMBSTONE_COLUMN, FileEntry, lane_file_path
 from loader.io.storage_options import StorageOptions
 from loader.order.hashing import file_bucket, lane_of_key, order_key_of
@@ -179,17 +179,12 @@ def row_group_bounds(text_nbytes: np.ndarray) -> list[tuple[int, int]]:
 
 
 def tokenize_texts(tokenizer, texts: list[str]):
-    """``(input_ids BinaryArray of little-endian int32 ids, num_tokens int32 ndarray)`` of one batch.
-
-    ``encode_batch_fast`` gives the same ids as ``encode`` (it only skips character
-    offsets) and tokenizes the batch on all cores; special tokens are not added because
-    the loader adds BOS/EOS itself, the same way for offline and online tokenization.
-    """
-    id_lists = [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
-    num_tokens = np.fromiter(map(len, id_lists), dtype=np.int32, count=len(id_lists))
-    offsets = np.zeros(len(id_lists) + 1, dtype=np.int32)
+    """``(input_ids BinaryArray of little-endian int32 ids, num_tokens int32 ndarray)`` of one batch,
+    tokenized as the loader tokenizes online (:func:`loader.io.blocks.tokenize_documents`)."""
+    flat_ids, lengths = tokenize_documents(tokenizer, texts)
+    num_tokens = lengths.astype(np.int32)
+    offsets = np.zeros(len(num_tokens) + 1, dtype=np.int32)
     np.cumsum(num_tokens, out=offsets[1:])
-    flat_ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(offsets[-1]))
     return token_bytes_array(flat_ids, offsets), num_tokens
 
 

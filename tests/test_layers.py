@@ -55,6 +55,14 @@ REMOTE_CHECKS_ALLOWED = {
     "loader.io.s3": "resolve_endpoint: an endpoint URL without a scheme gets http://",
 }
 
+# Documents are tokenized by one function, loader.io.blocks.tokenize_documents, offline and online
+# alike; a chat render's tokens need their byte ends as well (loader.chat.masks).
+TOKENIZE_CALL = re.compile(r"\.encode_batch(?:_fast)?\(")
+TOKENIZE_CALLS_ALLOWED = {
+    "loader.io.blocks": "tokenize_documents itself",
+    "loader.chat.masks": "chat renders: ids with their byte ends (offsets where a token's length is unsure)",
+}
+
 MAX_CLASS_LINES = 400
 # Classes over MAX_CLASS_LINES today, with their current length in lines.
 BIG_CLASSES_ALLOWED = {
@@ -250,15 +258,34 @@ def test_the_sample_corpus_is_imported_by_its_commands_only():
     check_sample_corpus_out_of_the_runtime(import_graph())
 
 
-def remote_checks(sources: Optional[dict[str, str]] = None) -> dict[str, list[int]]:
-    """Modules that test a path for a scheme by hand: module -> line numbers."""
+def hand_made(pattern: re.Pattern, allowed: dict[str, str],
+              sources: Optional[dict[str, str]] = None) -> dict[str, list[int]]:
+    """Modules outside ``allowed`` with a line matching ``pattern``: module -> line numbers."""
     texts = sources or {module: path.read_text() for module, path in _modules().items()}
     found = {}
     for module, text in texts.items():
-        lines = [n for n, line in enumerate(text.splitlines(), 1) if REMOTE_CHECK.search(line)]
-        if lines and module not in REMOTE_CHECKS_ALLOWED:
+        lines = [n for n, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+        if lines and module not in allowed:
             found[module] = lines
     return found
+
+
+def remote_checks(sources: Optional[dict[str, str]] = None) -> dict[str, list[int]]:
+    """Modules that test a path for a scheme by hand: module -> line numbers."""
+    return hand_made(REMOTE_CHECK, REMOTE_CHECKS_ALLOWED, sources)
+
+
+def tokenize_calls(sources: Optional[dict[str, str]] = None) -> dict[str, list[int]]:
+    """Modules that tokenize documents with a call of their own: module -> line numbers."""
+    return hand_made(TOKENIZE_CALL, TOKENIZE_CALLS_ALLOWED, sources)
+
+
+def test_one_tokenization_of_documents():
+    assert tokenize_calls() == {}, "tokenize documents with loader.io.blocks.tokenize_documents"
+
+
+def test_a_tokenization_of_its_own_is_found():
+    assert tokenize_calls({"beam_jobs.x": "ids = [e.ids for e in tok.encode_batch_fast(texts)]\n"}) == {"beam_jobs.x": [1]}
 
 
 def test_one_rule_for_remote_paths():

@@ -153,10 +153,7 @@ class TextBlock(Block):
         end = int(np.searchsorted(self._char_ends, chars_before + self._chars, side="right"))
         end = min(max(end, start + 1), len(self._texts))
         self._chars = min(2 * self._chars, self._max_chars)
-        encoded = self._tokenizer.encode_batch_fast(self._texts[start:end], add_special_tokens=False)
-        id_lists = [e.ids for e in encoded]
-        lengths = np.fromiter((len(ids) for ids in id_lists), dtype=np.int64, count=len(id_lists))
-        flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lengths.sum()))
+        flat, lengths = tokenize_documents(self._tokenizer, self._texts[start:end])
         part = wrap_documents(flat, lengths, self._format)
         # New arrays, not in-place growth: chunks already taken are views of the old ones.
         self.doc_starts = np.concatenate([self.doc_starts[:-1], part.doc_starts + len(self.tokens)])
@@ -394,6 +391,20 @@ def _joined_block(joined: pa.Array, where: str, row_group: int, wrap_ids: int) -
     data = joined.buffers()[2]
     tokens = np.frombuffer(data, dtype="<i4", count=int(doc_starts[-1])) if data is not None else np.zeros(0, np.int32)
     return Block(tokens=tokens.astype(np.int32, copy=False), doc_starts=doc_starts)
+
+
+def tokenize_documents(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, lengths)``: every text's ids, one flat int32 array, and each text's length (int64).
+
+    The one tokenization of documents, offline (the Beam job's ``--tokenizer``) and online (the
+    loader's text blocks, the audit's lengths, image documents' text parts), so the two cannot
+    differ. ``encode_batch_fast`` gives ``encode``'s ids (it only skips character offsets) on all
+    cores; no special tokens, because the token format adds BOS/EOS the same way for both.
+    """
+    id_lists = [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)] if texts else []
+    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+    flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lengths.sum()))
+    return flat, lengths
 
 
 def wrap_documents(flat_ids: np.ndarray, lengths: np.ndarray, fmt: TokenFormat) -> Block:

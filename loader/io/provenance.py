@@ -34,7 +34,7 @@ import numpy as np
 
 from loader.errors import LaneDataError, OriginError
 from loader.io import storage
-from loader.io.blocks import Block
+from loader.io.blocks import Block, tokenize_documents
 from loader.io.integrity import FIX, check_row_group
 from loader.io.manifest import TOMBSTONE_COLUMN
 from loader.io.lane_reader import LaneTokenStream
@@ -112,8 +112,7 @@ class ProvenanceStream(LaneTokenStream):
                 lengths = np.asarray(values.to_pylist(), dtype=np.int64)  # small: one int per document
             else:
                 texts = [t or "" for t in values.to_pylist()]
-                encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-                lengths = np.array([len(e.ids) for e in encoded], dtype=np.int64)
+                lengths = tokenize_documents(self.tokenizer, texts)[1]
             if self.tombstone_transforms:  # dropped offline: no document at all (lane_reader skips them)
                 dropped = parquet.read_row_group(row_group, columns=[TOMBSTONE_COLUMN], use_threads=False).column(0)
                 dropped_by = np.asarray(dropped.to_pylist(), dtype=np.int64)

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from loader.errors import LaneDataError
-from loader.io.blocks import Block, TokenFormat, wrap_documents
+from loader.io.blocks import Block, TokenFormat, tokenize_documents, wrap_documents
 from loader.stages.features import FEATURES, wrap_feature
 from loader.vision.policies import policy_from_dict
 from loader.vision.reasons import ImageRejected
@@ -176,8 +176,8 @@ class ImageBlock(Block):
         options, fmt = self._options, self._format
         documents = self._documents()
         texts = [part for document in documents for part in document if isinstance(part, str)]
-        encoded = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False) if texts else []
-        text_ids = iter([np.asarray(e.ids, dtype=np.int32) for e in encoded])
+        flat, lengths = tokenize_documents(self._tokenizer, texts)
+        text_ids = iter(np.split(flat, np.cumsum(lengths)[:-1]) if texts else [])
         block_index = self._place.block_of()
         epoch = self._place.epoch
         if epoch >= 1 << EPOCH_BITS or block_index >= 1 << BLOCK_BITS or len(documents) > 1 << ROW_BITS:
