@@ -185,3 +185,54 @@ def test_the_probe_child_leaves_no_process(transform_corpus):  # noqa: F811
         except FileNotFoundError:
             pass
     assert probe.probe_pid() == os.getpid()
+
+
+def test_zephon_diff_names_the_transform_that_made_two_runs_differ(transform_corpus, tmp_path, monkeypatch,  # noqa: F811
+                                                                   capsys):
+    """Two runs of one config differ because a transform slipped past the checks (here: the
+    checks disabled while the runs are made); ``zephon diff A.log B.log --config`` names it."""
+    from loader.cli import run_command
+    from loader.commands.fingerprints import collect_fingerprints
+
+    config = loader_config(transform_corpus.text_path, [{"function": HOSTILE + "pair_counter"}])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    for guard, off in (("call_watched", _plain_call), ("recheck", _no_check), ("compare_in_child", _no_check)):
+        monkeypatch.setattr(chain_module, guard, off)
+    logs = []
+    for run in ("a", "b"):
+        chain_module._chains.clear()
+        results, _ = collect_fingerprints(config, world_size=1, end_step=3)
+        logs.append(tmp_path / f"{run}.log")
+        logs[-1].write_text("".join(r.line() + "\n" for r in results))
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert run_command("diff", [str(logs[0]), str(logs[1])], debug=False) == 1
+    assert "pair_counter" not in capsys.readouterr().out  # a log alone does not know the transforms
+    assert run_command("diff", [str(logs[0]), str(logs[1]), "--config", str(path), "--json"], debug=False) == 1
+    report = json.loads(capsys.readouterr().out)
+    (found,) = report["transforms"]
+    assert found["function"] == HOSTILE + "pair_counter" and found["position"] == 0 and found["source"] == "synthetic"
+    assert len(found["spec_sha256"]) == 64 and "is not deterministic" in found["message"]
+    assert report["causes"][0].startswith(f"transform {HOSTILE}pair_counter (transforms[0] of source 'synthetic'")
+
+
+def test_zephon_diff_names_no_transform_when_they_are_functions(transform_corpus, tmp_path, capsys):  # noqa: F811
+    from loader.cli import run_command
+
+    config = loader_config(transform_corpus.text_path, [{"function": SEEDED[0], "args": {"p": 0.3}}])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text("0 " + "0" * 64 + "\n")
+    b.write_text("0 " + "1" * 64 + "\n")
+    assert run_command("diff", [str(a), str(b), "--config", str(path), "--json"], debug=False) == 1
+    assert json.loads(capsys.readouterr().out)["transforms"] == []
+
+
+def test_the_reverse_pass_names_state_the_probe_never_revisits():
+    from loader.commands.transform_culprit import _reverse_pass
+
+    position, key, message = _reverse_pass([TransformSpec(HOSTILE + "remembering").resolved(False)], _documents(64))
+    assert position == 0 and key == "k0000" and "reverse order" in message
+    assert _reverse_pass([TransformSpec(SEEDED[0]).resolved(False)], _documents(64)) is None
