@@ -20,7 +20,8 @@
   (``loader.transforms.probe``: global generators watched, re-checks at 64/1,024/16,384 documents,
   one fresh interpreter per chain and process) and with only the two calls on 8 documents (the
   probe before issue 28's round two). A fresh loader per round: the interpreter's one-time cost
-  is in every round. ``probe child`` times that interpreter alone.
+  is in every round. ``transforms_steady`` leaves the interpreter out on both sides (what
+  the checks cost per document); ``probe child`` times that interpreter alone.
 * ``shm``: ``ZephonLoader`` with 2 workers on the pre-tokenized dataset (one epoch), tokens/s
   with each segment's pages reserved (``posix_fallocate``) and with the reservation a no-op;
   ``segment`` times creating a 16 MiB segment and writing every page, each way.
@@ -111,6 +112,17 @@ def chat_case():
     return "conversations/s", run
 
 
+def _tokens_per_s(dataset: dict, num_workers: int = 0) -> float:
+    """One epoch of ``dataset`` through a fresh ``ZephonLoader`` (k0 or workers), tokens/s."""
+    config = LoaderConfig(datasets=[dataset], seq_len=512, global_batch_size=16, micro_batch_size=4, seed=1,
+                          tokenizer=default_tokenizer_path(), num_workers=num_workers)
+    tokens, started = 0, time.perf_counter()
+    with ZephonLoader(config, output="numpy") as loader:
+        for batch in loader:
+            tokens += batch["input_ids"].size
+    return tokens / (time.perf_counter() - started)
+
+
 def tokens_case():
     root = _pretokenized()
     check = chain_module.TransformChain._check_result
@@ -125,15 +137,8 @@ def tokens_case():
     def run(checked: bool) -> float:
         chain_module.TransformChain._check_result = check if checked else unchecked
         chain_module._chains.clear()
-        dataset = {"path": str(root), "max_epochs": 1,
-                   "transforms": [{"function": "tests.transforms.functions:reverse_ids"}]}
-        config = LoaderConfig(datasets=[dataset], seq_len=512, global_batch_size=16, micro_batch_size=4, seed=1,
-                              tokenizer=default_tokenizer_path(), num_workers=0)
-        tokens, started = 0, time.perf_counter()
-        with ZephonLoader(config, output="numpy") as loader:
-            for batch in loader:
-                tokens += batch["input_ids"].size
-        return tokens / (time.perf_counter() - started)
+        return _tokens_per_s({"path": str(root), "max_epochs": 1,
+                              "transforms": [{"function": "tests.transforms.functions:reverse_ids"}]})
 
     return "tokens/s", run
 
@@ -148,7 +153,8 @@ def _pretokenized() -> Path:
     return root
 
 
-def transforms_case():
+def transforms_case(with_child: bool = True):
+    """``with_child=False``: the other interpreter left out on both sides (the per-document cost)."""
     from tests.dataset_factory import synthetic_texts, write_dataset
 
     root = WORK_DIR / "text"
@@ -160,17 +166,11 @@ def transforms_case():
 
     def run(checked: bool) -> float:
         for name, check in checks.items():
-            setattr(chain_module, name, check if checked else old[name])
+            on = checked and (with_child or name != "compare_in_child")
+            setattr(chain_module, name, check if on else old[name])
         chain_module._chains.clear()
-        dataset = {"path": str(root), "max_epochs": 1,
-                   "transforms": [{"function": "tests.transforms.functions:drop_random_words", "args": {"p": 0.1}}]}
-        config = LoaderConfig(datasets=[dataset], seq_len=512, global_batch_size=16, micro_batch_size=4, seed=1,
-                              tokenizer=default_tokenizer_path(), num_workers=0)
-        tokens, started = 0, time.perf_counter()
-        with ZephonLoader(config, output="numpy") as loader:
-            for batch in loader:
-                tokens += batch["input_ids"].size
-        return tokens / (time.perf_counter() - started)
+        return _tokens_per_s({"path": str(root), "max_epochs": 1, "transforms": [
+            {"function": "tests.transforms.functions:drop_random_words", "args": {"p": 0.1}}]})
 
     return "tokens/s", run
 
@@ -196,13 +196,7 @@ def shm_case():
 
     def run(checked: bool) -> float:
         shm.reserve = reserve if checked else (lambda fd, size, directory, worker_id: None)
-        config = LoaderConfig(datasets=[{"path": str(root), "max_epochs": 1}], seq_len=512, global_batch_size=16,
-                              micro_batch_size=4, seed=1, tokenizer=default_tokenizer_path(), num_workers=2)
-        tokens, started = 0, time.perf_counter()
-        with ZephonLoader(config, output="numpy") as loader:
-            for batch in loader:
-                tokens += batch["input_ids"].size
-        return tokens / (time.perf_counter() - started)
+        return _tokens_per_s({"path": str(root), "max_epochs": 1}, num_workers=2)
 
     return "tokens/s", run
 
@@ -227,12 +221,12 @@ def segment_seconds(reserved: bool, size: int = 16 * 2**20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--cases", default="images,chat,tokens,transforms,shm",
-                        help="comma-separated: images, chat, tokens, transforms, shm")
+    parser.add_argument("--cases", default="images,chat,tokens,transforms,transforms_steady,shm",
+                        help="comma-separated: images, chat, tokens, transforms, transforms_steady, shm")
     args = parser.parse_args()
     print(f"load average before: {load_average()}")
     cases = {"images": images_case, "chat": chat_case, "tokens": tokens_case, "transforms": transforms_case,
-             "shm": shm_case}
+             "transforms_steady": lambda: transforms_case(with_child=False), "shm": shm_case}
     wanted = args.cases.split(",")
     if "transforms" in wanted:
         child = sorted(probe_child_seconds() for _ in range(args.rounds))
