@@ -45,6 +45,7 @@ detail never quotes the file's bytes.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import posixpath
 import stat
@@ -56,7 +57,7 @@ from beam_jobs.inputs import InputFile
 from beam_jobs.records import IMAGE_RECORDS, RecordConverter, _InvalidUtf8, _json_type_name, register_converter
 from loader.errors import ImageOptionError, ImagePolicyError
 from loader.io import storage
-from loader.io.backends import backend_for, is_remote
+from loader.io.backends import is_remote
 from loader.io.storage_options import StorageOptions
 from loader.vision.images import (
     DEFAULT_MAX_ASPECT_RATIO,
@@ -392,11 +393,15 @@ def read_image_file(path: str, limits: ImageLimits, storage_options: StorageOpti
             if len(data) > limits.max_bytes:  # it grew since the fstat
                 raise _Reject("image_too_large", f"{path}: more than {limits.max_bytes} bytes (--max-image-mb)")
             return data
-        size = backend_for(path).stat(path, storage_options).size
-        if size > limits.max_bytes:  # never fetch a huge object just to refuse it
-            raise _Reject("image_too_large", f"{path}: {size} bytes, above the limit of {limits.max_bytes} "
-                          "(--max-image-mb)")
-        return storage.read_bytes(path, storage_options)
+        # One metadata request pins a version; the bytes read are that version's, so an object
+        # replaced after the size check cannot be read whole.
+        with storage.open_input(path, storage_options) as reader:
+            size = reader.seek(0, io.SEEK_END)
+            if size > limits.max_bytes:  # never fetch a huge object just to refuse it
+                raise _Reject("image_too_large", f"{path}: {size} bytes, above the limit of {limits.max_bytes} "
+                              "(--max-image-mb)")
+            reader.seek(0)
+            return reader.read(limits.max_bytes + 1)
     except (FileNotFoundError, storage.StorageNotFoundError):
         raise _Reject("image_missing", f"{path} does not exist") from None
     except (OSError, storage.StorageError) as exc:

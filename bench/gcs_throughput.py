@@ -42,6 +42,7 @@ and slowest run, and ratios to ``loader_local``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import io
 import logging
@@ -55,7 +56,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -314,6 +315,32 @@ def start_local_server(command: Callable[[int], list[str]], probe_path: str, nam
     raise RuntimeError(f"{name} did not start")
 
 
+@contextlib.contextmanager
+def serving(start: Callable[[], tuple[subprocess.Popen, str]], env: Callable[[str], dict[str, str]],
+            prefix: str) -> Iterator[str]:
+    """A local storage server for one benchmark: started, its endpoint exported through
+    ``env(endpoint)``, and a scratch directory (yielded); both are gone on the way out."""
+    proc, endpoint = start()
+    os.environ.update(env(endpoint))
+    work = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield work
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def add_loader_args(parser: argparse.ArgumentParser) -> None:
+    """The loader half's options, shared by the GCS and S3 benchmarks."""
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--loader-mtokens", type=float, default=6.0, help="loader dataset size, millions of tokens")
+    parser.add_argument("--loader-lanes", type=int, default=4, help="loader dataset lanes (one file each)")
+    parser.add_argument("--loader-steps", type=int, default=0, help="global batches per repeat (0: ~95%% of a lane)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--global-batch", type=int, default=16)
+
+
 def start_emulator() -> tuple[subprocess.Popen, str]:
     return start_local_server(lambda port: [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1",
                                             f"--port={port}", "--in-memory", "-q"], "/", "gcp-storage-emulator")
@@ -351,31 +378,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", type=int, default=6)
     parser.add_argument("--file-mb", type=float, default=8.0)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=("files", "loader", "all"), default="all",
                         help="files: storage-level reads only; loader: ZephonLoader tokens/s only")
-    parser.add_argument("--loader-mtokens", type=float, default=6.0, help="loader dataset size, millions of tokens")
-    parser.add_argument("--loader-lanes", type=int, default=4, help="loader dataset lanes (one file each)")
-    parser.add_argument("--loader-steps", type=int, default=0, help="global batches per repeat (0: ~95%% of a lane)")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--global-batch", type=int, default=16)
+    add_loader_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    proc, endpoint = start_emulator()
-    os.environ["STORAGE_EMULATOR_HOST"] = endpoint
-    work = tempfile.mkdtemp(prefix="zephon-gcs-bench-")
-    try:
+    with serving(start_emulator, lambda endpoint: {"STORAGE_EMULATOR_HOST": endpoint}, "zephon-gcs-bench-") as work:
         gcs.client().create_bucket(BUCKET, project="bench")
         if args.only in ("files", "all"):
             run_file_bench(work, args)
         if args.only in ("loader", "all"):
             run_loader_bench(work, args)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(work, ignore_errors=True)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

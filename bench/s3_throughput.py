@@ -35,19 +35,20 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.gcs_throughput import (  # noqa: E402
+    add_loader_args,
     build_pretokenized_dataset,
     describe_loader_run,
     loader_config,
     loader_steps,
     loader_tokens,
     print_round_robin,
+    serving,
     start_local_server,
 )
 from loader.io import s3, storage  # noqa: E402
@@ -142,28 +143,19 @@ def run_client_bench(remote_dir: str, manifest, repeats: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--loader-mtokens", type=float, default=6.0, help="loader dataset size, millions of tokens")
-    parser.add_argument("--loader-lanes", type=int, default=4, help="loader dataset lanes (one file each)")
-    parser.add_argument("--loader-steps", type=int, default=0, help="global batches per repeat (0: ~95%% of a lane)")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--global-batch", type=int, default=16)
+    add_loader_args(parser)
     parser.add_argument("--clients", action="store_true", help="also compare boto3 and obstore ranged GETs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    proc, endpoint = start_moto()
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
-    work = tempfile.mkdtemp(prefix="zephon-s3-bench-")
-    try:
+    def credentials(endpoint: str) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+    with serving(start_moto, credentials, "zephon-s3-bench-") as work:
         options = StorageOptions()
         s3.client(options, RetryPolicy.from_options(options)).create_bucket(Bucket=BUCKET)
         run_loader_bench(work, args)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import tomllib
+import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
@@ -410,9 +411,7 @@ class LoaderConfig:
         return cls.from_dict(data, where=path)
 
     def replace(self, **changes: Any) -> "LoaderConfig":
-        from dataclasses import replace
-
-        return replace(self, **changes)
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Optional
@@ -278,6 +279,4 @@ class CheckpointSession:
                 log.info("mixture schedule changes at resume step %d: %s", resume_step,
                          [p.to_dict(self.source_names) for p in phases])
             self.phases = phases
-            from dataclasses import replace
-
-            self.spec = replace(self.spec, schedule=MixingSchedule(phases, self.config.global_batch_size, self.config.seed))
+            self.spec = dataclasses.replace(self.spec, schedule=MixingSchedule(phases, self.config.global_batch_size, self.config.seed))

@@ -159,3 +159,18 @@ def test_chat_template_and_image_paths_on_s3(moto_s3):
     with pytest.raises(_Reject) as caught:
         read_image_file(moto_s3.url("assets/gone.png"), limits)
     assert caught.value.reason == "image_missing"
+
+
+def test_a_remote_image_is_read_once_from_its_pinned_version_and_bounded(moto_s3, monkeypatch):
+    from loader.io import remote_files
+
+    image = moto_s3.url("assets/big.png")
+    storage.write_atomically(image, b"x" * 5000)
+    fetched = []
+    real_fetch = remote_files.RangedReader._get
+    monkeypatch.setattr(remote_files.RangedReader, "_get",
+                        lambda self, start, end: fetched.append(end - start) or real_fetch(self, start, end))
+    with pytest.raises(_Reject) as caught:
+        read_image_file(image, ImageLimits(max_bytes=4096))
+    assert caught.value.reason == "image_too_large" and fetched == []  # refused on the size alone
+    assert read_image_file(image, ImageLimits(max_bytes=5000)) == b"x" * 5000 and len(fetched) == 1
