@@ -145,8 +145,15 @@ def recheck(probes: Sequence[Probed], functions: Sequence, specs: Sequence[Trans
     """Transform the probe documents again, last first; a different result names the function."""
     for probe in reversed(probes):
         document = document_of(probe.entry)
-        again = result_digest(call_watched(functions[probe.position], document, specs[probe.position].args,
-                                           where(probe.position)))
+        try:
+            again = result_digest(call_watched(functions[probe.position], document, specs[probe.position].args,
+                                               where(probe.position)))
+        except TransformError:
+            raise
+        except Exception as exc:  # it did not raise on this document the first time
+            raise TransformError(f"{where(probe.position)} failed on document {document.key!r} when it went through "
+                                 f"again after {seen} documents ({type(exc).__name__}: {exc}); a transform must "
+                                 "give the same result every time") from exc
         if again[0] != probe.first[0]:
             raise TransformError(
                 f"{where(probe.position)} is not deterministic: document {document.key!r} gave {probe.first[1]} "
