@@ -175,6 +175,35 @@ def transforms_case(with_child: bool = True):
     return "tokens/s", run
 
 
+def chain_cpu_seconds(checked: bool, documents: int = 3000) -> float:
+    """CPU time of ``documents`` generated documents through a fresh one-transform chain alone,
+    with the probe's per-document part (its interpreter left out) or with the two calls only."""
+    from tests.dataset_factory import synthetic_texts
+
+    from loader.transforms.chain import TransformChain, TransformCounts
+    from loader.transforms.document import Document
+    from loader.transforms.spec import TransformSpec
+
+    checks = {name: getattr(chain_module, name) for name in ("call_watched", "recheck")}
+    if not checked:
+        chain_module.call_watched = lambda function, document, args, where: function(document, **args)
+        chain_module.recheck = lambda *args: None
+    try:
+        chain = TransformChain([TransformSpec("tests.transforms.functions:drop_random_words", {"p": 0.1})], seed=1,
+                               source="s", pretokenized=False)
+        chain._child_checked = True
+        docs = [Document(f"k{k}", text=t, seed_base=1) for k, t in enumerate(synthetic_texts(documents, seed=3,
+                                                                                          max_words=200))]
+        counts = TransformCounts.zeros(1)
+        started = time.process_time()
+        for doc in docs:
+            chain.apply(doc, counts)
+        return time.process_time() - started
+    finally:
+        for name, check in checks.items():
+            setattr(chain_module, name, check)
+
+
 def probe_child_seconds() -> float:
     from loader.transforms.chain import TransformChain, TransformCounts
     from loader.transforms.document import Document
@@ -228,10 +257,17 @@ def main() -> None:
     cases = {"images": images_case, "chat": chat_case, "tokens": tokens_case, "transforms": transforms_case,
              "transforms_steady": lambda: transforms_case(with_child=False), "shm": shm_case}
     wanted = args.cases.split(",")
-    if "transforms" in wanted:
+    if {"transforms", "transforms_steady"} & set(wanted):
         child = sorted(probe_child_seconds() for _ in range(args.rounds))
         print(f"probe child (one fresh interpreter, 8 documents) s median {statistics.median(child):.3f}  all "
               f"{[round(v, 3) for v in child]}")
+        cpu = {True: [], False: []}
+        for _ in range(args.rounds):
+            for checked in (False, True):
+                cpu[checked].append(chain_cpu_seconds(checked))
+        ratio = statistics.median(on / off for on, off in zip(cpu[True], cpu[False]))
+        print(f"chain alone, 3,000 documents, CPU ms: two calls only {[round(v * 1e3, 1) for v in cpu[False]]}, "
+              f"probe {[round(v * 1e3, 1) for v in cpu[True]]}, median ratio {ratio:.3f}")
     if "shm" in wanted:
         for reserved in (False, True):
             times = sorted(segment_seconds(reserved) for _ in range(args.rounds))
