@@ -24,7 +24,7 @@ trainer or of both frees it. The only window is between creating the file and th
 
 Every page of a segment is allocated when it is created (:func:`reserve`), not at its first
 write: a full ``/dev/shm`` is then a :class:`~loader.errors.SharedMemoryError` in the trainer
-before any worker starts, never a SIGBUS in a worker whose tmpfs someone else filled.
+before the segment's worker starts, never a SIGBUS in a worker whose tmpfs someone else filled.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def check_free_space(directory: str, size: int, worker_id: int) -> None:
 def reserve(fd: int, size: int, directory: str, worker_id: int) -> None:
     """Allocate every page of a segment now (``posix_fallocate``): a page of a tmpfs is otherwise
     allocated at its first write, and a tmpfs filled by anyone in between kills the writer with
-    SIGBUS. Reserved, a full ``/dev/shm`` is this error, raised in the trainer before a worker
-    starts. A file system without ``fallocate`` (``EOPNOTSUPP``/``EINVAL``) keeps the free-space check."""
+    SIGBUS. Reserved, a full ``/dev/shm`` is this error, raised in the trainer before the
+    segment's worker starts. A file system without ``fallocate`` (``EOPNOTSUPP``/``EINVAL``) keeps the free-space check."""
     allocate = getattr(os, "posix_fallocate", None)  # not on macOS
     if allocate is None:
         return
