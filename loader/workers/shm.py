@@ -67,7 +67,8 @@ def reserve(fd: int, size: int, directory: str, worker_id: int) -> None:
     """Allocate every page of a segment now (``posix_fallocate``): a page of a tmpfs is otherwise
     allocated at its first write, and a tmpfs filled by anyone in between kills the writer with
     SIGBUS. Reserved, a full ``/dev/shm`` is this error, raised in the trainer before the
-    segment's worker starts. A file system without ``fallocate`` (``EOPNOTSUPP``/``EINVAL``) keeps the free-space check."""
+    segment's worker starts. A file system without ``fallocate`` (``EOPNOTSUPP``/``EINVAL``) keeps
+    the free-space check."""
     allocate = getattr(os, "posix_fallocate", None)  # not on macOS
     if allocate is None:
         return
