@@ -47,13 +47,18 @@ def _ids(value: Any) -> np.ndarray:
     return array
 
 
+def column_feature_names(manifest: Manifest) -> list[str]:
+    """The features a dataset's lane files hold a column of (``loss_mask``)."""
+    names = {c.get("name") for c in manifest.schema}
+    return [name for name, feature in FEATURES.items() if feature.column and feature.column in names]
+
+
 def lane_documents(config: LoaderConfig, source: int, manifest: Manifest, lane: int,
                    limit: int = DOCUMENTS) -> list[Document]:
     """The first ``limit`` live documents of ``lane`` of ``config``'s dataset ``source`` (the
     first row group of each file, in part order)."""
     metadata = metadata_columns(manifest)
-    features = [name for name, feature in FEATURES.items() if feature.column and feature.column in
-                {c.get("name") for c in manifest.schema}]
+    features = column_feature_names(manifest)
     documents: list[Document] = []
     for entry in manifest.lane_files(lane):
         if len(documents) >= limit or not entry.rows:
@@ -87,7 +92,7 @@ def find_culprit(config: LoaderConfig, source: int, manifest: Manifest, name: st
     if not configured or manifest.online_chat:
         return None
     specs = tuple(spec.resolved(manifest.pretokenized) for spec in configured)
-    feature_names = [n for n, f in FEATURES.items() if f.column and f.column in {c.get("name") for c in manifest.schema}]
+    feature_names = column_feature_names(manifest)
     documents = lane_documents(config, source, manifest, lane)
     found = _forced_checks(specs, documents, config.seed, name, manifest.pretokenized, feature_names)
     if found is None:
