@@ -39,6 +39,7 @@ from loader.checkpoint.step_states import StepStateHistory
 from loader.config import LoaderConfig
 from loader.errors import ConfigError, WorkerError
 from loader.io.manifest import Manifest
+from loader.kinds.base import kinds_of
 from loader.metrics import LoaderMetrics, MetricsRecorder
 from loader.model_inputs import build_layout
 from loader.model_inputs.loss_tokens import GlobalCounter
@@ -51,7 +52,6 @@ from loader.stages.collate import OUTPUTS, Collator, load_torch, to_torch
 from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
 from loader.stages.producer import Item, fill_sequence
 from loader.transforms import resume as transform_resume
-from loader.vision.block import ONLINE_IMAGE_REJECT_REASONS
 from loader.workers.pool import WorkerPool
 
 __all__ = ["ZephonLoader", "ranks_have_step", "WorkerError"]  # WorkerError: importable from here as before
@@ -162,7 +162,8 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
             batch_fields=config.batch_fields, features=self.features, chat_reject_reasons=plan.chat_reject_reasons,
             empty=np.empty if self._pinned is None else self._pinned.empty,
             image_policy=image_options.policy if image_options is not None else None,
-            image_reject_reasons=ONLINE_IMAGE_REJECT_REASONS if image_options is not None else (),
+            image_reject_reasons=tuple(dict.fromkeys(r for kind in kinds_of(self.manifests)
+                                                     if kind.reject_field == "image_rejects" for r in kind.reject_reasons)),
             fill_rows=self.fills,
         )
         self._metrics = MetricsRecorder(

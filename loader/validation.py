@@ -17,6 +17,11 @@ those), so a field added later is type-checked even before someone writes its ra
 The rules are strict on purpose: TOML and JSON have real booleans, integers and floats, and
 a string ``"false"`` where a boolean belongs is truthy in Python (it would turn the option
 *on*). Integers are never booleans or floats, numbers are never NaN or infinite.
+
+The same engine checks the records of a checkpoint (``loader.checkpoint.records``): a record
+type declares its keys, and its parser reads each value with the JSON-value checks at the end of
+this module (:func:`fields_of`, :func:`json_int`, ...), reporting to the same :class:`Problems`
+(``path: what is wrong (got value)``, up to a ``limit`` of them listed).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, NoReturn, Optional, Sequence
+
+import numpy as np
 
 _SHOWN_CHARS = 80  # a value's repr in a message is cut here (a 10 MB string must not become the message)
 
@@ -45,19 +52,29 @@ def child(path: str, name: str) -> str:
 
 
 class Problems:
-    """The problems found in one record, in field order; each names its field's path."""
+    """The problems found in one record, in field order; each names its field's path.
 
-    def __init__(self) -> None:
+    ``count`` counts every problem; ``items`` lists the first ``limit`` of them (all without one)."""
+
+    def __init__(self, limit: Optional[int] = None) -> None:
         self.items: list[str] = []
+        self.count = 0
+        self.limit = limit
 
     def bad(self, path: str, value: Any, expected: str, hint: str = "") -> None:
-        self.items.append(f"{path} must be {expected} (got {show(value)})" + (f"; {hint}" if hint else ""))
+        self.add(f"{path} must be {expected} (got {show(value)})" + (f"; {hint}" if hint else ""))
+
+    def at(self, path: str, message: str) -> None:
+        """``path: message`` (a checkpoint record's form; the empty path is the whole state)."""
+        self.add(f"{path or '(the state)'}: {message}")
 
     def add(self, text: str) -> None:
-        self.items.append(text)
+        self.count += 1
+        if self.limit is None or len(self.items) < self.limit:
+            self.items.append(text)
 
     def __bool__(self) -> bool:
-        return bool(self.items)
+        return bool(self.count)
 
 
 def fail(error: type[Exception], where: str, problems: Sequence[str]) -> NoReturn:
@@ -228,11 +245,11 @@ class Weights(Rule):
         if not isinstance(value, Mapping) or not all(isinstance(k, str) and k for k in value):
             problems.bad(path, value, self.expected)
             return value
-        before = len(problems.items)
+        before = problems.count
         weight = Number(minimum=0)
         for name, number in value.items():
             weight.check(number, child(path, name), problems)
-        if len(problems.items) == before and not any(number > 0 for number in value.values()):
+        if problems.count == before and not any(number > 0 for number in value.values()):
             problems.bad(path, value, self.expected)
         return dict(value)
 
@@ -300,9 +317,9 @@ class Record(Rule):
         if not isinstance(value, Mapping):
             problems.bad(path, value, self.expected)
             return value
-        before = len(problems.items)
+        before = problems.count
         stored = check_record(self.record, value, path, problems)
-        if len(problems.items) > before:
+        if problems.count > before:
             return value
         try:
             return self.record(**stored)
@@ -397,3 +414,110 @@ def validate_instance(instance: Any, error: type[Exception], where: str) -> None
     for name, value in stored.items():
         if value is not values[name]:
             object.__setattr__(instance, name, value)
+
+
+# -- JSON values (checkpoint records) ---------------------------------------------------------
+# A checkpoint is JSON written by Zephon, or an in-memory state that ``get_state`` made (numpy
+# integers and arrays where the JSON has integers and lists): each check accepts both.
+def type_name(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def fields_of(value: Any, path: str, required: tuple[str, ...], problems: Problems,
+              optional: tuple[str, ...] = ()) -> Optional[dict]:
+    """``value`` as an object with exactly these keys (``optional`` ones may be absent), else None."""
+    if not isinstance(value, dict):
+        problems.at(path, f"must be an object with keys {list(required)} (got {type_name(value)} {show(value)})")
+        return None
+    ok = True
+    for name in required:
+        if name not in value:
+            problems.at(child(path, name), "missing")
+            ok = False
+    for name in value:
+        if name not in required and name not in optional:
+            problems.at(child(path, str(name)), f"unknown key (expected only {list(required + optional)})")
+            ok = False
+    return value if ok else None
+
+
+def json_int(value: Any, path: str, problems: Problems, low: Optional[int] = 0,
+             high: Optional[int] = None) -> Optional[int]:
+    """An integer (not a bool) in ``[low, high]``."""
+    if type(value) is not int:
+        if isinstance(value, np.integer):  # an in-memory state that was not made JSON
+            value = int(value)
+        else:
+            problems.at(path, f"must be an integer (got {type_name(value)} {show(value)})")
+            return None
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        problems.at(path, f"must be {bounds} (got {value})")
+        return None
+    return value
+
+
+def json_bool(value: Any, path: str, problems: Problems) -> Optional[bool]:
+    if type(value) is not bool and not isinstance(value, np.bool_):
+        problems.at(path, f"must be true or false (got {type_name(value)} {show(value)})")
+        return None
+    return bool(value)
+
+
+def json_str(value: Any, path: str, problems: Problems, choices: Optional[tuple] = None) -> Optional[str]:
+    if not isinstance(value, str):
+        problems.at(path, f"must be a string (got {type_name(value)} {show(value)})")
+        return None
+    if choices is not None and value not in choices:
+        problems.at(path, f"must be one of {list(choices)} (got {value!r})")
+        return None
+    return value
+
+
+def int_list(value: Any, path: str, problems: Problems) -> Optional[list]:
+    """A list of integers (not bools); the first few bad items are named."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iu" and value.ndim == 1:
+        return value  # an in-memory state (get_state keeps bins as arrays)
+    if not isinstance(value, list):
+        problems.at(path, f"must be a list of integers (got {type_name(value)} {show(value)})")
+        return None
+    if value and set(map(type, value)) != {int}:  # a C-speed type scan: bools and floats are out
+        bad = 0
+        for k, item in enumerate(value):
+            if type(item) is not int:
+                problems.at(f"{path}[{k}]", f"must be an integer (got {type_name(item)} {show(item)})")
+                bad += 1
+                if bad == 3:
+                    break
+        return None
+    return value
+
+
+def id_array(value: Any, path: str, problems: Problems) -> Optional[np.ndarray]:
+    """A list of integers (not bools) as an int64 array: token ids and their sources.
+
+    One inferred conversion does the type check (floats, strings, nulls or nested lists do
+    not make an integer array) except for bools, which numpy turns into 0 and 1 among
+    integers: only the items that came out 0 or 1 are looked at. A type scan of every item
+    cost more than the conversion itself (tens of ms for a restore's bins)."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iu" and value.ndim == 1:
+        return value.astype(np.int64, copy=False)  # an in-memory state (get_state keeps bins as arrays)
+    if not isinstance(value, list):
+        problems.at(path, f"must be a list of integers (got {type_name(value)} {show(value)})")
+        return None
+    if not value:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        array = np.array(value)
+    except (ValueError, OverflowError):  # ragged nesting
+        array = None
+    if array is not None and array.dtype.kind == "i" and array.ndim == 1:
+        zero_or_one = np.flatnonzero((array == 0) | (array == 1)).tolist()
+        if not any(type(value[k]) is bool for k in zero_or_one):
+            return array.astype(np.int64, copy=False)
+    if int_list(value, path, problems) is None:  # names the first bad items
+        return None
+    k = next(k for k, v in enumerate(value) if not -(1 << 63) <= v < (1 << 63))
+    problems.at(f"{path}[{k}]", f"is beyond the int64 range (got {show(value[k])})")
+    return None

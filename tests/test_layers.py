@@ -27,7 +27,7 @@ PACKAGES = ("loader", "beam_jobs")
 # knows kinds of data only through the registry, loader.kinds.base.
 CORE = (
     "loader.order", "loader.io", "loader.stages", "loader.checkpoint", "loader.workers", "loader.transforms",
-    "loader.pipeline", "loader.config", "loader.metrics", "loader.validation", "loader.errors",
+    "loader.pipeline", "loader.config", "loader.metrics", "loader.validation", "loader.errors", "loader.registry",
     "loader.kinds.base", "loader.runtime",
 )
 # The concrete kinds of lane data: what the core must never import.
@@ -37,16 +37,6 @@ KINDS_PACKAGE = "loader.kinds"  # its __init__ lists the built-in kinds: a kind 
 # Core -> kind imports not yet moved behind loader.kinds: (importer, imported) -> count.
 CORE_TO_KIND_ALLOWED = {
     ("loader.config", "loader.vision.options"): 1,
-    ("loader.pipeline", "loader.vision.block"): 1,
-    ("loader.runtime.handover", "loader.vision.transfer"): 1,
-    ("loader.runtime.plan", "loader.chat.block"): 1,
-    ("loader.runtime.plan", "loader.vision.loader_options"): 1,
-    ("loader.stages.collate", "loader.vision.policies"): 1,
-    ("loader.stages.lane", "loader.chat.block"): 1,
-    ("loader.stages.lane", "loader.vision.images"): 1,
-    ("loader.stages.lane", "loader.vision.resolve"): 1,
-    ("loader.stages.packing", "loader.vision.resolve"): 1,
-    ("loader.workers.messages", "loader.vision.transfer"): 1,
 }
 
 MAX_CLASS_LINES = 400
@@ -61,9 +51,9 @@ DEFERRED_IMPORTS_ALLOWED = {
     "loader.commands.audit": {"loader.pipeline": "torch: only when a step is replayed"},
     "loader.commands.fingerprints": {"loader.pipeline": "torch: after the arguments are checked"},
     "loader.io.storage": {"loader.io.gcs": "google-cloud-storage: only for gs:// paths"},
-    "loader.kinds.image": {"loader.vision.chat": "jinja2: only for image-chat lanes"},
-    "loader.stages.lane": {"loader.vision.images": "Pillow: only for image lanes",
-                           "loader.chat.block": "jinja2: only for online chat lanes"},
+    "loader.kinds.chat": {"loader.chat.block": "jinja2: only for chat sources"},
+    "loader.kinds.image": {"loader.vision.chat": "jinja2: only for image-chat lanes",
+                           "loader.vision.images": "Pillow: only for image lanes"},
     "loader.vision.policies": {"loader.vision.images": "Pillow: only where pixels are decoded"},
 }
 

@@ -5,7 +5,8 @@ wrong. Nothing in it is trusted. It is checked at two levels, both reporting eve
 at once (up to :data:`MAX_REPORTED`), each as ``path: what is wrong (got value)``, for example
 ``lanes.00017.sources.web.packer.stream.block: ...``; list items are ``[k]``:
 
-1. **Shape** (:func:`parse_header`, :func:`parse_lanes`; needs nothing but the JSON): every
+1. **Shape** (:func:`parse_header` here, :func:`parse_lanes` by the records the stages register,
+   :mod:`loader.checkpoint.records`; needs nothing but the JSON): every
    key present, no unknown key, every value of its JSON type (a bool is not an integer),
    integers in their intrinsic range (counters >= 0, ``current`` in ``[-1, sources)``), the
    schedule's weights exact fractions that sum to 1, a best-fit bin's ``piece_starts`` /
@@ -18,6 +19,11 @@ at once (up to :data:`MAX_REPORTED`), each as ``path: what is wrong (got value)`
    it, a lane's ``outputs`` match the stream position, at most ``best_fit_open_bins`` bins
    of fewer than ``seq_len`` token ids in ``[0, vocab_size)``, token-mixing counters no larger
    than the lane's output, the mixing window's ``phase_start`` one the lane can be in.
+
+The checks of each value are those of :mod:`loader.validation` (one engine for config and
+checkpoint records); the records' parsers live beside their stages (``lane``:
+:mod:`loader.stages.lane_record`, the packers: :mod:`loader.stages.packer_records`, the token
+mix: :mod:`loader.stages.mixed_record`, the cursor: :mod:`loader.io.cursor_record`).
 
 What needs the data itself (a cursor's ``offset`` inside its block's tokens) is checked by the
 lane token stream when it first reads the block (``LaneTokenStream.set_state``), with the
@@ -50,168 +56,41 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import numpy as np
 
 from loader.checkpoint.migrations import MIGRATIONS
+from loader.checkpoint.records import MAX_REPORTED, RecordContext, StateProblems, record_type, registered_records
 from loader.checkpoint.version import STATE_FORMAT, STATE_VERSION
 from loader.errors import StateError
+from loader.io.cursor_record import DOCUMENT_KEYS, Cursor
 from loader.order.ordering import lane_outputs_before
-from loader.stages.features import BIN_STATE_FEATURES, FEATURES
-from loader.stages.window_packing import WINDOW_STATE_VERSION
+from loader.stages.features import FEATURES
+from loader.stages.lane_record import LANE, LaneState, SourceLane
+from loader.stages.mixed_record import MixedStream
+from loader.stages.packer_records import BEST_FIT_WINDOW, Bin, PackerState, WindowPosition, check_bin_values
+from loader.validation import fields_of as _fields, json_int as _int, json_str as _str, show as _show, \
+    type_name as _type_name
 
-MAX_REPORTED = 20  # bad fields listed in one error; the count of the rest is given
+# The one collector of a checkpoint's bad fields (loader.checkpoint.records), under its old name.
+Problems = StateProblems
 
 EXHAUSTION_POLICIES = ("repeat", "stop")
-DOCUMENT_KEYS = ("index", "token_start", "char_start")  # a text cursor's document (version 3)
 PACKINGS = ("concat", "best_fit")
-# Versions of a windowed best-fit packer's ``window`` record this Zephon reads (each version reads as
-# the packer's current one; a new version adds its migration here).
-WINDOW_VERSIONS = tuple(range(1, WINDOW_STATE_VERSION + 1))
-WINDOW_KEYS = ("version", "index", "emitted")
+# Versions of a windowed best-fit packer's ``window`` record this Zephon reads (its record's).
+WINDOW_VERSIONS = BEST_FIT_WINDOW.readable
 _LANE_KEY = re.compile(r"\d{5,}")
 _WEIGHT = re.compile(r"\d+(/\d+)?")
 
-
-# -- collecting problems -----------------------------------------------------------------------
-
-
-class Problems:
-    """Bad fields found so far, as ``(path, message)``; :meth:`raise_if_any` reports them all."""
-
-    def __init__(self) -> None:
-        self.found: list[str] = []
-        self.count = 0
-
-    def add(self, path: str, message: str) -> None:
-        self.count += 1
-        if len(self.found) < MAX_REPORTED:
-            self.found.append(f"{path or '(the state)'}: {message}")
-
-    def raise_if_any(self, what: str = "the loader state") -> None:
-        if not self.count:
-            return
-        more = f"\n  ... and {self.count - len(self.found)} more" if self.count > len(self.found) else ""
-        raise StateError(
-            f"{what} is invalid ({self.count} bad field{'s' if self.count > 1 else ''}; a checkpoint "
-            "must be loaded as written by Zephon, not edited):\n  - " + "\n  - ".join(self.found) + more
-        )
+__all__ = [  # the typed records, each defined beside the stage that registers it
+    "Bin", "Cursor", "DOCUMENT_KEYS", "Header", "LaneState", "MAX_REPORTED", "MixedStream", "PackerState", "Problems",
+    "SchedulePhase", "SourceEntry", "SourceLane", "SourceLimits", "StateLimits", "WindowPosition", "check_format",
+    "check_lanes", "parse_header", "parse_lanes", "registered_records", "stage_state",
+]
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _type_name(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _key(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _fields(value: Any, path: str, required: tuple[str, ...], problems: Problems,
-            optional: tuple[str, ...] = ()) -> Optional[dict]:
-    """``value`` as an object with exactly these keys (``optional`` ones may be absent)."""
-    if not isinstance(value, dict):
-        problems.add(path, f"must be an object with keys {list(required)} (got {_type_name(value)} {_show(value)})")
-        return None
-    ok = True
-    for name in required:
-        if name not in value:
-            problems.add(_key(path, name), "missing")
-            ok = False
-    for name in value:
-        if name not in required and name not in optional:
-            problems.add(_key(path, str(name)), f"unknown key (expected only {list(required + optional)})")
-            ok = False
-    return value if ok else None
-
-
-def _int(value: Any, path: str, problems: Problems, low: Optional[int] = 0, high: Optional[int] = None) -> Optional[int]:
-    """An integer (not a bool) in ``[low, high]``."""
-    if type(value) is not int:
-        if isinstance(value, np.integer):  # an in-memory state that was not made JSON
-            value = int(value)
-        else:
-            problems.add(path, f"must be an integer (got {_type_name(value)} {_show(value)})")
-            return None
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        problems.add(path, f"must be {bounds} (got {value})")
-        return None
-    return value
-
-
-def _bool(value: Any, path: str, problems: Problems) -> Optional[bool]:
-    if type(value) is not bool and not isinstance(value, np.bool_):
-        problems.add(path, f"must be true or false (got {_type_name(value)} {_show(value)})")
-        return None
-    return bool(value)
-
-
-def _str(value: Any, path: str, problems: Problems, choices: Optional[tuple] = None) -> Optional[str]:
-    if not isinstance(value, str):
-        problems.add(path, f"must be a string (got {_type_name(value)} {_show(value)})")
-        return None
-    if choices is not None and value not in choices:
-        problems.add(path, f"must be one of {list(choices)} (got {value!r})")
-        return None
-    return value
-
-
-def _int_list(value: Any, path: str, problems: Problems) -> Optional[list]:
-    """A list of integers (not bools); the first few bad items are named."""
-    if isinstance(value, np.ndarray) and value.dtype.kind in "iu" and value.ndim == 1:
-        return value  # an in-memory state (get_state keeps bins as arrays)
-    if not isinstance(value, list):
-        problems.add(path, f"must be a list of integers (got {_type_name(value)} {_show(value)})")
-        return None
-    if value and set(map(type, value)) != {int}:  # a C-speed type scan: bools and floats are out
-        bad = 0
-        for k, item in enumerate(value):
-            if type(item) is not int:
-                problems.add(f"{path}[{k}]", f"must be an integer (got {_type_name(item)} {_show(item)})")
-                bad += 1
-                if bad == 3:
-                    break
-        return None
-    return value
-
-
-def _id_array(value: Any, path: str, problems: Problems) -> Optional[np.ndarray]:
-    """A list of integers (not bools) as an int64 array: token ids and their sources.
-
-    One inferred conversion does the type check (floats, strings, nulls or nested lists do
-    not make an integer array) except for bools, which numpy turns into 0 and 1 among
-    integers: only the items that came out 0 or 1 are looked at. A type scan of every item
-    cost more than the conversion itself (tens of ms for a restore's bins)."""
-    if isinstance(value, np.ndarray) and value.dtype.kind in "iu" and value.ndim == 1:
-        return value.astype(np.int64, copy=False)  # an in-memory state (get_state keeps bins as arrays)
-    if not isinstance(value, list):
-        problems.add(path, f"must be a list of integers (got {_type_name(value)} {_show(value)})")
-        return None
-    if not value:
-        return np.zeros(0, dtype=np.int64)
-    try:
-        array = np.array(value)
-    except (ValueError, OverflowError):  # ragged nesting
-        array = None
-    if array is not None and array.dtype.kind == "i" and array.ndim == 1:
-        zero_or_one = np.flatnonzero((array == 0) | (array == 1)).tolist()
-        if not any(type(value[k]) is bool for k in zero_or_one):
-            return array.astype(np.int64, copy=False)
-    if _int_list(value, path, problems) is None:  # names the first bad items
-        return None
-    k = next(k for k, v in enumerate(value) if not -(1 << 63) <= v < (1 << 63))
-    problems.add(f"{path}[{k}]", f"is beyond the int64 range (got {_show(value[k])})")
-    return None
-
-
-# -- records -----------------------------------------------------------------------------------
+# -- the header ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -256,73 +135,6 @@ class Header:
         return self.config.get("mixing_unit") == "token" and len(self.sources) > 1
 
 
-@dataclass(frozen=True)
-class Cursor:
-    """A :class:`~loader.io.lane_reader.LaneTokenStream` position."""
-
-    epoch: int
-    block: int
-    offset: int
-    exhausted: bool
-    transforms: tuple[tuple[int, int], ...] = ()  # per transform (dropped, changed): counters only
-    document: Optional[tuple[int, int, int]] = None  # text lanes, version 3: (index, token_start, char_start)
-
-
-@dataclass(frozen=True)
-class MixedStream:
-    """A :class:`~loader.stages.token_mixing.MixedTokenStream`: one cursor per source plus its window."""
-
-    sources: tuple[Cursor, ...]
-    tokens: tuple[int, ...]
-    current: int
-    phase_start: int
-
-
-@dataclass(frozen=True)
-class Bin:
-    """An open best-fit bin: ``tokens`` (and ``token_sources``) as int64 arrays, starts as lists."""
-
-    serial: int
-    tokens: np.ndarray
-    piece_starts: list
-    doc_starts: list
-    token_sources: Optional[np.ndarray]
-    features: tuple = ()  # (name, int64 array) of the column features it holds (loader.stages.features), registry order
-    piece_origins: Optional[tuple] = None  # per piece (epoch, block, offset); None: unknown (a version-1 bin)
-
-
-@dataclass(frozen=True)
-class WindowPosition:
-    """Where a windowed best-fit packer stands (loader.stages.window_packing): windows done, bins
-    of the current one handed out."""
-
-    version: int
-    index: int
-    emitted: int
-
-
-@dataclass(frozen=True)
-class PackerState:
-    packing: str
-    stream: Union[Cursor, MixedStream]
-    bins: tuple[Bin, ...] = ()  # best_fit only
-    serial: int = 0  # best_fit only
-    window: Optional[WindowPosition] = None  # best_fit with packing_window only (then no bins)
-
-
-@dataclass(frozen=True)
-class SourceLane:
-    packer: PackerState
-    stopped: bool
-
-
-@dataclass(frozen=True)
-class LaneState:
-    outputs: int
-    sources: Optional[dict[str, SourceLane]] = None  # sequence mixing (and single sources)
-    mixed: Optional[PackerState] = None  # token mixing
-
-
 # -- level 1: shape ----------------------------------------------------------------------------
 
 _HEADER_KEYS = ("format", "version", "num_lanes", "config", "config_fingerprint", "tokenizer_fingerprint",
@@ -355,14 +167,14 @@ def parse_header(state: Any) -> Header:
     config = value("config")
     if "config" in state:
         if not isinstance(config, dict):
-            problems.add("config", f"must be an object (got {_type_name(config)} {_show(config)})")
+            problems.at("config", f"must be an object (got {_type_name(config)} {_show(config)})")
         else:
             for name, item in config.items():
                 if not isinstance(item, (str, int, type(None))) or isinstance(item, float):
-                    problems.add(f"config.{name}", f"must be a string, integer, boolean or null (got {_show(item)})")
+                    problems.at(f"config.{name}", f"must be a string, integer, boolean or null (got {_show(item)})")
             packing = config.get("packing")
             if packing not in PACKINGS:
-                problems.add("config.packing", f"must be one of {list(PACKINGS)} (got {_show(packing)})")
+                problems.at("config.packing", f"must be one of {list(PACKINGS)} (got {_show(packing)})")
     for name in ("config_fingerprint", "tokenizer_fingerprint"):
         if name in state:
             _str(state[name], name, problems)
@@ -378,10 +190,10 @@ def parse_header(state: Any) -> Header:
         rank = _int(value("rank"), "rank", problems, high=None if world_size is None else world_size - 1)
         position = _int(value("rank_position"), "rank_position", problems) if "rank_position" in state else None
         if None not in (rank, world_size, position, next_index) and next_index != rank + position * world_size:
-            problems.add("next_global_index", f"must be rank + rank_position x world_size = "
+            problems.at("next_global_index", f"must be rank + rank_position x world_size = "
                          f"{rank + position * world_size} in a rank-local state (got {next_index})")
     if "lanes" in state and not isinstance(state["lanes"], dict):
-        problems.add("lanes", f"must be an object keyed by lane (\"00017\") (got {_type_name(state['lanes'])})")
+        problems.at("lanes", f"must be an object keyed by lane (\"00017\") (got {_type_name(state['lanes'])})")
     problems.raise_if_any()
     return Header(
         num_lanes=num_lanes, config=dict(config), config_fingerprint=state["config_fingerprint"],
@@ -393,7 +205,7 @@ def parse_header(state: Any) -> Header:
 def _nonempty_list(value: Any, path: str, what: str, problems: Problems) -> bool:
     if isinstance(value, list) and value:
         return True
-    problems.add(path, f"must be a non-empty list of {what} (got {_type_name(value)} {_show(value)})")
+    problems.at(path, f"must be a non-empty list of {what} (got {_type_name(value)} {_show(value)})")
     return False
 
 
@@ -415,7 +227,7 @@ def _parse_sources(value: Any, problems: Problems) -> Optional[tuple[SourceEntry
         entries.append(SourceEntry(name, fingerprint, exhaustion, max_epochs))
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
-        problems.add("sources", f"source names repeat ({names})")
+        problems.at("sources", f"source names repeat ({names})")
     return tuple(entries) if len(entries) == len(value) else None
 
 
@@ -432,204 +244,32 @@ def _parse_schedule(value: Any, names: Optional[list[str]], problems: Problems) 
         if step is not None:
             previous = phases[-1].step if phases else None
             if k == 0 and step != 0:
-                problems.add(f"{path}.step", f"the first phase must start at step 0 (got {step})")
+                problems.at(f"{path}.step", f"the first phase must start at step 0 (got {step})")
             elif previous is not None and step <= previous:
-                problems.add(f"{path}.step", f"steps must increase strictly (got {step} after {previous})")
+                problems.at(f"{path}.step", f"steps must increase strictly (got {step} after {previous})")
         weights = entry["weights"]
         if not isinstance(weights, dict):
-            problems.add(f"{path}.weights", f"must be an object of source -> \"p/q\" (got {_show(weights)})")
+            problems.at(f"{path}.weights", f"must be an object of source -> \"p/q\" (got {_show(weights)})")
             continue
         parsed: dict[str, Fraction] = {}
         for name, text in weights.items():
             if not isinstance(text, str) or not _WEIGHT.fullmatch(text) or text.endswith("/0"):
-                problems.add(f"{path}.weights.{name}", f"must be an exact fraction \"p/q\" (got {_show(text)})")
+                problems.at(f"{path}.weights.{name}", f"must be an exact fraction \"p/q\" (got {_show(text)})")
                 continue
             parsed[name] = Fraction(text)
         if names is not None:
             known = ", ".join(f"sources[{j}].name={n!r}" for j, n in enumerate(names))
             for name in names:
                 if name not in weights:
-                    problems.add(f"{path}.weights.{name}", f"missing (every source needs a weight; {known})")
+                    problems.at(f"{path}.weights.{name}", f"missing (every source needs a weight; {known})")
             for name in weights:
                 if name not in names:
-                    problems.add(f"{path}.weights.{name}", f"not a source of this state ({known})")
+                    problems.at(f"{path}.weights.{name}", f"not a source of this state ({known})")
         if len(parsed) == len(weights) and parsed and sum(parsed.values()) != 1:
-            problems.add(f"{path}.weights", f"must sum to 1 (got {sum(parsed.values())})")
+            problems.at(f"{path}.weights", f"must sum to 1 (got {sum(parsed.values())})")
         if step is not None:
             phases.append(SchedulePhase(step, parsed))
     return tuple(phases) if len(phases) == len(value) else None
-
-
-def parse_lanes(lanes: dict, header: Header) -> dict[int, LaneState]:
-    """Level 1 of every lane of a state whose header parsed; raises with every bad field."""
-    problems = Problems()
-    names = [s.name for s in header.sources]
-    parsed: dict[int, LaneState] = {}
-    for key, raw in lanes.items():
-        path = f"lanes.{key}"
-        if not isinstance(key, str) or not _LANE_KEY.fullmatch(key) or int(key) >= header.num_lanes \
-                or key != f"{int(key):05d}":
-            problems.add(path, f"not a lane of this state (lanes are \"00000\" .. \"{header.num_lanes - 1:05d}\")")
-            continue
-        lane = _parse_lane(raw, path, header, names, problems)
-        if lane is not None:
-            parsed[int(key)] = lane
-    problems.raise_if_any()
-    return parsed
-
-
-def _parse_lane(raw: Any, path: str, header: Header, names: list[str], problems: Problems) -> Optional[LaneState]:
-    mixing = header.token_mixing
-    entry = _fields(raw, path, ("outputs", "mixed" if mixing else "sources"), problems)
-    if entry is None:
-        return None
-    outputs = _int(entry["outputs"], f"{path}.outputs", problems)
-    if mixing:
-        packer = _parse_packer(entry["mixed"], f"{path}.mixed", header, len(names), problems)
-        return None if outputs is None or packer is None else LaneState(outputs, mixed=packer)
-    sources = _fields(entry["sources"], f"{path}.sources", tuple(names), problems)
-    if sources is None:
-        return None
-    parsed = {}
-    for name in names:
-        spath = f"{path}.sources.{name}"
-        source = _fields(sources[name], spath, ("packer", "stopped"), problems)
-        if source is None:
-            continue
-        packer = _parse_packer(source["packer"], f"{spath}.packer", header, 0, problems)
-        stopped = _bool(source["stopped"], f"{spath}.stopped", problems)
-        if packer is not None and stopped is not None:
-            parsed[name] = SourceLane(packer, stopped)
-    if outputs is None or len(parsed) != len(names):
-        return None
-    return LaneState(outputs, sources=parsed)
-
-
-def _parse_packer(raw: Any, path: str, header: Header, mixed_sources: int, problems: Problems) -> Optional[PackerState]:
-    """``mixed_sources``: the source count of a token-mixing packer (its stream and bins differ), else 0."""
-    packing = header.packing
-    if header.config.get("packing_window") is not None:
-        return _parse_window_packer(raw, path, packing, problems)
-    keys = ("stream",) if packing == "concat" else ("stream", "bins", "serial")
-    entry = _fields(raw, path, keys, problems)
-    if entry is None:
-        return None
-    if mixed_sources:
-        stream = _parse_mixed_stream(entry["stream"], f"{path}.stream", mixed_sources, problems)
-    else:
-        stream = _parse_cursor(entry["stream"], f"{path}.stream", problems)
-    if packing == "concat":
-        return None if stream is None else PackerState(packing, stream)
-    serial = _int(entry["serial"], f"{path}.serial", problems)
-    bins_raw = entry["bins"]
-    if not isinstance(bins_raw, list):
-        problems.add(f"{path}.bins", f"must be a list of bins (got {_type_name(bins_raw)} {_show(bins_raw)})")
-        return None
-    bins = []
-    for k, item in enumerate(bins_raw):
-        parsed = _parse_bin(item, f"{path}.bins[{k}]", mixed_sources, problems)
-        if parsed is not None:
-            bins.append(parsed)
-    if len(bins) != len(bins_raw) or serial is None or stream is None:
-        return None
-    serials = [b.serial for b in bins]
-    if len(set(serials)) != len(serials):
-        problems.add(f"{path}.bins", f"bin serials repeat ({serials})")
-        return None
-    if bins and serial <= max(serials):
-        k = serials.index(max(serials))
-        problems.add(f"{path}.serial", f"must be greater than every bin's serial (got {serial}; "
-                     f"{path}.bins[{k}].serial is {serials[k]})")
-        return None
-    if mixed_sources:
-        before = problems.count
-        _check_bin_values(tuple(bins), path, "token_sources", 0, mixed_sources, "source ids", problems)
-        if problems.count > before:
-            return None
-    return PackerState(packing, stream, tuple(bins), serial)
-
-
-def _parse_window_packer(raw: Any, path: str, packing: str, problems: Problems) -> Optional[PackerState]:
-    """A windowed best-fit packer: ``{stream, window: {version, index, emitted}}``; ``emitted`` is
-    checked against the window's outputs when the restore reads it (it needs the data)."""
-    entry = _fields(raw, path, ("stream", "window"), problems)
-    if entry is None:
-        return None
-    stream = _parse_cursor(entry["stream"], f"{path}.stream", problems)
-    window = _fields(entry["window"], f"{path}.window", WINDOW_KEYS, problems)
-    if window is None:
-        return None
-    version = _int(window["version"], f"{path}.window.version", problems)
-    if version is not None and version not in WINDOW_VERSIONS:
-        problems.add(f"{path}.window.version", f"must be one of {list(WINDOW_VERSIONS)}, the window record versions "
-                     f"this Zephon reads (got {version}): the checkpoint is from a newer Zephon")
-        return None
-    index = _int(window["index"], f"{path}.window.index", problems)
-    emitted = _int(window["emitted"], f"{path}.window.emitted", problems)
-    if stream is None or None in (version, index, emitted):
-        return None
-    return PackerState(packing, stream, window=WindowPosition(version, index, emitted))
-
-
-def _parse_cursor(raw: Any, path: str, problems: Problems) -> Optional[Cursor]:
-    entry = _fields(raw, path, ("epoch", "block", "offset", "exhausted"), problems,
-                    optional=("transforms", "document"))
-    if entry is None:
-        return None
-    values = (
-        _int(entry["epoch"], f"{path}.epoch", problems),
-        _int(entry["block"], f"{path}.block", problems),
-        _int(entry["offset"], f"{path}.offset", problems),
-        _bool(entry["exhausted"], f"{path}.exhausted", problems),
-    )
-    counts = _parse_transform_counts(entry["transforms"], f"{path}.transforms", problems) \
-        if "transforms" in entry else ()
-    document = _parse_document(entry["document"], f"{path}.document", values[2], values[3], problems) \
-        if "document" in entry else ()
-    if None in values or counts is None or document is None:
-        return None
-    return Cursor(*values, transforms=counts, document=document or None)
-
-
-def _parse_document(value: Any, path: str, offset: Optional[int], exhausted: Optional[bool],
-                    problems: Problems) -> Optional[tuple]:
-    """A text cursor's document: ``{index, token_start, char_start}``, starting at or before ``offset``."""
-    entry = _fields(value, path, DOCUMENT_KEYS, problems)
-    if entry is None:
-        return None
-    before = problems.count
-    index, token_start, char_start = (_int(entry[k], f"{path}.{k}", problems) for k in DOCUMENT_KEYS)
-    if problems.count > before:
-        return None
-    if exhausted:
-        stream = path.rsplit(".", 1)[0]
-        problems.add(path, f"must be absent: an exhausted stream has no document ({stream}.exhausted is true)")
-    elif offset is not None and token_start > offset:
-        problems.add(f"{path}.token_start", f"must be at or before the cursor's offset {offset} (got {token_start})")
-    elif index == 0 and (token_start, char_start) != (0, 0):
-        problems.add(path, f"document 0 starts at token 0 and character 0 (got {value})")
-    elif index > 0 and token_start == 0 and char_start == 0:
-        problems.add(path, f"only document 0 starts at token 0 and character 0 (got {value})")
-    else:
-        return index, token_start, char_start
-    return None
-
-
-def _parse_transform_counts(value: Any, path: str, problems: Problems) -> Optional[tuple]:
-    """A stream's transform counters: a list of ``[dropped, changed]`` pairs of integers >= 0."""
-    if not isinstance(value, list):
-        problems.add(path, f"must be a list of [dropped, changed] pairs (got {_type_name(value)} {_show(value)})")
-        return None
-    pairs = []
-    for k, pair in enumerate(value):
-        if not isinstance(pair, list) or len(pair) != 2:
-            problems.add(f"{path}[{k}]", f"must be a [dropped, changed] pair of counts (got {_show(pair)})")
-            return None
-        counts = (_int(pair[0], f"{path}[{k}][0]", problems), _int(pair[1], f"{path}[{k}][1]", problems))
-        if None in counts:
-            return None
-        pairs.append(counts)
-    return tuple(pairs)
 
 
 def _parse_transforms_header(value: Any, names: Optional[list], problems: Problems) -> None:
@@ -639,14 +279,14 @@ def _parse_transforms_header(value: Any, names: Optional[list], problems: Proble
         return
     sources = entry["sources"]
     if not isinstance(sources, dict):
-        problems.add("transforms.sources", f"must be an object of source name -> transforms (got {_show(sources)})")
+        problems.at("transforms.sources", f"must be an object of source name -> transforms (got {_show(sources)})")
     else:
         for name, specs in sources.items():
             path = f"transforms.sources.{name}"
             if names is not None and name not in names:
-                problems.add(path, f"names no source of the state (sources: {names})")
+                problems.at(path, f"names no source of the state (sources: {names})")
             if not isinstance(specs, list):
-                problems.add(path, f"must be a list of transforms (got {_type_name(specs)})")
+                problems.at(path, f"must be a list of transforms (got {_type_name(specs)})")
                 continue
             for k, spec in enumerate(specs):
                 item = _fields(spec, f"{path}[{k}]", ("function", "args", "version", "stage"), problems)
@@ -654,13 +294,13 @@ def _parse_transforms_header(value: Any, names: Optional[list], problems: Proble
                     continue
                 _str(item["function"], f"{path}[{k}].function", problems)
                 if not isinstance(item["args"], dict):
-                    problems.add(f"{path}[{k}].args", f"must be an object (got {_show(item['args'])})")
+                    problems.at(f"{path}[{k}].args", f"must be an object (got {_show(item['args'])})")
                 for field_name in ("version", "stage"):
                     if item[field_name] is not None:
                         _str(item[field_name], f"{path}[{k}].{field_name}", problems)
     changes = entry["changes"]
     if not isinstance(changes, list):
-        problems.add("transforms.changes", f"must be a list (got {_type_name(changes)})")
+        problems.at("transforms.changes", f"must be a list (got {_type_name(changes)})")
         return
     for k, change in enumerate(changes):
         item = _fields(change, f"transforms.changes[{k}]", ("step", "sources"), problems)
@@ -668,133 +308,33 @@ def _parse_transforms_header(value: Any, names: Optional[list], problems: Proble
             continue
         _int(item["step"], f"transforms.changes[{k}].step", problems)
         if not isinstance(item["sources"], list) or not all(isinstance(n, str) for n in item["sources"]):
-            problems.add(f"transforms.changes[{k}].sources", f"must be a list of source names (got {_show(item['sources'])})")
+            problems.at(f"transforms.changes[{k}].sources", f"must be a list of source names (got {_show(item['sources'])})")
 
 
-def _parse_mixed_stream(raw: Any, path: str, count: int, problems: Problems) -> Optional[MixedStream]:
-    entry = _fields(raw, path, ("sources", "tokens", "current", "phase_start"), problems)
-    if entry is None:
-        return None
-    cursors: list = []
-    for name, kind in (("sources", "cursors"), ("tokens", "token counts")):
-        if not isinstance(entry[name], list) or len(entry[name]) != count:
-            problems.add(f"{path}.{name}", f"must be a list of {count} {kind}, one per source (got {_show(entry[name])})")
-            return None
-    cursors = [_parse_cursor(item, f"{path}.sources[{k}]", problems) for k, item in enumerate(entry["sources"])]
-    tokens = [_int(item, f"{path}.tokens[{k}]", problems) for k, item in enumerate(entry["tokens"])]
-    current = _int(entry["current"], f"{path}.current", problems, low=-1, high=count - 1)
-    phase_start = _int(entry["phase_start"], f"{path}.phase_start", problems)
-    if None in cursors or None in tokens or current is None or phase_start is None:
-        return None
-    return MixedStream(tuple(cursors), tuple(tokens), current, phase_start)
+def record_context(header: Header) -> RecordContext:
+    """What the stages' record parsers need of a state's header."""
+    return RecordContext(packing=header.packing, packing_window=header.config.get("packing_window"),
+                         source_names=tuple(s.name for s in header.sources), token_mixing=header.token_mixing)
 
 
-def _parse_bin(raw: Any, path: str, mixed_sources: int, problems: Problems) -> Optional[Bin]:
-    """Per-bin work is a few Python operations and one array conversion per id list: a
-    restore holds up to ``L x best_fit_open_bins`` bins, and value ranges are checked for
-    all bins of a packer at once (:func:`_check_bin_values`)."""
-    keys = ("serial", "tokens", "piece_starts", "doc_starts") + (("token_sources",) if mixed_sources else ())
-    entry = _fields(raw, path, keys, problems, optional=_BIN_FEATURES + ("piece_origins",))
-    if entry is None:
-        return None
-    serial = _int(entry["serial"], f"{path}.serial", problems)
-    tokens = _id_array(entry["tokens"], f"{path}.tokens", problems)
-    sources = _id_array(entry["token_sources"], f"{path}.token_sources", problems) if mixed_sources else None
-    starts = {name: _int_list(entry[name], f"{path}.{name}", problems) for name in ("piece_starts", "doc_starts")}
-    if serial is None or tokens is None or (mixed_sources and sources is None) or None in starts.values():
-        return None
-    pieces, docs = [int(p) for p in starts["piece_starts"]], [int(d) for d in starts["doc_starts"]]
-    size = len(tokens)
-    ok = True
-    if size == 0:
-        problems.add(f"{path}.tokens", "an open bin holds at least one token (got an empty list)")
-        return None
-    # Each rule names the first item that breaks it.
-    if not pieces:
-        problems.add(f"{path}.piece_starts", "must list where each piece starts, from 0 (got an empty list)")
-        ok = False
-    for k, start in enumerate(pieces):
-        if not 0 <= start < size or (k == 0 and start != 0) or (k and start <= pieces[k - 1]):
-            problems.add(f"{path}.piece_starts[{k}]", f"piece starts must begin at 0 and increase strictly inside "
-                         f"the bin's {size} tokens (got {start})")
-            ok = False
-            break
-    if ok:
-        piece_set = set(pieces)
-        for k, start in enumerate(docs):
-            if start not in piece_set or (k and start < docs[k - 1]):
-                problems.add(f"{path}.doc_starts[{k}]", "document starts must be piece starts (a document begins "
-                             f"a piece), in increasing order (got {start}; piece starts {_show(pieces)})")
-                ok = False
-                break
-    if sources is not None and len(sources) != size:
-        problems.add(f"{path}.token_sources", f"must have one entry per token ({size}; got {len(sources)})")
-        ok = False
-    features = []
-    for name in _BIN_FEATURES:
-        if name not in entry:
+def parse_lanes(lanes: dict, header: Header) -> dict[int, LaneState]:
+    """Level 1 of every lane of a state whose header parsed, each by the registered ``lane``
+    record (which reads its packers and streams by theirs); raises with every bad field."""
+    problems = Problems()
+    context = record_context(header)
+    record_type(context.packer_record)  # a packing no stage registered is refused before any lane
+    parsed: dict[int, LaneState] = {}
+    for key, raw in lanes.items():
+        path = f"lanes.{key}"
+        if not isinstance(key, str) or not _LANE_KEY.fullmatch(key) or int(key) >= header.num_lanes \
+                or key != f"{int(key):05d}":
+            problems.at(path, f"not a lane of this state (lanes are \"00000\" .. \"{header.num_lanes - 1:05d}\")")
             continue
-        values = _id_array(entry[name], f"{path}.{name}", problems)
-        if values is None:
-            ok = False
-        elif len(values) != size:
-            problems.add(f"{path}.{name}", f"must have one entry per token ({size}; got {len(values)})")
-            ok = False
-        else:
-            low, high = FEATURES[name].value_range or (values.min(), values.max())
-            bad = np.flatnonzero((values < low) | (values > high))
-            if len(bad):
-                problems.add(f"{path}.{name}[{int(bad[0])}]", f"must be in [{low}, {high}] (got {int(values[bad[0]])})")
-                ok = False
-            features.append((name, values))
-    origins = _parse_origins(entry["piece_origins"], f"{path}.piece_origins", len(pieces), problems) \
-        if "piece_origins" in entry else None
-    if "piece_origins" in entry and origins is None:
-        ok = False
-    return Bin(serial, tokens, pieces, docs, sources, tuple(features), origins) if ok else None
-
-
-def _parse_origins(value: Any, path: str, pieces: int, problems: Problems) -> Optional[tuple]:
-    """A bin's ``piece_origins``: one ``[epoch, block, offset]`` of integers >= 0 per piece."""
-    if not isinstance(value, list) or len(value) != pieces:
-        problems.add(path, f"must be a list of {pieces} [epoch, block, offset] cursors, one per piece "
-                     f"(got {_show(value)})")
-        return None
-    origins = []
-    for k, item in enumerate(value):
-        if isinstance(item, np.ndarray):
-            item = item.tolist()
-        if not isinstance(item, (list, tuple)) or len(item) != 3:
-            problems.add(f"{path}[{k}]", f"must be [epoch, block, offset] (got {_show(item)})")
-            return None
-        values = [_int(x, f"{path}[{k}][{j}]", problems) for j, x in enumerate(item)]
-        if None in values:
-            return None
-        origins.append(tuple(values))
-    return tuple(origins)
-
-
-# Per-token features a best-fit bin may hold besides token_sources: those read from lane files
-# (loader.stages.features); which of them a packer's bins must hold is checked on restore, against
-# the source's lane files (BestFitPacker.set_state).
-_BIN_FEATURES = BIN_STATE_FEATURES  # + stage-made ones saved in bins (image_ref)
-
-
-def _check_bin_values(bins: tuple, path: str, name: str, low: int, high: int, what: str, problems: Problems) -> None:
-    """Every bin's ``name`` array (tokens or token_sources) in ``[low, high)``: one pass over
-    all bins of a packer; the first bad item of the first bad bin is named."""
-    arrays = [getattr(b, name) for b in bins]
-    if not arrays:
-        return
-    joined = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-    if not len(joined) or (int(joined.min()) >= low and int(joined.max()) < high):
-        return
-    for k, array in enumerate(arrays):
-        bad = np.flatnonzero((array < low) | (array >= high))
-        if len(bad):
-            problems.add(f"{path}.bins[{k}].{name}[{int(bad[0])}]",
-                         f"{what} must be in [{low}, {high - 1}] (got {int(array[bad[0]])})")
-            return
+        lane = LANE(raw, path, problems, context)
+        if lane is not None:
+            parsed[int(key)] = lane
+    problems.raise_if_any()
+    return parsed
 
 
 def stage_state(raw: dict, lane: LaneState) -> dict:
@@ -859,7 +399,7 @@ def check_lanes(header: Header, lanes: dict[int, LaneState], limits: StateLimits
         path = f"lanes.{lane_id:05d}"
         expected = lane_outputs_before(next_index, lane_id, limits.num_lanes)
         if lane.outputs != expected:
-            problems.add(f"{path}.outputs", f"lane {lane_id} state has produced {lane.outputs} sequences but the "
+            problems.at(f"{path}.outputs", f"lane {lane_id} state has produced {lane.outputs} sequences but the "
                          f"stream position (next_global_index {next_index}) implies {expected}: the state is inconsistent")
             continue
         # Tokens a lane can have taken from its streams: what it emitted plus what open bins hold.
@@ -876,10 +416,10 @@ def check_lanes(header: Header, lanes: dict[int, LaneState], limits: StateLimits
             _check_packer(saved.packer, f"{spath}.packer", lane_id, limits, taken_bound, problems, source=k)
             if saved.stopped:
                 if source.max_epochs is None:
-                    problems.add(f"{spath}.stopped", f"source {source.name!r} is exhaustion={source.exhaustion!r} "
+                    problems.at(f"{spath}.stopped", f"source {source.name!r} is exhaustion={source.exhaustion!r} "
                                  "without max_epochs: it never stops")
                 elif not saved.packer.stream.exhausted or saved.packer.bins:
-                    problems.add(f"{spath}.stopped", "a source stops only once its stream is exhausted and no bin "
+                    problems.at(f"{spath}.stopped", "a source stops only once its stream is exhausted and no bin "
                                  f"is open ({spath}.packer.stream.exhausted is false, or bins remain)")
 
 
@@ -893,13 +433,13 @@ def _check_packer(packer: PackerState, path: str, lane_id: int, limits: StateLim
     if packer.packing != "best_fit":
         return
     if len(packer.bins) > limits.open_bins:
-        problems.add(f"{path}.bins", f"holds {len(packer.bins)} open bins; best_fit_open_bins is {limits.open_bins}")
+        problems.at(f"{path}.bins", f"holds {len(packer.bins)} open bins; best_fit_open_bins is {limits.open_bins}")
     for k, bin_ in enumerate(packer.bins):
         if len(bin_.tokens) >= limits.seq_len:
-            problems.add(f"{path}.bins[{k}].tokens", f"an open bin holds fewer than seq_len={limits.seq_len} tokens "
+            problems.at(f"{path}.bins[{k}].tokens", f"an open bin holds fewer than seq_len={limits.seq_len} tokens "
                          f"(got {len(bin_.tokens)})")
     vocab = limits.vocab_size if limits.vocab_size is not None else np.iinfo(np.int32).max + 1
-    _check_bin_values(packer.bins, path, "tokens", 0, vocab, "token ids (the tokenizer's vocabulary)", problems)
+    check_bin_values(packer.bins, path, "tokens", 0, vocab, "token ids (the tokenizer's vocabulary)", problems)
     _check_origins(packer, path, lane_id, limits, source, problems)
 
 
@@ -917,11 +457,11 @@ def _check_origins(packer: PackerState, path: str, lane_id: int, limits: StateLi
             blocks = limits.sources[s].blocks.get(lane_id)
             where = f"{path}.bins[{k}].piece_origins[{j}]"
             if blocks is not None and origin[1] >= blocks:
-                problems.add(where, f"block {origin[1]} is not a block of lane {lane_id} of source "
+                problems.at(where, f"block {origin[1]} is not a block of lane {lane_id} of source "
                              f"{limits.sources[s].name!r} ({blocks} per epoch)")
             elif not cursor.exhausted and origin >= (at := (cursor.epoch, cursor.block, cursor.offset)):
                 part = next((i for i in range(3) if origin[i] != at[i]), 2)  # the first component past the cursor's
-                problems.add(f"{where}[{part}]", f"a piece comes from before its stream's cursor {list(at)} "
+                problems.at(f"{where}[{part}]", f"a piece comes from before its stream's cursor {list(at)} "
                              f"(got {list(origin)})")
 
 
@@ -930,26 +470,26 @@ def _check_cursor(cursor: Cursor, path: str, lane_id: int, source: SourceLimits,
     max_epochs = source.max_epochs
     if cursor.exhausted:
         if max_epochs is None:
-            problems.add(f"{path}.exhausted", f"source {source.name!r} is exhaustion={source.exhaustion!r} without "
+            problems.at(f"{path}.exhausted", f"source {source.name!r} is exhaustion={source.exhaustion!r} without "
                          "max_epochs: its stream never ends")
         else:
             for name, value, end in (("epoch", cursor.epoch, max_epochs), ("block", cursor.block, 0),
                                      ("offset", cursor.offset, 0)):
                 if value != end:
-                    problems.add(f"{path}.{name}", f"must be {end}: an exhausted stream ({path}.exhausted is true) "
+                    problems.at(f"{path}.{name}", f"must be {end}: an exhausted stream ({path}.exhausted is true) "
                                  f"stands at epoch max_epochs={max_epochs}, block 0, offset 0 (got {value})")
         return
     if max_epochs is not None and cursor.epoch >= max_epochs:
-        problems.add(f"{path}.epoch", f"must be < max_epochs={max_epochs} of source {source.name!r} for a stream "
+        problems.at(f"{path}.epoch", f"must be < max_epochs={max_epochs} of source {source.name!r} for a stream "
                      f"that is not exhausted ({path}.exhausted is false) (got {cursor.epoch})")
         return
     rows = source.rows.get(lane_id, 0)
     if cursor.epoch and rows and limits.wrap_tokens and cursor.epoch * rows * limits.wrap_tokens > taken_bound:
-        problems.add(f"{path}.epoch", f"epoch {cursor.epoch} is unreachable: {cursor.epoch} epochs of the lane's "
+        problems.at(f"{path}.epoch", f"epoch {cursor.epoch} is unreachable: {cursor.epoch} epochs of the lane's "
                      f"{rows} documents are more tokens than the lane's output could have consumed ({taken_bound})")
     blocks = source.blocks.get(lane_id)
     if blocks is not None and cursor.block >= blocks:
-        problems.add(f"{path}.block", f"lane {lane_id} of source {source.name!r} has {blocks} blocks (row groups) "
+        problems.at(f"{path}.block", f"lane {lane_id} of source {source.name!r} has {blocks} blocks (row groups) "
                      f"per epoch, so block must be in [0, {blocks - 1}] (got {cursor.block})")
 
 
@@ -958,10 +498,10 @@ def _check_window(stream: MixedStream, path: str, lane_id: int, outputs: int, li
     """The token-mixing window: counters, the open document and the phase the lane is in."""
     if sum(stream.tokens) > taken_bound:
         k = stream.tokens.index(max(stream.tokens))
-        problems.add(f"{path}.tokens[{k}]", f"the window counts {sum(stream.tokens)} tokens; the lane's {outputs} "
+        problems.at(f"{path}.tokens[{k}]", f"the window counts {sum(stream.tokens)} tokens; the lane's {outputs} "
                      f"outputs can hold at most {taken_bound}")
     if stream.current >= 0 and stream.sources[stream.current].exhausted:
-        problems.add(f"{path}.current", f"source {stream.current} is exhausted: it has no open document")
+        problems.at(f"{path}.current", f"source {stream.current} is exhausted: it has no open document")
 
     def phase_of(global_index: int) -> int:
         step = global_index // limits.global_batch_size
@@ -971,5 +511,5 @@ def _check_window(stream: MixedStream, path: str, lane_id: int, outputs: int, li
     allowed = {phase_of(lane_id + outputs * limits.num_lanes)}
     allowed.add(0 if outputs == 0 else phase_of(lane_id + (outputs - 1) * limits.num_lanes))
     if stream.phase_start not in allowed:
-        problems.add(f"{path}.phase_start", f"must be the schedule phase of the lane's last or next output "
+        problems.at(f"{path}.phase_start", f"must be the schedule phase of the lane's last or next output "
                      f"(one of {sorted(allowed)}; got {stream.phase_start})")

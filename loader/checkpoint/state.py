@@ -35,13 +35,10 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from loader.checkpoint.migrations import upgrade
+from loader.checkpoint.records import StateSnapshot, lane_key  # noqa: F401  (lane_key: also importable from here)
 from loader.checkpoint.schema import parse_header
 from loader.checkpoint.version import STATE_FORMAT, STATE_VERSION  # noqa: F401  (also importable from here)
 from loader.errors import StateError
-
-
-def lane_key(lane_id: int) -> str:
-    return f"{lane_id:05d}"
 
 
 def to_jsonable(value: Any) -> Any:
@@ -52,7 +49,7 @@ def to_jsonable(value: Any) -> Any:
         return [to_jsonable(v) for v in value]
     if isinstance(value, np.ndarray):
         return value.tolist()
-    if hasattr(value, "get_state"):  # a StateSnapshot (loader.stages.packing): built now, as it was when taken
+    if isinstance(value, StateSnapshot):  # built now, as it was when taken
         return to_jsonable(value.get_state())
     if isinstance(value, np.integer):
         return int(value)

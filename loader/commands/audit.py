@@ -77,13 +77,15 @@ from loader.commands.seek_index import POINT_EVERY, SeekIndex, run_key
 from loader.commands.window_index import WindowIndex, cache_dir
 from loader.config import LoaderConfig
 from loader.errors import AuditError, LaneExhausted
+from loader.io.cursor_record import cursor_state
 from loader.io.manifest import Manifest
 from loader.io.provenance import AUDIT_FEATURES, EPOCH_SHIFT, ROW_MASK, ProvenanceStream, ReadLog
 from loader.order.mixing import batch_assignments
 from loader.order.ordering import lane_outputs_before
 from loader.stages.lane import Lane
 from loader.stages.tokenizer import load_tokenizer
-from loader.stages.window_packing import window_packer_state
+from loader.stages.lane_record import lane_state
+from loader.stages.packer_records import concat_packer_state, window_packer_state
 
 METHODS = ("seek", "checkpoint", "replay", "window")
 
@@ -209,7 +211,7 @@ def concat_cursor(stream: ProvenanceStream, position: int) -> Optional[dict]:
         for j in range(k, k + groups):
             tokens = stream.block_tokens(*blocks[j])
             if rest < tokens:
-                return {"epoch": epoch, "block": j, "offset": rest, "exhausted": False}
+                return cursor_state(epoch, j, rest, False)
             rest -= tokens
         break
     raise AuditError(f"lane {stream.lane_id} of source {stream.source_name!r}: the manifest's token counts "
@@ -494,13 +496,14 @@ def _build(spec, lane_ids: list[int], loader) -> dict:
 
 
 def _seek_state(lane, counts: np.ndarray, seq_len: int, step_index: int) -> dict:
-    sources = {}
+    packers = []
     for source, stream, count in zip(lane.spec.sources, lane.source_streams(), counts.tolist()):
         cursor = concat_cursor(stream, count * seq_len)
         if cursor is None:  # cannot happen for endless sources (choose_method)
             raise AuditError(f"source {source.name!r} has no data left in lane {lane.lane_id}")
-        sources[source.name] = {"packer": {"stream": cursor}, "stopped": False}
-    return {"outputs": _lane_outputs_before(step_index, lane.lane_id, lane.num_lanes), "sources": sources}
+        packers.append(concat_packer_state(cursor))
+    return lane_state(lane.spec.source_names, False, _lane_outputs_before(step_index, lane.lane_id, lane.num_lanes),
+                      packers, [False] * len(packers))
 
 
 def _window_state(lane, counts: np.ndarray, loader, step_index: int) -> tuple[dict, int]:
@@ -508,15 +511,16 @@ def _window_state(lane, counts: np.ndarray, loader, step_index: int) -> tuple[di
     documents had to be counted for it (0: all cached)."""
     config = loader.config
     directory = cache_dir(config.cache_dir)
-    sources, scanned = {}, 0
+    packers, scanned = [], 0
     for source, stream, manifest, count in zip(lane.spec.sources, lane.source_streams(), loader.manifests,
                                                counts.tolist()):
         index = WindowIndex(stream, seq_len=config.seq_len, window=config.packing_window, directory=directory,
                             dataset_fingerprint=manifest.dataset_fingerprint or manifest.compute_fingerprint())
         cursor, window, emitted = index.locate(count)
         scanned += index.scanned
-        sources[source.name] = {"packer": window_packer_state(cursor, window, emitted), "stopped": False}
-    return {"outputs": _lane_outputs_before(step_index, lane.lane_id, lane.num_lanes), "sources": sources}, scanned
+        packers.append(window_packer_state(cursor, window, emitted))
+    outputs = _lane_outputs_before(step_index, lane.lane_id, lane.num_lanes)
+    return lane_state(lane.spec.source_names, False, outputs, packers, [False] * len(packers)), scanned
 
 
 def _sequence_audit(position: int, global_index: int, lane, source_id: int, packed) -> SequenceAudit:

@@ -23,7 +23,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import numpy as np
+
 from loader.errors import LaneExhausted
+from loader.io.cursor_record import BLOCK, EPOCH, EXHAUSTED, OFFSET, cursor_state
+from loader.stages.lane_record import PACKER, SOURCES, STOPPED, lane_state
+from loader.stages.packer_records import (
+    BINS, DOC_STARTS, PIECE_ORIGINS, PIECE_STARTS, SERIAL, STREAM, TOKENS, best_fit_state,
+)
 
 
 class _Cursor:
@@ -32,8 +38,8 @@ class _Cursor:
     def __init__(self, stream, state: dict) -> None:
         self.stream = stream
         self.extra = stream.token_format.extra
-        self.epoch, self.block, self.offset = state["epoch"], state["block"], state["offset"]
-        self.exhausted = state["exhausted"]
+        self.epoch, self.block, self.offset = state[EPOCH], state[BLOCK], state[OFFSET]
+        self.exhausted = state[EXHAUSTED]
         self._key: Optional[tuple[int, int]] = None
         self._ends: list[int] = []  # end of each document of the current block, in replay order
         self._doc = 0  # the document holding ``offset``
@@ -87,7 +93,7 @@ class _Cursor:
         return None
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "block": self.block, "offset": self.offset, "exhausted": self.exhausted}
+        return cursor_state(self.epoch, self.block, self.offset, self.exhausted)
 
 
 class BestFitReplay:
@@ -95,20 +101,20 @@ class BestFitReplay:
     with pieces ``(origin, length, begins a document)``."""
 
     def __init__(self, stream, seq_len: int, open_bins: int, state: Optional[dict] = None) -> None:
-        state = state or {"stream": {"epoch": 0, "block": 0, "offset": 0, "exhausted": False}, "bins": [], "serial": 0}
-        self.cursor = _Cursor(stream, state["stream"])
+        state = state or best_fit_state(cursor_state(0, 0, 0, False), [], 0)
+        self.cursor = _Cursor(stream, state[STREAM])
         self.seq_len = seq_len
         self.max_open_bins = open_bins
         # A compact state's bins (a seek point: compact()); a packer state's bins are never given here.
         self.bins: list[list] = [[used, serial, [((e, b, o), length, begins) for e, b, o, length, begins in pieces]]
-                                 for used, serial, pieces in state["bins"]]
-        self.serial = int(state["serial"])
+                                 for used, serial, pieces in state[BINS]]
+        self.serial = int(state[SERIAL])
 
     def compact(self) -> dict:
         """The replay's own state, JSON-ready: cursor, bins as ``[used, serial, [[epoch, block,
         offset, length, begins], ...]]`` and serial (what :mod:`loader.commands.seek_index` keeps)."""
-        return {"stream": self.cursor.state(), "serial": self.serial,
-                "bins": [[used, serial, [[*origin, length, begins] for origin, length, begins in pieces]]
+        return {STREAM: self.cursor.state(), SERIAL: self.serial,
+                BINS: [[used, serial, [[*origin, length, begins] for origin, length, begins in pieces]]
                          for used, serial, pieces in self.bins]}
 
     def next_sequence(self) -> bool:
@@ -149,10 +155,10 @@ class BestFitReplay:
         saved = []
         for used, serial, pieces in self.bins:
             starts = np.cumsum([0] + [p[1] for p in pieces[:-1]]).tolist()
-            saved.append({"serial": serial, "tokens": np.zeros(used, dtype=np.int32), "piece_starts": starts,
-                          "doc_starts": [s for s, p in zip(starts, pieces) if p[2]],
-                          "piece_origins": [list(p[0]) for p in pieces]})
-        return {"stream": self.cursor.state(), "bins": saved, "serial": self.serial}
+            saved.append({SERIAL: serial, TOKENS: np.zeros(used, dtype=np.int32), PIECE_STARTS: starts,
+                          DOC_STARTS: [s for s, p in zip(starts, pieces) if p[2]],
+                          PIECE_ORIGINS: [list(p[0]) for p in pieces]})
+        return best_fit_state(self.cursor.state(), saved, self.serial)
 
 
 def replayed_lane_state(lane, first_output: int, end_output: int, *, start: Optional[dict] = None,
@@ -173,9 +179,9 @@ def replayed_lane_state(lane, first_output: int, end_output: int, *, start: Opti
         packers = [BestFitReplay(stream, spec.seq_len, spec.best_fit_open_bins) for stream in streams]
         stopped = [False] * len(packers)
     else:
-        packers = [BestFitReplay(stream, spec.seq_len, spec.best_fit_open_bins, source["packer"])
-                   for stream, source in zip(streams, start["sources"])]
-        stopped = [bool(source["stopped"]) for source in start["sources"]]
+        packers = [BestFitReplay(stream, spec.seq_len, spec.best_fit_open_bins, source[PACKER])
+                   for stream, source in zip(streams, start[SOURCES])]
+        stopped = [bool(source[STOPPED]) for source in start[SOURCES]]
     schedule, B, L = spec.schedule, spec.global_batch_size, lane.num_lanes
     for k in range(first_output, end_output):
         global_index = k * L + lane.lane_id
@@ -190,12 +196,10 @@ def replayed_lane_state(lane, first_output: int, end_output: int, *, start: Opti
                 raise LaneExhausted(f"lane {lane.lane_id}: every source has run out of data")
         if on_point is not None and point_every and (k + 1) % point_every == 0:
             on_point(k + 1, compact_lane_state(packers, stopped))
-    return {"outputs": end_output, "sources": {
-        source.name: {"packer": packer.state(), "stopped": stop}
-        for source, packer, stop in zip(spec.sources, packers, stopped)}}
+    return lane_state(spec.source_names, False, end_output, [packer.state() for packer in packers], stopped)
 
 
 def compact_lane_state(packers: list, stopped: list) -> dict:
     """A replayed lane as a seek point: each source's :meth:`BestFitReplay.compact` and whether
     it stopped, in the config's source order."""
-    return {"sources": [{"packer": packer.compact(), "stopped": stop} for packer, stop in zip(packers, stopped)]}
+    return {SOURCES: [{PACKER: packer.compact(), STOPPED: stop} for packer, stop in zip(packers, stopped)]}

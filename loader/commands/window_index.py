@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from loader.errors import EmptyLaneError, LaneDataError
+from loader.io.cursor_record import cursor_state
 from loader.order.packing_windows import window_outputs
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class WindowIndex:
         w = bisect.bisect_right(self.ends, outputs)
         before = self.ends[w - 1] if w else 0
         epoch, block, offset = self.starts[w]
-        return {"epoch": epoch, "block": block, "offset": offset, "exhausted": False}, w, outputs - before
+        return cursor_state(epoch, block, offset, False), w, outputs - before
 
     # -- the pass over lengths -----------------------------------------------------------
     def _wrapped(self, epoch: int, block: int) -> np.ndarray:

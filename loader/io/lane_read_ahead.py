@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
 
 from loader.io.blocks import Block
 from loader.io.read_ahead import prepare_later
+
+log = logging.getLogger(__name__)
 
 
 def prepare_block(key: tuple[int, int], block: Block) -> None:
@@ -66,6 +69,8 @@ class LaneReadAhead:
         try:
             blocks = self.blocks_of_epoch(key[0])
         except Exception:  # noqa: BLE001 - raised again, with its context, by the stream's own read
+            log.debug("lane %d of source %r: epoch %d's blocks are not known yet; the stream's own read "
+                      "raises the error", self.lane_id, self.source_name, key[0], exc_info=True)
             return
         if key[1] < len(blocks):
             self._ahead.submit(key, blocks[key[1]], None)

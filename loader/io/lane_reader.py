@@ -14,7 +14,7 @@ from the block's first document.
 The next blocks are read in the background (:mod:`loader.io.read_ahead`), and every file and
 row group is checked as it is read (:mod:`loader.io.integrity`).
 
-State keys (``get_state``): ``epoch``, ``block``, ``offset``, ``exhausted``; text lanes inside a
+State keys (``get_state``; its record, ``cursor``: :mod:`loader.io.cursor_record`): ``epoch``, ``block``, ``offset``, ``exhausted``; text lanes inside a
 block ``document`` (``{index, token_start, char_start}``: :meth:`~loader.io.blocks.TextBlock.document_at`); with transforms
 (:mod:`loader.transforms`), or tombstones of ``zephon shard --transform`` in the lane files (the
 offline transforms' counters first), also ``transforms``: per transform ``[dropped, changed]`` documents of
@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from loader.errors import EmptyLaneError, LaneDataError
 from loader.io import storage
 from loader.io.blocks import Block, Chunk, DocumentsView, TextBlock, TokenFormat
+from loader.io.cursor_record import BLOCK, DOCUMENT, EPOCH, EXHAUSTED, OFFSET, TRANSFORMS
 from loader.io.integrity import check_no_unlisted_files
 from loader.io.lane_decode import LaneBlockDecoder
 from loader.io.lane_files import LaneFiles
@@ -205,9 +206,9 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
     def _cursor_state(self, epoch: int, block_index: int, offset: int, exhausted: bool) -> dict:
         """The state of a cursor at ``(epoch, block_index, offset)`` (this one's or one it
         will reach in the current or next block: a bulk reader's)."""
-        state = {"epoch": epoch, "block": block_index, "offset": offset, "exhausted": exhausted}
+        state = {EPOCH: epoch, BLOCK: block_index, OFFSET: offset, EXHAUSTED: exhausted}
         if self.counting:
-            state["transforms"] = self._counts_at(epoch, block_index, offset)
+            state[TRANSFORMS] = self._counts_at(epoch, block_index, offset)
         if self.resumes_at_document and offset > 0 and not exhausted:
             self._add_document(state, epoch, block_index, offset)
         return state
@@ -216,11 +217,11 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
         """A text cursor's ``document`` (:meth:`~loader.io.blocks.TextBlock.document_at`), from
         the block that holds it."""
         if self._restored_document is not None and self._restored_path is not None:
-            state["document"] = dict(self._restored_document)  # not moved since the restore
+            state[DOCUMENT] = dict(self._restored_document)  # not moved since the restore
             return
         for key, block in ((self._block_key, self._block), self._peeked or (None, None)):
             if key == (epoch, block_index) and isinstance(block, TextBlock) and offset <= len(block.tokens):
-                state["document"] = block.document_at(offset)
+                state[DOCUMENT] = block.document_at(offset)
                 return
 
     # -- reading -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ import numpy as np
 
 from loader.errors import StateError
 from loader.io.blocks import Block, TextBlock
+from loader.io.cursor_record import BLOCK, DOCUMENT, EPOCH, EXHAUSTED, OFFSET, TRANSFORMS
 from loader.transforms.chain import TransformCounts
 
 # Set by ZephonLoader.load_state_dict in a restored cursor saved under other transforms
@@ -45,12 +46,12 @@ class CursorRestore:
         its tokens; a :class:`~loader.checkpoint.state.StateError` then names ``path`` (the cursor's JSON
         path in the checkpoint).
         """
-        self.epoch = int(state["epoch"])
-        self.block_index = int(state["block"])
-        self.offset = int(state["offset"])
-        self.exhausted = bool(state.get("exhausted", False))
+        self.epoch = int(state[EPOCH])
+        self.block_index = int(state[BLOCK])
+        self.offset = int(state[OFFSET])
+        self.exhausted = bool(state.get(EXHAUSTED, False))
         self._restored_path = None if self.exhausted else path
-        document = state.get("document")
+        document = state.get(DOCUMENT)
         # Only text streams use it (a stream whose blocks are not TextBlocks, the audit's, reads without).
         use = document is not None and not self.exhausted and self.resumes_at_document
         self._restored_document = {k: int(v) for k, v in document.items()} if use else None
@@ -60,7 +61,7 @@ class CursorRestore:
             if state.get(TRANSFORMS_CHANGED):
                 self._restore_after_transform_change()
                 return
-            saved = state.get("transforms")
+            saved = state.get(TRANSFORMS)
             counts = TransformCounts.from_state(saved) if saved is not None else TransformCounts.zeros(
                 self.counted_transforms)
             self._restored_counts = (counts, self.offset > 0 and not self.exhausted)

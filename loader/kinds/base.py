@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from loader.errors import ConfigError, ManifestError
+from loader.registry import Registry
 from loader.io.blocks import Block, TokenFormat
 from loader.stages.features import Feature
 
@@ -69,6 +70,10 @@ class LaneKind:
     name: ClassVar[str]
     rejects_online: ClassVar[bool] = False  # its blocks count refused documents (``reject_counts``)
     named: ClassVar[bool] = False  # chosen by the manifest's ``kind`` entry, not by matches()
+    # The micro-batch field that reports the documents its blocks drop online (a {reason: count}
+    # of these reasons, with the sequence that enters the block), or None.
+    reject_field: ClassVar[Optional[str]] = None
+    reject_reasons: ClassVar[tuple[str, ...]] = ()
 
     def matches(self, *, pretokenized: bool, chat: Any, images: Any) -> bool:
         """Whether a lane of this description is of this kind (exactly one built-in kind matches a
@@ -85,6 +90,26 @@ class LaneKind:
         """The block of one row group (rows in replay order): tokens, document starts, features."""
         raise NotImplementedError(f"{type(self).__name__}.decode")
 
+    def stream_options(self, manifest: Any, spec: Any, source_name: str, tokenizer: Any) -> dict:
+        """The lane stream's options of a source of this kind (``LaneTokenStream`` keywords:
+        ``chat``, ``images``), from its manifest and the ``LaneSpec``; none by default."""
+        return {}
+
+    def sequence_resolver(self, stream: Any, spec: Any, manifest: Any) -> Any:
+        """What completes each packed sequence of a stream of this kind before it is handed out
+        (an object with ``attach(sequence)`` and ``close()``: images' pixels), or None."""
+        return None
+
+    def bin_cap(self, spec: Any) -> Optional[tuple[int, Callable[[Any], int]]]:
+        """``(cap, count)``: a best-fit bin of this kind's lanes holds pieces whose ``count(piece)``
+        sum to at most ``cap`` (images per sequence), or None (no cap)."""
+        return None
+
+    def worker_slot_bytes(self, spec: Any, seq_len: int, items: int) -> int:
+        """Bytes a worker message of ``items`` sequences needs beyond their token arrays
+        (images' pixels, worst case); 0 by default."""
+        return 0
+
     def __repr__(self) -> str:
         return f"<lane kind {self.name!r}>"
 
@@ -100,8 +125,40 @@ class ManifestEntry:
     check: Optional[Callable[[Any, dict], list[str]]] = None
 
 
+@dataclass(frozen=True)
+class SequenceAttachment:
+    """What a kind attaches to its packed sequences (``PackedSequence.images``: the pixels of an
+    image sequence) and how a worker message carries it: ``pack(sequences, arrays)`` returns one
+    entry per sequence (None: none attached) and adds the arrays to write into the slot;
+    ``unpack(entry, arrays, row)`` builds the attachment again from the slot's arrays."""
+
+    name: str
+    pack: Callable[[list, dict], list]
+    unpack: Callable[[Any, dict, int], Any]
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """What a kind's module checks and decides when a loader is planned, over all its sources
+    (``loader.runtime.plan``), under the name of what it plans (``images``, ``chat``):
+
+    ``options(config, manifests, source_names, tokenizer)``: the loader-wide options of its
+    lanes (``LaneSpec.images``), None without such a source; ``rejects(manifests, source_names,
+    tokenizer, *, seq_len, packing, wrap_tokens, overlong)``: checks the sources (errors now, in the
+    trainer) and returns the reasons of its online rejects' batch field; ``overflows(manifest, *,
+    seq_len, packing, wrap_tokens)``: whether a source may hold a document longer than one
+    best_fit sequence (the config's ``overlong`` then adds its transform)."""
+
+    name: str
+    options: Optional[Callable[..., Any]] = None
+    rejects: Optional[Callable[..., tuple[str, ...]]] = None
+    overflows: Optional[Callable[..., bool]] = None
+
+
 _KINDS: dict[str, LaneKind] = {}
 _ENTRIES: dict[str, ManifestEntry] = {}
+_ATTACHMENTS: Registry[SequenceAttachment] = Registry("sequence attachment", "import the kind that attaches it")
+_PLANS: Registry[SourcePlan] = Registry("source plan", "import the kind that plans it")
 
 
 def register_kind(kind: LaneKind) -> LaneKind:
@@ -159,6 +216,18 @@ def lane_kind(name: Optional[str], *, pretokenized: bool, chat: Any = None, imag
     return kind_for(pretokenized=pretokenized, chat=chat, images=images)
 
 
+def manifest_kind(manifest: Any) -> LaneKind:
+    """The kind of a dataset's lanes (a :class:`loader.io.manifest.Manifest`): its named kind, or
+    the built-in kind of its flags (chat only where the loader renders it: ``online_chat``)."""
+    return lane_kind(manifest.kind, pretokenized=manifest.pretokenized,
+                     chat=manifest.chat if manifest.online_chat else None, images=manifest.images)
+
+
+def kinds_of(manifests: Sequence[Any]) -> tuple[LaneKind, ...]:
+    """The distinct kinds of a loader's sources, in source order."""
+    return tuple(dict.fromkeys(manifest_kind(m) for m in manifests))
+
+
 def kind_modules() -> tuple[str, ...]:
     """The modules that registered the named kinds, for worker processes to import
     (:func:`import_kind_modules`): a worker is a fresh interpreter, which has imported only
@@ -192,3 +261,27 @@ def register_manifest_entry(entry: ManifestEntry) -> ManifestEntry:
 
 def manifest_entries() -> tuple[ManifestEntry, ...]:
     return tuple(_ENTRIES.values())
+
+
+def register_source_plan(plan: SourcePlan) -> SourcePlan:
+    """Add what a kind plans for a loader's sources (its name must be new)."""
+    return _PLANS.register(plan.name, plan)
+
+
+def source_plan(name: str) -> SourcePlan:
+    """The registered source plan ``name``; one nobody registered plans nothing."""
+    return _PLANS.get(name) or SourcePlan(name)
+
+
+def source_plans() -> tuple[SourcePlan, ...]:
+    return _PLANS.values()
+
+
+def register_attachment(attachment: SequenceAttachment) -> SequenceAttachment:
+    """Add a sequence attachment's message codec (its name must be new)."""
+    return _ATTACHMENTS.register(attachment.name, attachment)
+
+
+def sequence_attachment(name: str) -> SequenceAttachment:
+    """The registered codec of the sequence attachment ``name`` (its kind's module registers it)."""
+    return _ATTACHMENTS.lookup(name)

@@ -8,9 +8,9 @@ import weakref
 from typing import Optional
 
 from loader.errors import WorkerError
+from loader.kinds.base import kinds_of
 from loader.order.ordering import lanes_of_worker
 from loader.stages.producer import End, Item, build_lanes, fill_item, produce_one, start_reading
-from loader.vision.transfer import image_slot_bytes
 from loader.workers.messages import items_per_message
 from loader.workers.pool import WorkerPool
 
@@ -61,8 +61,8 @@ class WorkerHandOver:
             num_workers=min(self.config.num_workers, len(self.rank_lanes)), seq_len=self.config.seq_len,
             prefetch=self.config.prefetch, items_held=items_held, items_per_message=per_message,
             features=self.features,
-            extra_slot_bytes=0 if self.image_options is None else image_slot_bytes(
-                self.image_options.policy, self.config.seq_len, per_message, self.image_options.wrap_tokens),
+            extra_slot_bytes=max(kind.worker_slot_bytes(self.spec, self.config.seq_len, per_message)
+                                 for kind in kinds_of(self.manifests)),
         )
         self._pool = pool
         self._finalizer = weakref.finalize(

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loader.chat.block import chat_overflows, check_chat_sources
 from loader.config import LoaderConfig
 from loader.errors import ManifestError
 from loader.io.blocks import TokenFormat
 from loader.io.manifest import Manifest, read_manifest
 from loader.io.storage import StorageOptions
+from loader.kinds.base import source_plan, source_plans
 from loader.order.mixing import MixingSchedule, MixturePhase, exact_weights
 from loader.order.ordering import Topology
 from loader.stages.features import FEATURES
@@ -32,7 +32,6 @@ from loader.stages.tokenizer import (
 from loader.transforms.chain import TransformChain
 from loader.transforms.conversations import ChatTransforms
 from loader.transforms.spec import TransformSpec
-from loader.vision.loader_options import resolve_image_options
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,8 @@ def plan_loader(config: LoaderConfig, *, rank: int, world_size: int) -> LoaderPl
     if any(m.online_chat for m in manifests):
         columns.add("loss_mask")  # made online by the chat blocks (loader.chat.block)
     # Image sources (loader.vision): placeholders, loss_mask 0 on them, image_ref per image.
-    image_options = resolve_image_options(config, manifests, source_names, tokenizer)
+    images = source_plan("images").options
+    image_options = None if images is None else images(config, manifests, source_names, tokenizer)
     if image_options is not None:
         columns.add("loss_mask")
     token_mixing = config.mixing_unit == "token" and len(manifests) > 1
@@ -107,9 +107,10 @@ def plan_loader(config: LoaderConfig, *, rank: int, world_size: int) -> LoaderPl
                      or (name == "token_sources" and token_mixing)
                      or (name == "image_ref" and image_options is not None))
     token_format = TokenFormat(bos_id=bos_id, eos_id=eos_id if config.add_eos else None)
-    chat_reject_reasons = check_chat_sources(manifests, source_names, tokenizer, seq_len=config.seq_len,
-                                             packing=config.packing, wrap_tokens=token_format.extra,
-                                             overlong=config.overlong)
+    check_chat = source_plan("chat").rejects
+    chat_reject_reasons = () if check_chat is None else check_chat(
+        manifests, source_names, tokenizer, seq_len=config.seq_len, packing=config.packing,
+        wrap_tokens=token_format.extra, overlong=config.overlong)
     # Transforms (loader.transforms): imported and checked here, not first in a worker.
     source_transforms = resolved_transforms(config, source_names, manifests, features, token_format.extra)
     spec = LaneSpec(
@@ -170,8 +171,9 @@ def overlong_transforms(config: LoaderConfig, manifest: Manifest, wrap_tokens: i
     source fit one best_fit sequence, after the configured ones (its drops are counted like
     theirs), where the recorded longest may not fit. Offline and online alike: an online
     source is then encoded with the job's bound only (loader.chat.block.effective_max_tokens)."""
-    if config.overlong == "refuse" or not chat_overflows(manifest, seq_len=config.seq_len, packing=config.packing,
-                                                          wrap_tokens=wrap_tokens):
+    if config.overlong == "refuse" or not any(
+            plan.overflows(manifest, seq_len=config.seq_len, packing=config.packing, wrap_tokens=wrap_tokens)
+            for plan in source_plans() if plan.overflows is not None):
         return ()
     fit = config.seq_len - wrap_tokens
     if config.overlong == "drop":

@@ -211,7 +211,7 @@ class CheckpointSession:
         problems = checkpoint_schema.Problems()
         for lane_id in self.rank_lanes:
             if lane_id not in parsed:
-                problems.add(f"lanes.{state_mod.lane_key(lane_id)}",
+                problems.at(f"lanes.{state_mod.lane_key(lane_id)}",
                              f"missing: the state has no entry for lane {lane_id}, which this rank owns")
         checkpoint_schema.check_lanes(header, parsed, self._state_limits(), next_index, problems)
         problems.raise_if_any()

@@ -15,7 +15,7 @@ padding, labels -100, ``loss_mask`` 0, source id -1; docs/guides/finite-epochs.m
 conversations refused online (:mod:`loader.chat.block`) reported with this micro-batch's
 sequences, ``{reason: count}`` with every reason (zeros included); with image sources, the
 same for image documents dropped online as ``image_rejects`` (:mod:`loader.vision.block`), and
-``pixel_values`` with its image fields (:func:`image_fields`).
+``pixel_values`` with its image fields (the image policy's ``batch_fields``: :mod:`loader.vision.policies`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import numpy as np
 
 from loader.stages.features import FEATURES, IGNORE_INDEX, batch_feature
 from loader.stages.packing import ConcatRow
-from loader.vision.policies import PixelValues
 
 OUTPUTS = ("torch", "numpy")
 
@@ -138,7 +137,7 @@ class Collator:
         for name in self.batched:
             batch[FEATURES[name].batch_field] = feature_arrays[name]
         if self.image_policy is not None:
-            batch.update(image_fields(self.image_policy, sequences))
+            batch.update(self.image_policy.batch_fields(sequences))
         if self.chat_reject_reasons or self.image_reject_reasons:
             # Items carry the online rejects of chat and image blocks in one dict (disjoint names).
             rejects: dict[str, int] = {}
@@ -183,29 +182,6 @@ class Collator:
         out = self.empty((rows, seq_len), np.int64)
         np.concatenate(arrays, out=out.reshape(-1))
         return out
-
-
-def image_fields(policy, sequences: Sequence) -> dict[str, np.ndarray]:
-    """The image fields of a micro-batch, images in row order then token order:
-    ``pixel_values`` (``policy.batch`` of the images: ``[n, 3, S, S]`` fixed, ``[sum of h * w, D]`` dynamic),
-    ``image_grid_thw`` ``[n, 3]``, ``image_sequence_index`` ``[n]`` (the row of each image) and
-    ``image_token_offsets`` ``[n]`` (the position of its first placeholder token in that row).
-    The pixels are copied here (a worker's slot is given back after collation)."""
-    images, rows, offsets = [], [], []
-    for row, sequence in enumerate(sequences):
-        found = sequence.images
-        if found is None or not len(found):
-            continue
-        images += [PixelValues(values, tuple(grid)) for values, grid in zip(found.pixels, found.grids.tolist())]
-        rows += [row] * len(found)
-        offsets.append(found.positions)
-    pixel_values, grids = policy.batch_compact(images)  # the one copy (dynamic: every temporal copy)
-    return {
-        "pixel_values": pixel_values,
-        "image_grid_thw": grids,
-        "image_sequence_index": np.array(rows, dtype=np.int64),
-        "image_token_offsets": np.concatenate(offsets).astype(np.int64) if offsets else np.zeros(0, np.int64),
-    }
 
 
 _from_numpy = None  # torch.from_numpy, looked up once (torch is imported only by torch users)

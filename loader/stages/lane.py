@@ -6,8 +6,9 @@ has stopped in this lane), pulls one packed sequence from that source's packer, 
 the output. The lane's state is the nested state of its packers plus the output count and
 which sources have stopped; it does not depend on which rank or worker holds it.
 
-State keys: ``outputs`` (sequences produced), ``sources`` (per source name: packer state,
-``stopped``).
+State keys (its record, :mod:`loader.stages.lane_record`): ``outputs`` (sequences produced),
+``sources`` (per source name: packer state, ``stopped``), or under token mixing ``mixed`` (the
+one packer's state).
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from loader.checkpoint.state import lane_key
+from loader.checkpoint.records import StateSnapshot, lane_key
 from loader.errors import LaneExhausted, StateError
 from loader.io.blocks import TokenFormat
 from loader.io.lane_reader import LaneTokenStream
 from loader.io.read_ahead import read_ahead_depth
 from loader.io.storage import StorageOptions
+from loader.kinds.base import manifest_kind
 from loader.order.mixing import MixingSchedule
 from loader.order.ordering import lane_outputs_before
-from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence, StateSnapshot, concat_state
+from loader.stages.lane_record import MIXED, OUTPUTS, PACKER, SOURCES, STOPPED, cursor_lane_state, lane_state
+from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence
 from loader.stages.token_mixing import MixedTokenStream
 from loader.stages.window_packing import WindowedBestFitPacker
-from loader.vision.resolve import ImageResolver
 
 log = logging.getLogger(__name__)
 
@@ -82,23 +84,6 @@ class LaneSpec:
         return self.mixing_unit == "token" and len(self.sources) > 1
 
 
-def lane_state(source_names: tuple[str, ...], token_mixing: bool, outputs: int, parts: list, stopped) -> dict:
-    """A lane's ``get_state()`` from its output count, its packers' states (one per source; one
-    under token mixing) and which sources stopped."""
-    if token_mixing:
-        return {"outputs": outputs, "mixed": parts[0]}
-    return {
-        "outputs": outputs,
-        "sources": {name: {"packer": part, "stopped": stop} for name, part, stop in zip(source_names, parts, stopped)},
-    }
-
-
-def cursor_lane_state(source_names: tuple[str, ...], token_mixing: bool, outputs: int, cursors: list,
-                      stopped) -> dict:
-    """:func:`lane_state` of a lane whose packers' states are bare cursors (:meth:`Lane.cursors`)."""
-    return lane_state(source_names, token_mixing, outputs, [concat_state(*cursor) for cursor in cursors], stopped)
-
-
 class Lane:
     # The per-source stream type; ``zephon audit`` substitutes one that reads document lengths
     # and records each token's provenance (loader.io.provenance).
@@ -116,7 +101,8 @@ class Lane:
         self.source_names = spec.source_names
         streams = []
         shares = spec.schedule.peak_shares()
-        for source, manifest, share in zip(spec.sources, manifests, shares):
+        kinds = [manifest_kind(manifest) for manifest in manifests]
+        for source, manifest, share, kind in zip(spec.sources, manifests, shares, kinds):
             max_epochs = 1 if source.exhaustion == "stop" else source.max_epochs
             stream = self.stream_class(
                 dataset_path=source.dataset_path,
@@ -132,28 +118,29 @@ class Lane:
                 read_ahead_threads=spec.read_ahead_threads,
                 read_ahead_blocks=read_ahead_depth(share, takes_next_block_early=self.token_mixing),
                 transforms=source.transforms,
-                **({"chat": self._online_chat(manifest, source, tokenizer)} if manifest.online_chat else {}),
-                **({"images": spec.images} if getattr(manifest, "images", None) is not None else {}),
+                **kind.stream_options(manifest, spec, source.name, tokenizer),
             )
             # Finite data with filled tails: a lane whose documents are all dropped (transforms,
             # overlong) has simply none to deliver; it is done at the end of its epochs.
             stream.ends_when_empty = spec.fill_tails and max_epochs is not None
             streams.append(stream)
-        # Image sources: each stream's resolver turns its sequences' image refs into pixels
-        # (loader.vision.resolve); None for text sources.
-        self._image_resolvers = [self._resolver(stream, manifest) for stream, manifest in zip(streams, manifests)]
-        # Online chat streams, whose rejects each item reports (loader.chat.block); usually none.
-        self._chat_streams = tuple(s for s in streams if getattr(s, "chat_rejects", None) is not None)
+        # What completes each sequence of a stream before it is handed out, by its kind (image
+        # sources: the pixels of its image refs); None for most kinds.
+        self._image_resolvers = [kind.sequence_resolver(stream, spec, manifest)
+                                 for stream, manifest, kind in zip(streams, manifests, kinds)]
+        # Streams whose blocks reject documents online (chat, images), which each item reports; usually none.
+        self._chat_streams = tuple(s for s in streams if s.chat_rejects is not None)
         self.has_online_chat = bool(self._chat_streams)
         # Token mixing: the phase of the last step asked for, (start step, weights, the lane's
         # output count at the phase's end or None), as ``next_sequence`` needs it per sequence.
         self._phase_step = -1
         self._phase: tuple = ()
+        caps = [kind.bin_cap(spec) if spec.packing == "best_fit" else None for kind in kinds]
         if self.token_mixing:
             self.mixed_stream = MixedTokenStream(streams)
-            self.packers = [self._packer(self.mixed_stream)]
+            self.packers = [self._packer(self.mixed_stream, next((c for c in caps if c is not None), None))]
         else:
-            self.packers = [self._packer(stream) for stream in streams]
+            self.packers = [self._packer(stream, cap) for stream, cap in zip(streams, caps)]
         # Whether every packer's state is its stream's bare cursor (ConcatPacker.cursor_snapshot's
         # common case): step_snapshot then reads the cursors directly, once per lane and step.
         self._cursor_only = all(isinstance(p, ConcatPacker) and type(p.stream) is LaneTokenStream
@@ -161,22 +148,16 @@ class Lane:
         # Whether snapshot() can hold a best-fit StateSnapshot (worker state deltas encode only those).
         self.holds_bins = any(isinstance(p, BestFitPacker) for p in self.packers)
 
-    def _packer(self, stream):
+    def _packer(self, stream, cap: Optional[tuple] = None):
+        """The source's packer; ``cap``: its kind's best-fit bin cap (LaneKind.bin_cap), or None."""
         if self.spec.packing == "concat":
             return ConcatPacker(stream, self.spec.seq_len, self.spec.pad_id, features=self.spec.features)
         if self.spec.packing_window is not None:
             return WindowedBestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.packing_window,
                                          features=self.spec.features)
-        cap = self.spec.images.max_images_per_sequence if self.spec.images is not None else None
+        max_images, images_in = cap if cap is not None else (None, None)
         return BestFitPacker(stream, self.spec.seq_len, self.spec.pad_id, self.spec.best_fit_open_bins,
-                             features=self.spec.features, max_images=cap)
-
-    def _resolver(self, stream, manifest):
-        if getattr(stream, "images", None) is None:
-            return None
-        from loader.vision.images import ImageLimits  # Pillow (~0.2 s to import): only image lanes load it
-
-        return ImageResolver(stream, self.spec.images, ImageLimits(**manifest.images.limits))
+                             features=self.spec.features, max_images=max_images, images_in=images_in)
 
     def next_sequence(self, global_index: int) -> tuple[int, PackedSequence]:
         """``(source_id, sequence)`` for the lane's next output; raises :class:`LaneExhausted`."""
@@ -217,14 +198,6 @@ class Lane:
             if source_id < 0:
                 raise LaneExhausted(f"lane {self.lane_id}: every source has run out of data")
 
-    def _online_chat(self, manifest, source: SourceSpec, tokenizer):
-        """The encoder of an online chat source (loader.chat.block), bounded by this spec's seq_len."""
-        from loader.chat.block import OnlineChat  # jinja2 (~0.1 s to import): only online chat lanes load it
-
-        return OnlineChat.of_manifest(manifest, tokenizer, source_name=source.name, seq_len=self.spec.seq_len,
-                                      overlong=self.spec.overlong,
-                                      packing=self.spec.packing, wrap_tokens=self.spec.token_format.extra)
-
     def take_chat_rejects(self) -> Optional[dict]:
         """Online chat rejects of the blocks the lane's streams entered since the last call
         (``{reason: count}``), or None; the producer attaches them to the lane's next item."""
@@ -252,7 +225,7 @@ class Lane:
 
     def source_streams(self) -> list[LaneTokenStream]:
         """The lane's per-source token streams (under a token-mixing stream too)."""
-        return [s for packer in self.packers for s in getattr(packer.stream, "streams", [packer.stream])]
+        return list(self.mixed_stream.streams) if self.token_mixing else [packer.stream for packer in self.packers]
 
     def start_reading(self) -> None:
         """Start reading every source's current block in the background (see
@@ -285,7 +258,7 @@ class Lane:
     def snapshot(self) -> dict:
         """``get_state()`` as of now, where a packer's part may be a ``StateSnapshot`` (best fit:
         its arrays are built only if the snapshot is saved; ``loader.checkpoint.state.to_jsonable`` does it)."""
-        return self._state(lambda packer: packer.snapshot() if hasattr(packer, "snapshot") else packer.get_state())
+        return self._state(lambda packer: packer.snapshot())
 
     def step_snapshot(self) -> StateSnapshot:
         """:meth:`snapshot`, itself built only if it is saved: what the loader keeps of every lane
@@ -294,8 +267,7 @@ class Lane:
         cursors = self.cursors()
         if cursors is not None:  # concat over plain streams: four integers per source
             return StateSnapshot(self._cursor_state, *cursors)
-        parts = [packer.cursor_snapshot() if isinstance(packer, ConcatPacker)
-                 else packer.snapshot() if hasattr(packer, "snapshot") else packer.get_state()
+        parts = [packer.cursor_snapshot() if isinstance(packer, ConcatPacker) else packer.snapshot()
                  for packer in self.packers]
         return StateSnapshot(self._snapshot_state, self.outputs, parts, tuple(self.stopped))
 
@@ -322,16 +294,16 @@ class Lane:
         ``ZephonLoader.load_state_dict`` does); ``path`` (default ``lanes.<lane>``) is its JSON
         path, named by the checks that need the data (a cursor's offset inside its block)."""
         path = f"lanes.{lane_key(self.lane_id)}" if path is None else path
-        self.outputs = int(state["outputs"])
+        self.outputs = int(state[OUTPUTS])
         if self.token_mixing:
-            if "mixed" not in state:
-                raise StateError(f"{path}.mixed: missing (lane {self.lane_id} state is not a token-mixing state)")
-            self.packers[0].set_state(state["mixed"], path=f"{path}.mixed")
+            if MIXED not in state:
+                raise StateError(f"{path}.{MIXED}: missing (lane {self.lane_id} state is not a token-mixing state)")
+            self.packers[0].set_state(state[MIXED], path=f"{path}.{MIXED}")
             return
         for k, source in enumerate(self.spec.sources):
-            saved = state.get("sources", {}).get(source.name)
+            saved = state.get(SOURCES, {}).get(source.name)
             if saved is None:
-                raise StateError(f"{path}.sources.{source.name}: missing (lane {self.lane_id} state has no entry "
+                raise StateError(f"{path}.{SOURCES}.{source.name}: missing (lane {self.lane_id} state has no entry "
                                  f"for source {source.name!r})")
-            self.packers[k].set_state(saved["packer"], path=f"{path}.sources.{source.name}.packer")
-            self.stopped[k] = bool(saved["stopped"])
+            self.packers[k].set_state(saved[PACKER], path=f"{path}.{SOURCES}.{source.name}.{PACKER}")
+            self.stopped[k] = bool(saved[STOPPED])

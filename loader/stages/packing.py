@@ -27,15 +27,18 @@ is 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
+from loader.checkpoint.records import StateSnapshot
 from loader.errors import StateError
 from loader.io.blocks import Chunk
 from loader.io.lane_reader import LaneTokenStream
 from loader.stages.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order, lay_out, mask_labels
-from loader.vision.resolve import images_in
+from loader.stages.packer_records import (
+    BINS, DOC_STARTS, PIECE_ORIGINS, PIECE_STARTS, SERIAL, STREAM, TOKENS, best_fit_state, concat_state,
+)
 
 
 @dataclass
@@ -190,7 +193,8 @@ def _sequence_from_pieces(
 
 
 class ConcatPacker:
-    """State keys: ``stream`` (the stream cursor). Holds no tokens.
+    """State keys (its record, ``concat``: :mod:`loader.stages.packer_records`): ``stream`` (the
+    stream cursor). Holds no tokens.
 
     Rows that lie inside one block are cut in bulk (:meth:`_fill`: up to ``FILL_TOKENS``
     tokens, one reshape, views of the block) and handed out one by one as :class:`ConcatRow`;
@@ -237,8 +241,12 @@ class ConcatPacker:
     def get_state(self) -> dict:
         waiting = self._fill_rows - self._next_row
         if waiting:  # rows cut but not handed out: the stream's state before them
-            return {"stream": self.stream.rewound_state(waiting, self.seq_len)}
-        return {"stream": self.stream.get_state()}
+            return {STREAM: self.stream.rewound_state(waiting, self.seq_len)}
+        return {STREAM: self.stream.get_state()}
+
+    def snapshot(self) -> dict:
+        """The state as of now where a worker ships it (:meth:`get_state`: a concat state is small)."""
+        return self.get_state()
 
     def cursor_snapshot(self) -> "StateSnapshot | dict":
         """``get_state()`` as of now, as four integers until it is saved: the loader takes one
@@ -261,24 +269,7 @@ class ConcatPacker:
         """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""
         self._fill_rows = self._next_row = 0
         self._cut_rows = None
-        self.stream.set_state(state["stream"], path=f"{path}.stream")
-
-
-def concat_state(epoch: int, block: int, offset: int, exhausted: bool) -> dict:
-    """A :class:`ConcatPacker` state: its stream's cursor (``LaneTokenStream.get_state``)."""
-    return {"stream": {"epoch": epoch, "block": block, "offset": offset, "exhausted": exhausted}}
-
-
-class StateSnapshot:
-    """A stage's state taken at one moment, turned into its ``get_state()`` dict on demand."""
-
-    __slots__ = ("_build", "_args")
-
-    def __init__(self, build, *args) -> None:
-        self._build, self._args = build, args
-
-    def get_state(self) -> dict:
-        return self._build(*self._args)
+        self.stream.set_state(state[STREAM], path=f"{path}.{STREAM}")
 
 
 @dataclass(eq=False)  # identity: ``bins.remove`` must not compare the numpy pieces
@@ -303,8 +294,8 @@ class _Piece:
 
 
 class BestFitPacker:
-    """State keys: ``stream``, ``bins`` (open bins: ``tokens``, ``doc_starts``, ``piece_starts``,
-    ``piece_origins``), ``serial``.
+    """State keys (its record, ``best_fit``: :mod:`loader.stages.packer_records`): ``stream``,
+    ``bins`` (open bins: ``tokens``, ``doc_starts``, ``piece_starts``, ``piece_origins``), ``serial``.
 
     ``piece_origins`` (state version 2): per piece ``[epoch, block, offset]``, the stream cursor
     of its first token (the stream's ``last_origin`` after the take; under token mixing, in the
@@ -314,10 +305,13 @@ class BestFitPacker:
     """
 
     def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int, open_bins: int,
-                 features: tuple[str, ...] = (), max_images: Optional[int] = None) -> None:
+                 features: tuple[str, ...] = (), max_images: Optional[int] = None,
+                 images_in: Optional[Callable[[object], int]] = None) -> None:
         self.stream = stream
-        # Image sources: a bin whose images would exceed this is not a fit (loader.vision.block).
-        self.max_images = max_images
+        # Image sources: a bin whose images (``images_in(piece)``, the kind's count: LaneKind.bin_cap)
+        # would exceed this is not a fit (loader.vision.block).
+        self.max_images = max_images if images_in is not None else None
+        self.images_in = images_in
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.features = features  # the loader's (see _sequence_from_pieces)
@@ -347,9 +341,9 @@ class BestFitPacker:
                            self.stream.last_origin if self._has_origins else None)
             fitting = [b for b in self.bins if self.seq_len - b.used >= size]
             if self.max_images is not None and fitting:
-                images = images_in(piece)
+                images = self.images_in(piece)
                 if images:
-                    fitting = [b for b in fitting if sum(map(images_in, b.pieces)) + images <= self.max_images]
+                    fitting = [b for b in fitting if sum(map(self.images_in, b.pieces)) + images <= self.max_images]
             if fitting:
                 target = min(fitting, key=lambda b: (self.seq_len - b.used, b.serial))
                 target.pieces.append(piece)
@@ -393,43 +387,43 @@ class BestFitPacker:
             # numpy arrays here; loader.checkpoint.state turns them into JSON lists only when saving,
             # so snapshotting after every sequence (worker prefetch) stays cheap.
             saved = {
-                "serial": bin_serial,
-                "tokens": tokens,
-                "piece_starts": piece_starts.astype(np.int64),
-                "doc_starts": doc_starts.astype(np.int64),
+                SERIAL: bin_serial,
+                TOKENS: tokens,
+                PIECE_STARTS: piece_starts.astype(np.int64),
+                DOC_STARTS: doc_starts.astype(np.int64),
             }
             for name in pieces[0].features:  # registry order (token_sources first, as before features)
                 saved[name] = np.concatenate([p.features[name] for p in pieces])
             origins = [p.origin for p in pieces]
             if None not in origins:  # else a bin restored from a version-1 state: origins unknown
-                saved["piece_origins"] = [list(origin) for origin in origins]
+                saved[PIECE_ORIGINS] = [list(origin) for origin in origins]
             bins.append(saved)
-        return {"stream": stream_state, "bins": bins, "serial": serial}
+        return best_fit_state(stream_state, bins, serial)
 
     def set_state(self, state: dict, path: str = "packer") -> None:
         """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""
-        self.stream.set_state(state["stream"], path=f"{path}.stream")
-        self.serial = int(state["serial"])
+        self.stream.set_state(state[STREAM], path=f"{path}.{STREAM}")
+        self.serial = int(state[SERIAL])
         self.bins = []
-        expected = getattr(self.stream, "feature_names", ())  # a stream of the tests may not say
-        for k, saved in enumerate(state["bins"]):
-            tokens = np.asarray(saved["tokens"], dtype=np.int32)
-            piece_starts = [int(x) for x in saved["piece_starts"]] + [len(tokens)]
-            doc_starts = np.asarray(saved["doc_starts"], dtype=np.int64)
+        expected = self.stream.feature_names
+        for k, saved in enumerate(state[BINS]):
+            tokens = np.asarray(saved[TOKENS], dtype=np.int32)
+            piece_starts = [int(x) for x in saved[PIECE_STARTS]] + [len(tokens)]
+            doc_starts = np.asarray(saved[DOC_STARTS], dtype=np.int64)
             held = in_order(name for name in saved if name in FEATURES)
             if held != expected:  # a state of this source without its features (or with others')
                 raise StateError(f"{path}.bins[{k}]: holds per-token features {list(held)}, but this source's "
                                  f"tokens carry {list(expected)}: the checkpoint is not this dataset's (was the "
                                  "loss_mask column added or removed?); restore it with the dataset it was saved with")
             features = {name: np.asarray(saved[name], dtype=FEATURES[name].dtype) for name in held}
-            origins = [tuple(int(x) for x in o) for o in saved["piece_origins"]] if "piece_origins" in saved \
+            origins = [tuple(int(x) for x in o) for o in saved[PIECE_ORIGINS]] if PIECE_ORIGINS in saved \
                 else [None] * (len(piece_starts) - 1)
             pieces = []
             for lo, hi, origin in zip(piece_starts[:-1], piece_starts[1:], origins):
                 inside = doc_starts[(doc_starts >= lo) & (doc_starts < hi)] - lo
                 pieces.append(_Piece(tokens[lo:hi], inside,
                                      {n: v[lo:hi] for n, v in features.items()} if features else NO_FEATURES, origin))
-            self.bins.append(_Bin(pieces=pieces, used=len(tokens), serial=int(saved["serial"])))
+            self.bins.append(_Bin(pieces=pieces, used=len(tokens), serial=int(saved[SERIAL])))
         self._check_bound_features(path)
 
     def _check_bound_features(self, path: str) -> None:

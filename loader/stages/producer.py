@@ -19,7 +19,8 @@ from loader.errors import LaneExhausted
 from loader.stages.features import FEATURES, IGNORE_INDEX
 from loader.stages.lane import Lane, LaneSpec
 from loader.io.manifest import Manifest
-from loader.stages.packing import PackedSequence, StateSnapshot
+from loader.checkpoint.records import StateSnapshot
+from loader.stages.packing import PackedSequence
 
 
 @dataclass

@@ -29,7 +29,7 @@ The guarantee is about the documents in the order the mixer draws them, which is
 of the lane's output for concat packing; best-fit packing reorders documents within its open
 bins (at most ``best_fit_open_bins x seq_len`` tokens).
 
-State keys: ``sources`` (each source's stream state), ``tokens`` (``t_s`` per source),
+State keys (its record, ``mixed_stream``: :mod:`loader.stages.mixed_record`): ``sources`` (each source's stream state), ``tokens`` (``t_s`` per source),
 ``current`` (source of the document being read, or -1), ``phase_start`` (window start step).
 """
 
@@ -45,6 +45,7 @@ from loader.errors import StateError
 from loader.stages.features import FEATURES, in_order, lay_out
 from loader.io.blocks import Chunk
 from loader.io.lane_reader import LaneTokenStream
+from loader.stages.mixed_record import CURRENT, PHASE_START, SOURCES, TOKENS
 
 
 class MixedTokenStream:
@@ -72,7 +73,7 @@ class MixedTokenStream:
         self._restored_path: Optional[str] = None  # a restored state whose documents are not checked yet
         # Per-token features of the mixed chunks: each token's source, and every feature of
         # any source (documents of a source without it get its default).
-        own = [name for stream in self.streams for name in getattr(stream, "feature_names", ())]
+        own = [name for stream in self.streams for name in stream.feature_names]
         self.feature_names = in_order(["token_sources", *own])
         self._carried = self.feature_names[1:]  # the sources' own features
 
@@ -274,21 +275,21 @@ class MixedTokenStream:
 
     def get_state(self) -> dict:
         return {
-            "sources": [s.get_state() for s in self.streams],
-            "tokens": list(self.tokens),
-            "current": self.current,
-            "phase_start": self.phase_start,
+            SOURCES: [s.get_state() for s in self.streams],
+            TOKENS: list(self.tokens),
+            CURRENT: self.current,
+            PHASE_START: self.phase_start,
         }
 
     def set_state(self, state: dict, path: str = "stream") -> None:
         """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""
-        for k, (stream, saved) in enumerate(zip(self.streams, state["sources"])):
-            stream.set_state(saved, path=f"{path}.sources[{k}]")
+        for k, (stream, saved) in enumerate(zip(self.streams, state[SOURCES])):
+            stream.set_state(saved, path=f"{path}.{SOURCES}[{k}]")
         self._alive = None
         self._no_rows_at = None
-        self.tokens = [int(t) for t in state["tokens"]]
-        self.current = int(state["current"])
-        self.phase_start = int(state["phase_start"])
+        self.tokens = [int(t) for t in state[TOKENS]]
+        self.current = int(state[CURRENT])
+        self.phase_start = int(state[PHASE_START])
         self._restored_path = path
 
     def _check_restored_documents(self) -> None:

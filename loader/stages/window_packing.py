@@ -16,7 +16,8 @@ lengths alone (:func:`~loader.order.packing_windows.window_outputs`), ``zephon a
 lane before any step by summing counts, without packing earlier windows
 (:mod:`loader.commands.window_index`).
 
-State keys: ``stream`` (the stream cursor at the window's first document) and ``window``
+State keys (its record, ``best_fit_window``: :mod:`loader.stages.packer_records`): ``stream``
+(the stream cursor at the window's first document) and ``window``
 (``version``, ``index``: windows completed before it, ``emitted``: its bins handed out). At a
 window boundary the state is the next window's start with ``emitted`` 0.
 
@@ -33,14 +34,8 @@ from typing import Optional
 
 from loader.errors import StateError
 from loader.order.packing_windows import best_fit_decreasing
+from loader.stages.packer_records import EMITTED, INDEX, STREAM, WINDOW, window_packer_state
 from loader.stages.packing import PackedSequence, _sequence_from_pieces
-
-WINDOW_STATE_VERSION = 1  # of the packer's ``window`` record (loader.checkpoint.window_record)
-
-
-def window_packer_state(stream_state: dict, index: int, emitted: int) -> dict:
-    """A :class:`WindowedBestFitPacker` state."""
-    return {"stream": stream_state, "window": {"version": WINDOW_STATE_VERSION, "index": index, "emitted": emitted}}
 
 
 class WindowedBestFitPacker:
@@ -107,12 +102,16 @@ class WindowedBestFitPacker:
         stream_state = self._start if self._start is not None else self.stream.get_state()
         return window_packer_state(stream_state, self.index, self.emitted)
 
+    def snapshot(self) -> dict:
+        """The state as of now (:meth:`get_state`: cursors and two counters, cheap to build)."""
+        return self.get_state()
+
     def set_state(self, state: dict, path: str = "packer") -> None:
-        """``state`` as checked by ``loader.checkpoint.window_record``; the window is read again
+        """``state`` as checked by ``loader.checkpoint.schema``; the window is read again
         on the next output (and ``emitted`` checked against its bins then)."""
-        window = state["window"]
-        self.stream.set_state(state["stream"], path=f"{path}.stream")
-        self.index, self.emitted = int(window["index"]), int(window["emitted"])
-        self._start = state["stream"] if self.emitted else None
+        window = state[WINDOW]
+        self.stream.set_state(state[STREAM], path=f"{path}.{STREAM}")
+        self.index, self.emitted = int(window[INDEX]), int(window[EMITTED])
+        self._start = state[STREAM] if self.emitted else None
         self._pieces = self._bins = None
         self._path = path

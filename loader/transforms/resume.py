@@ -24,6 +24,10 @@ from typing import Any, Optional, Sequence
 
 from loader.errors import StateError
 from loader.checkpoint.state import transform_differences, to_jsonable
+from loader.io.cursor_record import TRANSFORMS
+from loader.stages.lane_record import MIXED, PACKER, SOURCES
+from loader.stages.mixed_record import SOURCES as MIXED_SOURCES
+from loader.stages.packer_records import STREAM
 from loader.transforms.chain import TransformCounts
 from loader.transforms.spec import TransformSpec
 
@@ -62,16 +66,16 @@ def accepted_change(state: dict, expected: dict, *, from_step: Optional[int], re
 def marked_lane_state(lane_state: dict, changed_sources: Sequence[str], marker: str) -> dict:
     """A copy of a lane state whose streams of ``changed_sources`` carry ``marker`` (the user's
     state is not touched)."""
-    sources = lane_state.get("sources")
+    sources = lane_state.get(SOURCES)
     if sources is None:
         return lane_state
-    copy = dict(lane_state, sources=dict(sources))
+    copy = dict(lane_state, **{SOURCES: dict(sources)})
     for name in changed_sources:
         if name in sources:
             saved = sources[name]
-            packer = dict(saved["packer"])
-            packer["stream"] = dict(packer["stream"], **{marker: True})
-            copy["sources"][name] = dict(saved, packer=packer)
+            packer = dict(saved[PACKER])
+            packer[STREAM] = dict(packer[STREAM], **{marker: True})
+            copy[SOURCES][name] = dict(saved, **{PACKER: packer})
     return copy
 
 
@@ -94,7 +98,7 @@ def counts_report(source_names: Sequence[str], source_transforms: Sequence[Seque
         total = TransformCounts.zeros(len(labels))
         for lane in lane_states:
             for stream in _streams_of(lane, name, k):
-                saved = stream.get("transforms")
+                saved = stream.get(TRANSFORMS)
                 if saved is not None and len(saved) == len(labels):
                     total.add(TransformCounts.from_state(saved))
         report[name] = {label: {"dropped": dropped, "changed": changed}
@@ -103,11 +107,11 @@ def counts_report(source_names: Sequence[str], source_transforms: Sequence[Seque
 
 
 def _streams_of(lane: dict, name: str, index: int) -> list[dict]:
-    if "mixed" in lane:
-        sources = lane["mixed"]["stream"].get("sources", [])
+    if MIXED in lane:
+        sources = lane[MIXED][STREAM].get(MIXED_SOURCES, [])
         return [sources[index]] if index < len(sources) else []
-    source = lane.get("sources", {}).get(name)
-    return [source["packer"]["stream"]] if source is not None else []
+    source = lane.get(SOURCES, {}).get(name)
+    return [source[PACKER][STREAM]] if source is not None else []
 
 
 def as_plain(value: Any) -> Any:

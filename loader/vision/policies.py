@@ -170,6 +170,29 @@ class _PolicyBase:
         """:meth:`batch` of the images whose :meth:`compact` forms these are (one copy)."""
         return self.batch(images)
 
+    def batch_fields(self, sequences) -> dict[str, np.ndarray]:
+        """The image fields of a micro-batch of packed sequences (``loader.stages.collate``),
+        images in row order then token order: ``pixel_values`` (:meth:`batch` of the images:
+        ``[n, 3, S, S]`` fixed, ``[sum of h * w, D]`` dynamic), ``image_grid_thw`` ``[n, 3]``,
+        ``image_sequence_index`` ``[n]`` (the row of each image) and ``image_token_offsets``
+        ``[n]`` (the position of its first placeholder token in that row). The pixels are
+        copied here (a worker's slot is given back after collation)."""
+        images, rows, offsets = [], [], []
+        for row, sequence in enumerate(sequences):
+            found = sequence.images
+            if found is None or not len(found):
+                continue
+            images += [PixelValues(values, tuple(grid)) for values, grid in zip(found.pixels, found.grids.tolist())]
+            rows += [row] * len(found)
+            offsets.append(found.positions)
+        pixel_values, grids = self.batch_compact(images)  # the one copy (dynamic: every temporal copy)
+        return {
+            "pixel_values": pixel_values,
+            "image_grid_thw": grids,
+            "image_sequence_index": np.array(rows, dtype=np.int64),
+            "image_token_offsets": np.concatenate(offsets).astype(np.int64) if offsets else np.zeros(0, np.int64),
+        }
+
     def batch(self, images: list[PixelValues]) -> tuple[np.ndarray, np.ndarray]:
         """``(pixel_values, image_grid_thw)`` of several images as their model family takes them
         in one forward pass: ``fixed`` stacks to ``[n, 3, S, S]``; ``dynamic`` concatenates the

@@ -15,12 +15,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from loader.kinds.base import sequence_attachment
 from loader.stages.features import FEATURES, NO_FEATURES, in_order
 from loader.metrics import IO, receive_shipped
 from loader.stages.packing import ConcatRow, PackedSequence
 from loader.stages.producer import End, Item
 from loader.workers.shm import SlotWriter, read_arrays
-from loader.vision.transfer import pack_images, unpack_images
 
 # Sequences per message. Each message costs both processes a fixed amount (the descriptor's
 # pickling, a pipe write and read, a wake-up, slot bookkeeping) besides its arrays: 8 sequences
@@ -143,7 +143,7 @@ def write_message(items: list, slot: memoryview, segments: bool = True) -> dict:
         descriptor["feature_rows"][name] = has
     if any(s.images is not None for s in sequences):  # image sources: pixels beside the features
         pixels: dict = {}
-        descriptor["images"] = pack_images(sequences, pixels)
+        descriptor["images"] = sequence_attachment("images").pack(sequences, pixels)
         for name, array in pixels.items():
             writer.write(name, np.ascontiguousarray(array))
     descriptor["layout"] = writer.layout
@@ -171,6 +171,7 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
         holder = SlotLease(len(descriptor["global_index"]), lease) if lease is not None else None
         at_row = at_starts = at_other = 0  # concat rows so far; offset into segment_starts; other rows so far
         images = descriptor.get("images")
+        unpack_images = None if images is None else sequence_attachment("images").unpack
         for row, (global_index, source_id, lane_state, is_row) in enumerate(zip(
             descriptor["global_index"], descriptor["source_id"], descriptor["lane_state"], is_rows,
         )):

@@ -18,7 +18,7 @@ Encoder and decoder are made anew for every run (a ``start`` resets both sides).
 A lane whose packers' states are bare stream cursors (concat packing over plain streams) ships
 ``(outputs, cursors, stopped)`` instead (:meth:`loader.stages.lane.Lane.cursors`: four integers
 per source), and the decoder turns it into a :class:`StateSnapshot` of
-:func:`loader.stages.lane.cursor_lane_state`, whose dicts are built only if the state is saved:
+:func:`loader.stages.lane_record.cursor_lane_state`, whose dicts are built only if the state is saved:
 building, pickling and unpickling those dicts for every item cost ~20 us of CPU per 8 items,
 timed alone (~5% of a 2-worker replay's CPU: bench/RESULTS.md, issue 16). Such a snapshot is a lane state wherever the trainer keeps
 one (``loader.stages.producer.build_lanes`` builds the dicts where a lane is made from them).
@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from loader.stages.lane import cursor_lane_state
-from loader.stages.packing import StateSnapshot
+from loader.checkpoint.records import StateSnapshot
+from loader.stages.lane_record import cursor_lane_state
 
 _ENCODED = "__encoded_state__"  # wraps a lane state that holds deltas (the only key of the wrapper)
 _DELTA = "__bins_delta__"  # marks an encoded best-fit packer state inside a lane state (its lane)

@@ -73,3 +73,20 @@ def test_a_kind_name_is_registered_once():
         register_kind(type("Again", (LaneKind,), {"name": "text"})())
     with pytest.raises(TypeError, match="LaneKind instance"):
         register_kind(_BytesKind)
+
+
+def test_what_the_core_asks_of_a_kind_has_defaults_and_the_builtin_kinds_answer():
+    # The core reaches images and online chat only through these hooks (tests/test_layers.py
+    # checks that it imports no kind); a kind without them adds nothing.
+    text = kind_for(pretokenized=False)
+    assert text.stream_options(None, None, "web", None) == {} and text.sequence_resolver(None, None, None) is None
+    assert text.bin_cap(None) is None and text.worker_slot_bytes(None, 64, 8) == 0 and text.reject_field is None
+    image = kind_for(pretokenized=False, images=IMAGES)
+    assert image.reject_field == "image_rejects" and image.reject_reasons
+    assert base.source_plan("images").options is not None and base.source_plan("chat").rejects is not None
+    assert base.source_plan("no such plan") == base.SourcePlan("no such plan")  # plans nothing
+    assert base.sequence_attachment("images").pack is not None
+    with pytest.raises(ValueError, match="sequence attachment 'images' is registered twice"):
+        base.register_attachment(base.sequence_attachment("images"))
+    with pytest.raises(ValueError, match="no sequence attachment 'audio' is registered"):
+        base.sequence_attachment("audio")

@@ -187,6 +187,9 @@ def test_best_fit_places_a_piece_in_the_tightest_open_bin(tokenizer):
     from loader.stages.packing import BestFitPacker
 
     class FakeStream:
+        feature_names: tuple = ()  # the stream protocol's: no features, origins not tracked
+        last_origin = None
+
         def __init__(self, docs):
             self.docs = [np.array(d, dtype=np.int32) for d in docs]
 

@@ -33,6 +33,9 @@ class FakeStream:
     is exhausted after the last document (a ``stop`` source).
     """
 
+    feature_names: tuple = ()  # per-token features: none
+    last_origin = None  # where the last take started: not tracked
+
     def __init__(self, lengths: list[int], *, cycle: bool = False) -> None:
         self.lengths = lengths
         self.cycle = cycle
