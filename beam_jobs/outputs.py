@@ -179,6 +179,11 @@ def check_every_lane_has_documents(lanes_with_documents: Iterable[int], num_lane
     filled = set(lanes_with_documents)
     if len(filled) == num_lanes:
         return
+    if not filled:
+        raise ShardJobError(
+            f"no lane received a document ({documents} documents in all): every record was rejected or dropped by "
+            "a transform (see the manifest's rejects and the job's summary); check the input, the filters and "
+            "--max-reject-fraction. No manifest.json was written.")
     suggestion = next(d for d in divisors_descending(num_lanes) if len({lane % d for lane in filled}) == d)
     raise ShardJobError(
         f"only {len(filled)} of the {num_lanes} lanes received a document ({documents} documents in all), "

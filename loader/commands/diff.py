@@ -16,7 +16,12 @@ then ``--steps START:END`` is required and its fingerprints are computed with
   the manifest fields that differ (fingerprint, seed, lanes, files per lane, documents,
   tokenizer, schema, rejects) and the names of lane files changed, added or removed;
 - ``causes``: which of those differences can explain the first differing step. Batches that
-  differ while only ``runtime`` fields do is a determinism bug, and says so.
+  differ while only ``runtime`` fields do is a determinism bug, and says so;
+- ``transforms``: when the steps differ and a source has transforms (two configs, or two logs
+  with ``--config`` naming the config the runs used), the transform that is not a function of
+  its document, named with its position, version and spec SHA-256, found by trying each on
+  the documents of the first differing sequence's lane (:mod:`loader.commands.transform_culprit`);
+  it is listed first among the causes.
 
 Exit status, as ``diff(1)`` and ``cmp(1)``: 0 when the two sides agree on every step and
 cover the same steps, 1 when they differ, 2 for any error (a malformed log, a bad config,
@@ -35,6 +40,7 @@ from typing import Any, Optional, Sequence
 
 from loader.cli import run_command, USER_FILE_ERRORS
 from loader.commands.fingerprints import SUPERVISED_MARKER, StepFingerprint, _parse_steps, collect_fingerprints
+from loader.commands.transform_culprit import find_culprit
 from loader.config import LoaderConfig
 from loader.errors import DiffError, ZephonError
 from loader.io.manifest import Manifest, read_manifest
@@ -319,8 +325,27 @@ def dataset_differences(a: Side, b: Side) -> list[dict[str, Any]]:
 
 
 # -- the report ------------------------------------------------------------------------------
-def compare(a: Side, b: Side) -> dict[str, Any]:
-    """Everything ``zephon diff`` reports, as JSON-able values (``identical`` decides the exit)."""
+def transform_findings(config: LoaderConfig, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`~loader.commands.transform_culprit.find_culprit` for the sources with transforms: on
+    the lane of the first differing sequence (its source first), else on lane 0."""
+    manifests = [read_manifest(d.path, config.storage_options()) for d in config.datasets]
+    names = [d.name or m.source_name for d, m in zip(config.datasets, manifests)]
+    first = (report.get("differing_sequences") or [{}])[0]
+    lane = first.get("lane") or 0
+    source = (first.get("a") or {}).get("source")
+    order = sorted(range(len(names)), key=lambda k: names[k] != source)
+    findings = []
+    for k in order:
+        if config.source_transforms(k):
+            found = find_culprit(config, k, manifests[k], names[k], lane)
+            if found is not None:
+                findings.append(found)
+    return findings
+
+
+def compare(a: Side, b: Side, transforms_config: Optional[LoaderConfig] = None) -> dict[str, Any]:
+    """Everything ``zephon diff`` reports, as JSON-able values (``identical`` decides the exit).
+    ``transforms_config``: the config two logs were made with (their transforms are tried)."""
     common = sorted(a.steps.keys() & b.steps.keys())
     differing = [s for s in common if a.steps[s].line() != b.steps[s].line()]
     only_a = sorted(a.steps.keys() - b.steps.keys())
@@ -341,7 +366,12 @@ def compare(a: Side, b: Side) -> dict[str, Any]:
         report["config_fields"] = config_differences(a.config, b.config)
         report["schedule"] = schedule_difference(a, b)
         report["datasets"] = dataset_differences(a, b)
-    report["causes"] = likely_causes(report)
+    config = a.config if a.config is not None else transforms_config
+    if differing and config is not None and any(config.source_transforms(k) for k in range(len(config.datasets))):
+        report["transforms"] = transform_findings(config, report)
+    report["causes"] = [f"transform {t['function']} (transforms[{t['position']}] of source {t['source']!r}, version "
+                        f"{t['version']}, spec sha256 {t['spec_sha256'][:12]}) is not deterministic: {t['message']}"
+                        for t in report.get("transforms", ())] + likely_causes(report)
     return report
 
 
@@ -460,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="START:END, steps START..END-1: required with a config (computed on 1 rank); "
                              "with two logs it limits the comparison")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--config", default=None, metavar="CONFIG",
+                        help="with two logs: the loader config both runs used; when they differ, its transforms "
+                             "are tried on the lane's documents and one that is not deterministic is named")
     return parser
 
 
@@ -473,11 +506,17 @@ def command(argv: Sequence[str]) -> int:
     try:
         a = load_side("A", args.a, args.steps)
         b = load_side("B", args.b, args.steps)
+        transforms_config = LoaderConfig.from_file(args.config) if args.config else None
     except DiffError:
         raise
     except (ZephonError, *USER_FILE_ERRORS) as exc:  # exit 2 for every error: 1 means "they differ"
         raise DiffError(f"{exc}") from exc
-    report = compare(a, b)
+    try:
+        report = compare(a, b, transforms_config)
+    except DiffError:
+        raise
+    except (ZephonError, *USER_FILE_ERRORS) as exc:
+        raise DiffError(f"{exc}") from exc
     print(json.dumps(report, indent=1) if args.json else render_text(report))
     return IDENTICAL_EXIT if report["identical"] else DIFFERENT_EXIT
 

@@ -27,6 +27,17 @@ class CursorRestore:
     cursor's block is first read (``_restored_path`` until then).
     """
 
+    def block_at(self, epoch: int, block_index: int) -> Optional[Block]:
+        """Block ``block_index`` of ``epoch`` as this stream decodes it (the current one when it
+        is), without moving the cursor; None when the epoch has no such block. What a restored
+        best-fit bin's pieces are checked against (``BestFitPacker.set_state``)."""
+        if self._block_key == (epoch, block_index) and self._block is not None:
+            return self._block
+        blocks = self.blocks_of_epoch(epoch)
+        if not 0 <= block_index < len(blocks):
+            return None
+        return self._read_block(epoch, *blocks[block_index])
+
     def set_state(self, state: dict, path: str = "stream") -> None:
         """Continue from ``state``, checked by ``loader.checkpoint.schema`` (``ZephonLoader.load_state_dict``).
 

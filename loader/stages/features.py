@@ -73,6 +73,9 @@ class Feature:
     value_range: Optional[tuple[int, int]] = None  # [low, high]: checked in lane files and best-fit bin states
     audit_only: bool = False  # made only by ``zephon audit`` (loader.commands.audit); never in a training stream
     in_bin_states: bool = False  # saved in best-fit bin states although made by a stage (column features are)
+    # A reference into the data (another row's bytes are read by it): a restored best-fit bin's
+    # values are checked against the block each piece came from (BestFitPacker.set_state).
+    bound_to_data: bool = False
 
 
 # Registry order is the order features appear in worker slots, bin states and batches.
@@ -103,7 +106,7 @@ FEATURES: dict[str, Feature] = {
         # token. Not a batch field: whoever assembles a sequence resolves the refs to pixels
         # (loader.vision.resolve), which the batch carries as pixel_values.
         Feature("image_ref", np.dtype(np.int64), pad=-1, bos=-1, eos=-1, default=-1, column=None,
-                batch_field=None, batch_dtype=np.dtype(np.int64), in_bin_states=True),
+                batch_field=None, batch_dtype=np.dtype(np.int64), in_bin_states=True, bound_to_data=True),
     )
 }
 

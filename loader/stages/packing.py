@@ -580,6 +580,40 @@ class BestFitPacker:
                                      _begins(inside)))
             images = sum(map(self.images_in, pieces)) if self.max_images is not None else 0
             self.bins.restore(serial, len(tokens), pieces, images)
+        self._check_bound_features(path)
+
+    def _check_bound_features(self, path: str) -> None:
+        """Every piece holding a feature that refers into the data (``Feature.bound_to_data``:
+        ``image_ref``) must be, tokens and features, the data at its origin: an edited ref would
+        otherwise name another image. Reads each origin's block once; a state without origins
+        (version 1) cannot be checked."""
+        bound = [name for name in self.stream.feature_names if FEATURES[name].bound_to_data]
+        block_at = getattr(self.stream, "block_at", None)
+        if not bound or block_at is None:
+            return
+        blocks: dict = {}
+        for k, (_, _, pieces) in enumerate(self.bins.bins()):
+            for j, piece in enumerate(pieces):
+                if piece.origin is None:
+                    continue
+                epoch, block_index, offset = piece.origin
+                if (epoch, block_index) not in blocks:
+                    blocks[(epoch, block_index)] = block_at(epoch, block_index)
+                block = blocks[(epoch, block_index)]
+                end = offset + len(piece.tokens)
+                if block is not None:
+                    block.ensure(end - 1)  # a block encoded on first use (text, images) up to the piece's end
+                where = f"{path}.bins[{k}] piece {j} (origin epoch {epoch}, block {block_index}, offset {offset})"
+                if block is None or end > len(block.tokens) or not np.array_equal(block.tokens[offset:end],
+                                                                                    piece.tokens):
+                    raise StateError(f"{where}: its tokens are not the data at its origin: the state was edited or "
+                                     "comes from other data; restore an unmodified checkpoint of this dataset")
+                for name in bound:
+                    if not np.array_equal(block.features[name][offset:end], piece.features[name]):
+                        raise StateError(f"{path}.bins[{k}].{name}: piece {j} holds {name} values that are not "
+                                         f"those of the data at its origin (epoch {epoch}, block {block_index}, offset "
+                                         f"{offset}): the state was edited (they would name other data); restore an "
+                                         "unmodified checkpoint of this dataset")
 
 
 def ship_piece(piece: _Piece) -> tuple:

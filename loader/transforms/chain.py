@@ -6,16 +6,20 @@ of the one before; ``None`` drops the document and ends the chain. It is shared 
 of the source in a process; what each lane's stream counted goes into the caller's
 :class:`TransformCounts`.
 
-Determinism check: each function is called twice on each of the first
-:data:`CHECK_DOCUMENTS` documents it sees in a process, on independent copies, and the two
-results must be equal (both dropped, or the same text, ids, features and metadata). A function
-that draws from an unseeded generator, the clock or hidden state fails here, by name, long
-before it could make two ranks or a resume disagree.
+Determinism check (:mod:`loader.transforms.probe`): each function is called twice on each of
+the first :data:`CHECK_DOCUMENTS` documents it sees in a process, on independent copies, and
+the two results must be equal (both dropped, or the same text, ids, features and metadata);
+neither call may draw from Python's or NumPy's global generator; those documents go through
+again, last first, when the chain has seen 64, 1,024, 16,384 and 262,144 documents, and once
+through a fresh interpreter with another string-hash seed. A function that draws from an
+unseeded generator, the clock, hidden state or the process fails here, by name, long before it
+could make two ranks or a resume disagree.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -24,9 +28,10 @@ import numpy as np
 from loader.caches import BoundedCache
 from loader.errors import TransformError
 from loader.transforms.document import Document, RowFetcher
+from loader.transforms.probe import (CHECK_DOCUMENTS, RECHECK_AT, Probed, call_watched, compare_in_child,
+                                     document_entry, needs_child, recheck, result_digest)
 from loader.transforms.spec import TransformSpec
 
-CHECK_DOCUMENTS = 8  # documents per function and process checked for determinism (two calls each)
 ID_LIMIT = 2**31  # lane files store ids as int32
 UNCHANGED = object()  # apply_rows: the row's document came back as it was
 
@@ -95,6 +100,11 @@ class TransformChain:
         self.feature_names = tuple(feature_names)
         self._checked = [0] * len(self.specs)
         self._checked_all = False
+        self._probes: list[Probed] = []  # the probe documents, for the later and the other-process checks
+        self._seen = 0  # documents given to the chain in this process
+        self._rechecks = 0  # RECHECK_AT points passed
+        self._next_recheck = RECHECK_AT[0]
+        self._child_checked = not needs_child(self.specs)
         self._single: Optional[tuple] = None  # (function, args) once a one-function chain is checked
         self._steps = [(position, first_position + position, function, spec.args) for position, (function, spec) in
                        enumerate(zip(self.functions, self.specs))]
@@ -124,6 +134,9 @@ class TransformChain:
 
     def apply(self, document: Document, counts: TransformCounts) -> Optional[Document]:
         """The document after every transform (``None``: dropped); counts go to ``counts``."""
+        self._seen += 1
+        if self._seen >= self._next_recheck:
+            self._recheck()
         if self._checked_all:
             return self._apply_checked(document, counts)
         for position, function in enumerate(self.functions):
@@ -132,16 +145,26 @@ class TransformChain:
             result = self._call(position, function, document)
             if result is None:
                 counts.counts[position][0] += 1
-                return None
+                document = None
+                break
             if result is not before:
                 self._check_result(position, before, result)
                 if self._changed(before, result):
                     counts.counts[position][1] += 1
             document = result
         self._checked_all = all(n >= CHECK_DOCUMENTS for n in self._checked)
-        if self._checked_all and len(self._steps) == 1 and not self.first_position:
-            self._single = (self.functions[0], self.specs[0].args)
+        if self._checked_all:
+            self._probed()
         return document
+
+    def _probed(self) -> None:
+        """Every function has its probe documents: the other interpreter checks them once, and a
+        one-function chain takes the fast path."""
+        if not self._child_checked:
+            self._child_checked = True
+            compare_in_child(list(self._probes), self.specs, self._where)
+        if len(self._steps) == 1 and not self.first_position:
+            self._single = (self.functions[0], self.specs[0].args)
 
     def apply_rows(self, fetch: RowFetcher, rows: int, counts: TransformCounts) -> Optional[list]:
         """Every row of a row group through the chain: None when every document came back as it
@@ -171,6 +194,9 @@ class TransformChain:
         """:meth:`apply_rows` of a checked one-function chain: the loop per document is one call
         and a re-pointed document (what an identity transform costs, bench/loader_throughput.py)."""
         function, args = self._single
+        self._seen += rows
+        if self._seen >= self._next_recheck:
+            self._recheck()
         if args:  # a call with no **{} for the argument-free functions (identity: its whole cost)
             function = functools.partial(function, **args)
         results: Optional[list] = None
@@ -227,19 +253,31 @@ class TransformChain:
                                  f"({type(exc).__name__}: {exc}); fix the function or its args") from exc
         return document
 
+    def _recheck(self) -> None:
+        """The probe documents through their functions again (:func:`loader.transforms.probe.recheck`)."""
+        self._rechecks += 1
+        self._next_recheck = RECHECK_AT[self._rechecks] if self._rechecks < len(RECHECK_AT) else sys.maxsize
+        recheck(list(self._probes), self.functions, self.specs, self._where, self._seen)
+        if not self._child_checked:  # a filter before a function may leave it short of probe documents
+            self._child_checked = True
+            compare_in_child(list(self._probes), self.specs, self._where)
+
     def _call(self, position: int, function: Callable, document: Document) -> Optional[Document]:
         spec = self.specs[position]
         try:
             if self._checked[position] < CHECK_DOCUMENTS:
                 self._checked[position] += 1
-                first = function(document.fresh_copy(), **spec.args)
-                second = function(document, **spec.args)
+                where = self._where(position)
+                entry = document_entry(document)
+                first = call_watched(function, document.fresh_copy(), spec.args, where)
+                second = call_watched(function, document, spec.args, where)
                 if not self._same_result(first, second):
                     raise TransformError(
                         f"{self._where(position)} is not deterministic: called twice on document {document.key!r} "
                         f"it returned {first!r} and then {second!r}. A transform must be a function of the document "
                         "and its arguments only: draw random numbers from doc.seed (random.Random(doc.seed)), "
                         "never from a global generator, the clock or state kept between calls")
+                self._probes.append(Probed(position, entry, result_digest(second)))
                 return second
             return function(document, **spec.args)
         except TransformError:

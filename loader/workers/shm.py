@@ -21,10 +21,15 @@ memory lives exactly as long as some process maps it, so a ``kill -9`` of the wo
 trainer or of both frees it. The only window is between creating the file and the worker's
 "ready"; a trainer killed inside it leaves a file whose pid no longer exists, which
 :func:`remove_stale_segments` deletes when the next loader starts.
+
+Every page of a segment is allocated when it is created (:func:`reserve`), not at its first
+write: a full ``/dev/shm`` is then a :class:`~loader.errors.SharedMemoryError` in the trainer
+before the segment's worker starts, never a SIGBUS in a worker whose tmpfs someone else filled.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -48,7 +53,7 @@ def _shm_dir() -> str:
 def check_free_space(directory: str, size: int, worker_id: int) -> None:
     """Refuse a segment the shared-memory file system cannot hold now: a segment of a full
     tmpfs maps without complaint and kills the worker with SIGBUS when it is first written.
-    (Space taken by other processes later can still do that: the pool then names /dev/shm.)"""
+    (:func:`reserve` then allocates the pages, so that space taken later cannot do it either.)"""
     stat = os.statvfs(directory)
     free = stat.f_bavail * stat.f_frsize
     if free < size:
@@ -56,6 +61,27 @@ def check_free_space(directory: str, size: int, worker_id: int) -> None:
             f"shared memory {directory} has {free / 2**20:.1f} MiB free, loader worker {worker_id}'s segment needs "
             f"{size / 2**20:.1f} MiB: enlarge it (docker run --shm-size=2g, a bigger tmpfs), or lower num_workers "
             "or prefetch")
+
+
+def reserve(fd: int, size: int, directory: str, worker_id: int) -> None:
+    """Allocate every page of a segment now (``posix_fallocate``): a page of a tmpfs is otherwise
+    allocated at its first write, and a tmpfs filled by anyone in between kills the writer with
+    SIGBUS. Reserved, a full ``/dev/shm`` is this error, raised in the trainer before the
+    segment's worker starts. A file system without ``fallocate`` (``EOPNOTSUPP``/``EINVAL``) keeps
+    the free-space check."""
+    allocate = getattr(os, "posix_fallocate", None)  # not on macOS
+    if allocate is None:
+        return
+    try:
+        allocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return
+        raise SharedMemoryError(
+            f"shared memory {directory}: loader worker {worker_id}'s segment of {size / 2**20:.1f} MiB could not be "
+            f"reserved ({os.strerror(exc.errno) if exc.errno else exc}): {directory} is full or too small; enlarge it "
+            "(docker run --shm-size=2g, a bigger tmpfs), free what else fills it, or lower num_workers or prefetch"
+        ) from exc
 
 
 def slot_bytes(seq_len: int, items_per_message: int, features: Optional[Sequence[str]] = None) -> int:
@@ -102,9 +128,13 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            reserve(fd, size, directory, worker_id)
             segment = cls(path, num_slots, slot_size, mmap.mmap(fd, size))
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
         return segment
 
     @classmethod

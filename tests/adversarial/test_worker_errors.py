@@ -147,6 +147,50 @@ def test_too_little_shared_memory_is_an_error_that_says_so(make_config, corpus, 
     assert _children(os.getpid()) <= before_children
 
 
+def test_a_segment_holds_its_memory_from_the_start():
+    """Reserved, not sparse: every page is allocated when the trainer creates the segment, so a
+    /dev/shm that someone else fills later cannot make a worker's first write fault."""
+    from loader.workers.shm import Segment
+
+    segment = Segment.create(num_slots=4, slot_size=1 << 20, worker_id=0)
+    try:
+        size = Segment.size_of(4, 1 << 20)
+        assert os.stat(segment.path).st_blocks * 512 >= size
+    finally:
+        segment.unlink()
+        segment.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_full_shared_memory_at_reservation_is_an_error_that_says_so(make_config, corpus, monkeypatch, workers):
+    """The free-space check passed, then the tmpfs filled up (another process): the reservation
+    fails in the trainer, before a worker starts, naming /dev/shm and the fix."""
+    import errno
+
+    from loader.errors import SharedMemoryError
+    from loader.workers import shm
+
+    calls = []
+
+    def full(fd, offset, length):
+        calls.append(length)
+        if len(calls) == workers:  # the last worker's segment: the earlier ones were created
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    real = os.posix_fallocate
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    before_shm, before_children = _shm(), _children(os.getpid())
+    config = make_config("concat", pretokenized=True, num_workers=workers, prefetch=4)
+    with pytest.raises(SharedMemoryError, match=r"shared memory /dev/shm: loader worker \d's segment of .* MiB could "
+                                                r"not be reserved \(No space left on device\).*--shm-size"):
+        with ZephonLoader(config) as loader:
+            next(loader)
+    assert len(calls) == workers
+    assert _shm() <= before_shm
+    assert _children(os.getpid()) <= before_children
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_worker_killed_by_sigbus_is_reported_as_full_shared_memory(make_config, corpus):
