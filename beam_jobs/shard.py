@@ -53,6 +53,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
+from beam_jobs import worker_stderr
 from beam_jobs.chat_records import ChatSpec, template_fingerprint
 from beam_jobs.curation import CurateDocuments
 from beam_jobs.dedup import DEDUP_MODES
@@ -665,7 +666,8 @@ def command(argv: Sequence[str]) -> int:
     if not debug_enabled():  # Beam logs a failed job's worker tracebacks itself; ours is one line (--debug: all)
         logging.getLogger("apache_beam").setLevel(logging.CRITICAL)
     options, pipeline_args = parse_args(list(argv))
-    manifest = run_shard(options, pipeline_args, on_summary=lambda summary: print(summary.text()))
+    with worker_stderr.kept_aside(not debug_enabled() and worker_stderr.runs_worker_processes(pipeline_args)):
+        manifest = run_shard(options, pipeline_args, on_summary=lambda summary: print(summary.text()))
     assert manifest is not None
     tokens = f", {manifest.total_tokens} tokens" if manifest.pretokenized else ""
     rejected = sum(manifest.rejected.values())

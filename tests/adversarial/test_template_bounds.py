@@ -99,3 +99,8 @@ def test_a_failed_job_ends_with_one_zephon_error_line_in_every_running_mode(tmp_
     assert lines[-1].startswith("zephon shard: error:") and "strftime_now" in lines[-1], lines[-5:]
     assert sum(line.startswith("zephon shard: error:") for line in lines) == 1
     assert not any(line.startswith("ERROR apache_beam") for line in lines)
+    assert not any(line.startswith("Traceback") for line in lines), lines[:5]  # workers' own prints too
+    if mode == "multi_processing":  # the workers' tracebacks are what --debug adds back
+        debug = subprocess.run(done.args, capture_output=True, text=True, timeout=150,
+                               env={**os.environ, "ZEPHON_DEBUG": "1"})
+        assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
