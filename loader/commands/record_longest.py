@@ -54,7 +54,9 @@ def longest_document(dataset: str, manifest: Manifest, options: Optional[Storage
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ManifestError(f"{location}: its SHA-256 is not the manifest's {entry.sha256[:16]}...: the lane file "
                                 "changed since the dataset was sharded; restore it or re-shard")
-        table = pq.read_table(io.BytesIO(data), columns=columns)
+        # One file, read on this thread: pq.read_table's dataset scanner starts Arrow's thread
+        # pools, which can abort the process at exit (apache/arrow#34314).
+        table = pq.ParquetFile(io.BytesIO(data)).read(columns=columns, use_threads=False)
         tokens = table["num_tokens"].to_numpy(zero_copy_only=False)
         if manifest.has_tombstones:
             tokens = tokens[table[TOMBSTONE_COLUMN].to_numpy(zero_copy_only=False) < 0]
