@@ -632,6 +632,35 @@ def received_piece(tokens: np.ndarray, starts, features, origin) -> _Piece:
     return _Piece(tokens, starts, NO_FEATURES if features is None else features, origin, _begins(starts))
 
 
+def ship_pieces(pieces: list) -> tuple:
+    """Pieces of open bins as a worker sends them in bulk (:mod:`loader.workers.state_delta`):
+    their int32 tokens back to back as bytes, then per piece its length, its document starts
+    (``begins`` where they are the shared ``[0]`` or ``[]``) and origin, and the features of
+    each (None where no piece has any). Bytes, not arrays: pickling and unpickling a small
+    array costs ~9 us, its bytes ~0.6 us; one per shipment, not one per piece (bench/RESULTS.md,
+    issue 35). A piece's tokens are a view of its bin's int32 buffer (or of a restored one)."""
+    tokens = b"".join([p.tokens for p in pieces])
+    lengths = [len(p.tokens) for p in pieces]
+    starts = [p.doc_starts if p.begins is None else p.begins for p in pieces]
+    features = [p.features or None for p in pieces] if any(p.features for p in pieces) else None
+    return tokens, lengths, starts, [p.origin for p in pieces], features
+
+
+def received_pieces(data: bytes, lengths: list, starts: list, origins: list, features) -> list:
+    """The pieces :func:`ship_pieces` sent, their tokens (read-only) views of the received bytes."""
+    tokens = np.frombuffer(data, dtype=np.int32)
+    out, at = [], 0
+    for k, (n, begins, origin) in enumerate(zip(lengths, starts, origins)):
+        piece_features = NO_FEATURES if features is None or features[k] is None else features[k]
+        if type(begins) is bool:
+            out.append(_Piece(tokens[at : at + n], _STARTS_DOCUMENT if begins else _INSIDE_DOCUMENT, piece_features,
+                              origin, begins))
+        else:
+            out.append(_Piece(tokens[at : at + n], begins, piece_features, origin, _begins(begins)))
+        at += n
+    return out
+
+
 def _full_sequence(tokens: np.ndarray, begins: bool) -> PackedSequence:
     """A full piece of a long document as a sequence on its own (``_sequence_from_chunk``'s
     result for it): no padding, one segment, the first label masked if the document starts here."""

@@ -34,11 +34,14 @@ import functools
 from typing import Any, Sequence
 
 from loader.checkpoint.records import StateSnapshot
-from loader.stages.lane_record import cursor_lane_state
-from loader.stages.packing import BestFitPacker, received_piece, ship_piece
+from loader.io.cursor_record import cursor_state
+from loader.io.lane_reader import LaneTokenStream
+from loader.stages.lane_record import cursor_lane_state, lane_state
+from loader.stages.packing import BestFitPacker, received_piece, received_pieces, ship_piece, ship_pieces
 
 _ENCODED = "__encoded_state__"  # wraps a lane state that holds deltas (the only key of the wrapper)
 _DELTA = "__bins_delta__"  # marks an encoded best-fit packer state inside a lane state (its lane)
+_PACKERS = "bins"  # the first item of a lane state shipped as its best-fit packers (StateEncoder.packers)
 
 
 class StateEncoder:
@@ -46,14 +49,48 @@ class StateEncoder:
 
     def __init__(self) -> None:
         self._sent: dict[tuple, dict[int, int]] = {}  # (lane, path) -> {bin serial: pieces sent}
+        self._plain: dict[int, bool] = {}  # lane -> whether packers() ships it (plain_packers)
 
     def ship(self, lane_id: int, lane) -> Any:
         """What a worker sends as ``lane``'s state as of now (a :class:`loader.stages.lane.Lane`):
-        best-fit bins encoded, bare cursors as integers, any other state as ``get_state()``."""
+        best-fit packers as tuples of their parts, other best-fit bins encoded, bare cursors as
+        integers, any other state as ``get_state()``."""
         if lane.holds_bins:
-            return self.encode(lane_id, lane.snapshot())
+            plain = self._plain.get(lane_id)
+            if plain is None:
+                plain = self._plain[lane_id] = plain_packers(lane)
+            return self.packers(lane_id, lane) if plain else self.encode(lane_id, lane.snapshot())
         cursors = lane.cursors()
         return lane.get_state() if cursors is None else cursors
+
+    def packers(self, lane_id: int, lane) -> tuple:
+        """A lane of :func:`plain_packers` as ``("bins", lane, outputs, stopped, parts)``, per
+        packer ``(stream, serial, bins, pieces)``: its stream's cursor (four integers; the
+        state's dict where it is more), the next bin serial, per open bin its serial (the trainer
+        has all its pieces) or ``(serial, pieces it has, pieces added)``, and the added pieces of
+        all bins in that order (:func:`~loader.stages.packing.ship_pieces`; None: none).
+
+        Straight from the packers, no snapshot or state dicts: walking and pickling the nested
+        state of every item cost a worker more than packing it (bench/RESULTS.md, issue 35)."""
+        parts = []
+        for k, packer in enumerate(lane.packers):
+            key = (lane_id, k)
+            sent = self._sent.get(key, {})
+            open_bins = packer.bins
+            entries, added = [], []
+            for bin_serial, pieces in zip(open_bins.serials, open_bins.pieces):
+                kept = sent.get(bin_serial, 0)
+                if kept == len(pieces):
+                    entries.append(bin_serial)
+                else:
+                    entries.append((bin_serial, kept, len(pieces) - kept))
+                    added.extend(pieces[kept:])
+            self._sent[key] = dict(zip(open_bins.serials, map(len, open_bins.pieces)))
+            stream = packer.stream
+            cursor = (stream.epoch, stream.block_index, stream.offset, stream.exhausted) if stream.state_is_cursor \
+                else stream.get_state()
+            parts.append((cursor, open_bins.serial, entries, ship_pieces(added) if added else None))
+        return (_PACKERS, lane_id, lane.outputs, tuple(lane.stopped), parts)
 
     def encode(self, lane_id: int, state: Any) -> Any:
         """The state to ship: ``state`` itself when it holds no best-fit snapshot (concat: the
@@ -90,16 +127,55 @@ class StateDecoder:
 
     def __init__(self, source_names: Sequence[str], token_mixing: bool) -> None:
         self._bins: dict[tuple, dict[int, tuple]] = {}
-        self._cursor_state = functools.partial(cursor_lane_state, tuple(source_names), token_mixing)
+        # (lane, packer) -> {bin serial: its pieces so far}, for StateEncoder.packers: a bin's list
+        # only grows (pieces never change), so an item's snapshot holds the list and its length.
+        self._held: dict[tuple, dict[int, list]] = {}
+        self._source_names = tuple(source_names)
+        self._cursor_state = functools.partial(cursor_lane_state, self._source_names, token_mixing)
 
     def decode(self, state: Any) -> Any:
         """The shipped state as ``get_state()`` made it (one type test for a plain state), or a
         snapshot that builds it (a cursor state, or one holding best-fit bins)."""
         if type(state) is tuple:
+            if state[0] == _PACKERS:
+                return self._packers_of(state)
             return StateSnapshot(self._cursor_state, *state)
         if type(state) is not dict or _ENCODED not in state:
             return state
         return StateSnapshot(built_state, self._walk((), state[_ENCODED]))
+
+    def _packers_of(self, shipped: tuple) -> StateSnapshot:
+        """:meth:`StateEncoder.packers`' tuple as a snapshot of the lane's state (built if saved)."""
+        _, lane_id, outputs, stopped, parts = shipped
+        packers = []
+        for k, (cursor, serial, entries, added) in enumerate(parts):
+            held = self._held.get((lane_id, k))
+            if held is None:
+                held = self._held[(lane_id, k)] = {}
+            pieces = iter(received_pieces(*added)) if added is not None else None
+            open_bins = []
+            for entry in entries:
+                if type(entry) is int:
+                    known = held[entry]
+                else:
+                    entry, kept, count = entry
+                    known = held.setdefault(entry, [])
+                    if len(known) != kept:
+                        raise RuntimeError(f"internal error: lane {lane_id} bin {entry}: the worker sent pieces "
+                                           f"from {kept} on, the trainer holds {len(known)}")
+                    known.extend(next(pieces) for _ in range(count))
+                open_bins.append((entry, known, len(known)))
+            if len(held) > 2 * len(entries) + 8:  # emitted bins: their serials never come back
+                open_serials = {entry for entry, _, _ in open_bins}
+                self._held[(lane_id, k)] = {s: p for s, p in held.items() if s in open_serials}
+            packers.append((cursor, serial, open_bins))
+        return StateSnapshot(self._packers_state, outputs, packers, stopped)
+
+    def _packers_state(self, outputs: int, packers: list, stopped: tuple) -> dict:
+        parts = [BestFitPacker.state_of(cursor_state(*cursor) if type(cursor) is tuple else cursor, serial,
+                                        [(s, pieces[:n]) for s, pieces, n in open_bins])
+                 for cursor, serial, open_bins in packers]
+        return lane_state(self._source_names, False, outputs, parts, stopped)
 
     def _walk(self, path: tuple, value: Any) -> Any:
         if isinstance(value, dict):
@@ -120,6 +196,13 @@ class StateDecoder:
                 bins[serial] = known.get(serial, ())[:kept] + tuple(received_piece(*p) for p in new)
         self._bins[key] = bins
         return StateSnapshot(BestFitPacker.state_of, delta["stream"], delta["serial"], list(bins.items()))
+
+
+def plain_packers(lane) -> bool:
+    """Whether ``lane``'s state is its best-fit packers' parts alone (:meth:`StateEncoder.packers`):
+    sources not mixed per token, every packer a :class:`BestFitPacker` over a lane stream."""
+    return not lane.token_mixing and all(type(p) is BestFitPacker and type(p.stream) is LaneTokenStream
+                                         for p in lane.packers)
 
 
 def built_state(value: Any) -> Any:
