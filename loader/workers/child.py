@@ -25,6 +25,7 @@ killed with SIGKILL; writing to a trainer that is gone ends it too (BrokenPipeEr
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import signal
@@ -55,6 +56,13 @@ BOOTSTRAP = (
 
 _SLOT_WAIT_S = 0.001  # how long a worker with no free slot waits before it looks again
 WORKER_NICENESS = 5  # the trainer's own thread comes first when the cores are busy
+# The message pipe's buffer, then the most an unprivileged process may ask for by default
+# (/proc/sys/fs/pipe-max-size). A best-fit message's descriptor carries its lanes' new bin pieces
+# (~200 KB per 32 sequences at seq_len 2048): through the default 64 KB buffer the worker blocked
+# in every write until the trainer came to read that very message, so it prefetched nothing (70%
+# of a worker's wall time in the write, bench/RESULTS.md issue 35). 4 MB holds the messages of
+# every slot; the kernel allocates the pages only as they fill.
+MESSAGE_PIPE_BYTES = (4 << 20, 1 << 20)
 
 
 def main(commands: Connection, messages: Connection, setup: dict) -> None:
@@ -65,6 +73,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
         pass
     import_kind_modules(setup["kind_modules"])  # the trainer's named lane kinds, before any manifest is read
     segment = Segment.attach(setup["segment_path"], setup["num_slots"], setup["slot_size"], fd=setup["segment_fd"])
+    widen_pipe(messages)
     messages.send(("ready", os.getpid()))
     flags = segment.flags
     items_per_message = setup["items_per_message"]
@@ -127,6 +136,18 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
         return
     finally:
         _close_lanes(lanes)
+
+
+def widen_pipe(connection: Connection, sizes: tuple[int, ...] = MESSAGE_PIPE_BYTES) -> None:
+    """Give ``connection``'s pipe a buffer of the first of ``sizes`` the system allows (Linux;
+    unprivileged, not above ``/proc/sys/fs/pipe-max-size``); else it keeps its own, and large
+    messages wait for the trainer's read."""
+    for size in sizes:
+        try:
+            fcntl.fcntl(connection.fileno(), fcntl.F_SETPIPE_SZ, size)
+            return
+        except (AttributeError, OSError):  # not Linux, or above the limits
+            continue
 
 
 def _start(input_path: str, start_position: int):
