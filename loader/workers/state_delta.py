@@ -155,14 +155,17 @@ class StateDecoder:
             pieces = iter(received_pieces(*added)) if added is not None else None
             open_bins = []
             for entry in entries:
-                if type(entry) is int:
-                    known = held[entry]
-                else:
+                kept, count = None, 0
+                if type(entry) is not int:
                     entry, kept, count = entry
-                    known = held.setdefault(entry, [])
-                    if len(known) != kept:
-                        raise RuntimeError(f"internal error: lane {lane_id} bin {entry}: the worker sent pieces "
-                                           f"from {kept} on, the trainer holds {len(known)}")
+                known = held.get(entry, [] if kept == 0 else None)
+                if known is None or (kept is not None and len(known) != kept):
+                    # a message lost or out of order: never record a state with pieces missing
+                    sent = "held all its pieces" if kept is None else f"sent its pieces from {kept} on"
+                    raise RuntimeError(f"internal error: lane {lane_id} bin {entry}: the worker {sent}, the trainer "
+                                       f"holds {0 if known is None else len(known)}")
+                if count:
+                    held[entry] = known
                     known.extend(next(pieces) for _ in range(count))
                 open_bins.append((entry, known, len(known)))
             if len(held) > 2 * len(entries) + 8:  # emitted bins: their serials never come back

@@ -111,3 +111,55 @@ def test_bare_cursors_ship_as_integers_and_decode_to_the_lanes_states(make_confi
     for _ in _run_states(loader, lane_ids, last, 120, 40):  # restored from those states
         pass
     loader.close()
+
+
+@pytest.mark.parametrize("case", ["one_source", "sequence_mix", "text", "token_mix"])
+def test_best_fit_packers_ship_as_tuples_and_decode_to_the_lanes_states(make_config, corpus, case):
+    """Best-fit lanes whose sources are not mixed per token ship their packers' parts as a tuple
+    (cursor, serial, open bins' serials, new pieces' tokens as bytes), text cursors as their dict;
+    the decoder's snapshot builds exactly ``get_state()`` per item (``_run_states``), over bin
+    evictions and block changes, and after a restore. A token mix ships the encoded snapshot."""
+    overrides = {"one_source": {}, "text": {},
+                 "sequence_mix": _two_sources(corpus, "sequence"), "token_mix": _two_sources(corpus, "token")}[case]
+    loader = ZephonLoader(make_config("best_fit", pretokenized=case != "text", **overrides))
+    lane_ids = [l for l in loader.rank_lanes if l % 2 == 0]
+    lanes = build_lanes(loader.spec, lane_ids, {})
+    try:
+        shipped = StateEncoder().ship(lane_ids[0], lanes[lane_ids[0]])
+        assert isinstance(shipped, tuple) == (case != "token_mix"), shipped
+    finally:
+        for lane in lanes.values():
+            lane.close()
+    last: dict = {}
+    pieces = 0
+    for lane_id, state, _ in _run_states(loader, lane_ids, {}, 0, 200):
+        last[lane_id] = to_jsonable(state)
+        packers = [s["packer"] for s in last[lane_id]["sources"].values()] if "sources" in last[lane_id] \
+            else [last[lane_id]["mixed"]]
+        pieces += sum(len(b["piece_starts"]) for packer in packers for b in packer["bins"])
+    assert pieces  # open bins with pieces were compared, not only empty packers
+    for _ in _run_states(loader, lane_ids, last, 200, 60):  # restored: the first ship sends every piece
+        pass
+    loader.close()
+
+
+def test_a_piece_count_the_trainer_does_not_hold_is_an_error(make_config):
+    """The decoder refuses a delta that does not continue what it holds (a lost or reordered
+    message) rather than record a state with pieces missing."""
+    loader = ZephonLoader(make_config("best_fit", pretokenized=True))
+    lanes = build_lanes(loader.spec, [0], {})
+    encoder, decoder = StateEncoder(), StateDecoder(loader.spec.source_names, loader.spec.token_mixing)
+    try:
+        items = produce(lanes, num_lanes=NUM_LANES, rank=0, world_size=1, start_position=0, snapshot_state=False)
+        shipped = []
+        while len(shipped) < 6:
+            item = next(items)
+            if item.global_index % NUM_LANES == 0:
+                shipped.append(pickle.dumps(encoder.ship(0, lanes[0])))
+        decoder.decode(pickle.loads(shipped[0]))
+        with pytest.raises(RuntimeError, match="internal error: lane 0 bin"):
+            for message in shipped[2:]:  # the second one skipped
+                decoder.decode(pickle.loads(message))
+    finally:
+        lanes[0].close()
+        loader.close()
