@@ -26,8 +26,9 @@ is 0.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -646,19 +647,23 @@ def ship_pieces(pieces: list) -> tuple:
     return tokens, lengths, starts, [p.origin for p in pieces], features
 
 
-def received_pieces(data: bytes, lengths: list, starts: list, origins: list, features) -> list:
-    """The pieces :func:`ship_pieces` sent, their tokens (read-only) views of the received bytes."""
+def received_pieces(data: bytes, lengths: list, starts: list, origins: list, features) -> Iterator[tuple]:
+    """The pieces :func:`ship_pieces` sent, each as the arguments of :func:`received_piece_of`
+    (tokens as a read-only view of ``data`` then), made without a Python step per piece: the
+    trainer makes the pieces only if it saves a state holding them."""
     tokens = np.frombuffer(data, dtype=np.int32)
-    out, at = [], 0
-    for k, (n, begins, origin) in enumerate(zip(lengths, starts, origins)):
-        piece_features = NO_FEATURES if features is None or features[k] is None else features[k]
-        if type(begins) is bool:
-            out.append(_Piece(tokens[at : at + n], _STARTS_DOCUMENT if begins else _INSIDE_DOCUMENT, piece_features,
-                              origin, begins))
-        else:
-            out.append(_Piece(tokens[at : at + n], begins, piece_features, origin, _begins(begins)))
-        at += n
-    return out
+    offsets = itertools.accumulate(lengths, initial=0)
+    return zip(itertools.repeat(tokens), offsets, lengths, starts, origins,
+               itertools.repeat(None) if features is None else features)
+
+
+def received_piece_of(tokens: np.ndarray, offset: int, length: int, starts, origin, features) -> _Piece:
+    """One piece of :func:`received_pieces`."""
+    piece_features = NO_FEATURES if features is None else features
+    tokens = tokens[offset : offset + length]
+    if type(starts) is bool:
+        return _Piece(tokens, _STARTS_DOCUMENT if starts else _INSIDE_DOCUMENT, piece_features, origin, starts)
+    return _Piece(tokens, starts, piece_features, origin, _begins(starts))
 
 
 def _full_sequence(tokens: np.ndarray, begins: bool) -> PackedSequence:
