@@ -37,9 +37,7 @@ KINDS = ("loader.chat", "loader.vision", "loader.kinds.text", "loader.kinds.chat
 KINDS_PACKAGE = "loader.kinds"  # its __init__ lists the built-in kinds: a kind too, for the core
 
 # Core -> kind imports not yet moved behind loader.kinds: (importer, imported) -> count.
-CORE_TO_KIND_ALLOWED = {
-    ("loader.config", "loader.vision.options"): 1,
-}
+CORE_TO_KIND_ALLOWED: dict[tuple[str, str], int] = {}
 
 # The sample corpus generator: only the commands that write a sample (and the tokenizer's
 # training script) import it, so no trainer's process loads it.
