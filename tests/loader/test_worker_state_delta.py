@@ -111,3 +111,24 @@ def test_bare_cursors_ship_as_integers_and_decode_to_the_lanes_states(make_confi
     for _ in _run_states(loader, lane_ids, last, 120, 40):  # restored from those states
         pass
     loader.close()
+
+
+def test_a_delta_is_keyed_by_the_best_fit_record(make_config):
+    """The transport writes the record's own keys (loader.stages.packer_records), its marker beside them."""
+    from loader.stages.packer_records import BEST_FIT
+    from loader.workers import state_delta
+
+    def deltas(value):
+        if isinstance(value, dict):
+            if state_delta._DELTA in value:
+                yield value
+            for inner in value.values():
+                yield from deltas(inner)
+
+    loader = ZephonLoader(make_config("best_fit", pretokenized=True))
+    for lane_id, _, _ in _run_states(loader, [0], {}, 0, 1):
+        lane = build_lanes(loader.spec, [lane_id], {})[lane_id]
+        found = list(deltas(StateEncoder().ship(lane_id, lane)))
+        lane.close()
+        assert found and all(set(d) - {state_delta._DELTA} == set(BEST_FIT.keys) for d in found)
+    loader.close()
