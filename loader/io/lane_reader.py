@@ -59,7 +59,8 @@ __all__ = ["LaneTokenStream", "TRANSFORMS_CHANGED"]
 
 
 class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore, TransformCounting):
-    """Tokens of one (source, lane), epoch after epoch, addressed by a three-int cursor.
+    """Tokens of one (source, lane), epoch after epoch, addressed by a three-int cursor: the
+    :class:`~loader.stages.stream.TokenStream` the packers read.
 
     This class is the cursor (``take``, ``take_rows``, ``documents_ahead``, the state) and the
     current block; each other job is a base of its own module, sharing the stream's attributes
