@@ -313,21 +313,28 @@ def _consume(batch) -> int:
     return total
 
 
+def _integrity_checks() -> list:
+    """``(module, name)`` of each lane-file check where the stream's code looks it up."""
+    from loader.io import lane_decode, lane_files, lane_reader
+
+    return [(lane_files, "check_footer"), (lane_decode, "check_row_group"), (lane_reader, "check_no_unlisted_files")]
+
+
 def _disable_integrity_checks() -> None:
     """The lane-file checks of issue 14 made no-ops (footer against the manifest, rows of every
     row group, tokens of every file, unlisted files): only for measuring their cost."""
-    from loader.io import lane_reader
+    from loader.io import lane_files
 
-    for name in ("check_footer", "check_row_group", "check_no_unlisted_files"):
-        setattr(lane_reader, name, lambda *args: None)
-    lane_reader.LaneTokenStream._note_group_tokens = lambda self, *args: None
+    for module, name in _integrity_checks():
+        setattr(module, name, lambda *args: None)
+    lane_files.LaneFiles.note_group_tokens = lambda self, *args: None
 
 
 def _account_integrity_checks() -> dict:
     """Wrap the lane-file checks so that the CPU time spent inside them (on whichever thread:
     ``thread_time``) adds up in the returned dict: ``hash_cpu_s`` (the full-file SHA-256),
     ``checks_cpu_s`` (the rest). Exact attribution where wall-time ratios drown in load."""
-    from loader.io import lane_reader
+    from loader.io import lane_files
 
     spent = {"hash_cpu_s": 0.0, "checks_cpu_s": 0.0}
 
@@ -340,11 +347,11 @@ def _account_integrity_checks() -> dict:
                 spent[key] += time.thread_time() - start
         return wrapper
 
-    lane_reader.verify_local_file = timed(lane_reader.verify_local_file, "hash_cpu_s")
-    for name in ("check_footer", "check_row_group", "check_no_unlisted_files"):
-        setattr(lane_reader, name, timed(getattr(lane_reader, name), "checks_cpu_s"))
-    stream = lane_reader.LaneTokenStream
-    stream._note_group_tokens = timed(stream._note_group_tokens, "checks_cpu_s")
+    lane_files.verify_local_file = timed(lane_files.verify_local_file, "hash_cpu_s")
+    for module, name in _integrity_checks():
+        setattr(module, name, timed(getattr(module, name), "checks_cpu_s"))
+    files = lane_files.LaneFiles
+    files.note_group_tokens = timed(files.note_group_tokens, "checks_cpu_s")
     return spent
 
 
