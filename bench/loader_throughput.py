@@ -313,28 +313,48 @@ def _consume(batch) -> int:
     return total
 
 
-def _integrity_checks() -> list:
-    """``(module, name)`` of each lane-file check where the stream's code looks it up."""
-    from loader.io import lane_decode, lane_files, lane_reader
+def _integrity_bindings(names) -> list:
+    """``(module, name)`` for every ``loader.io`` module that calls one of the integrity checks
+    ``names`` by its own binding (``from loader.io.integrity import ...``): patching the
+    integrity module alone would leave those bindings running. Raises if a check is bound
+    nowhere, so that a move of the code cannot make a measurement silently patch nothing."""
+    import importlib
+    import pkgutil
 
-    return [(lane_files, "check_footer"), (lane_decode, "check_row_group"), (lane_reader, "check_no_unlisted_files")]
+    import loader.io
+    from loader.io import integrity
+
+    bindings, found = [], set()
+    for info in pkgutil.iter_modules(loader.io.__path__):
+        module = importlib.import_module(f"loader.io.{info.name}")
+        for name in names:
+            if module is not integrity and getattr(module, name, None) is getattr(integrity, name):
+                bindings.append((module, name))
+                found.add(name)
+    missing = sorted(set(names) - found)
+    if missing:
+        raise RuntimeError(f"no loader.io module calls {missing}: update bench/loader_throughput.py")
+    return bindings
+
+
+INTEGRITY_CHECKS = ("check_footer", "check_row_group", "check_no_unlisted_files")
 
 
 def _disable_integrity_checks() -> None:
     """The lane-file checks of issue 14 made no-ops (footer against the manifest, rows of every
     row group, tokens of every file, unlisted files): only for measuring their cost."""
-    from loader.io import lane_files
+    from loader.io.lane_files import LaneFiles
 
-    for module, name in _integrity_checks():
+    for module, name in _integrity_bindings(INTEGRITY_CHECKS):
         setattr(module, name, lambda *args: None)
-    lane_files.LaneFiles.note_group_tokens = lambda self, *args: None
+    LaneFiles.note_group_tokens = lambda self, *args: None
 
 
 def _account_integrity_checks() -> dict:
     """Wrap the lane-file checks so that the CPU time spent inside them (on whichever thread:
     ``thread_time``) adds up in the returned dict: ``hash_cpu_s`` (the full-file SHA-256),
     ``checks_cpu_s`` (the rest). Exact attribution where wall-time ratios drown in load."""
-    from loader.io import lane_files
+    from loader.io.lane_files import LaneFiles
 
     spent = {"hash_cpu_s": 0.0, "checks_cpu_s": 0.0}
 
@@ -347,11 +367,11 @@ def _account_integrity_checks() -> dict:
                 spent[key] += time.thread_time() - start
         return wrapper
 
-    lane_files.verify_local_file = timed(lane_files.verify_local_file, "hash_cpu_s")
-    for module, name in _integrity_checks():
+    for module, name in _integrity_bindings(("verify_local_file",)):
+        setattr(module, name, timed(getattr(module, name), "hash_cpu_s"))
+    for module, name in _integrity_bindings(INTEGRITY_CHECKS):
         setattr(module, name, timed(getattr(module, name), "checks_cpu_s"))
-    files = lane_files.LaneFiles
-    files.note_group_tokens = timed(files.note_group_tokens, "checks_cpu_s")
+    LaneFiles.note_group_tokens = timed(LaneFiles.note_group_tokens, "checks_cpu_s")
     return spent
 
 
