@@ -28,8 +28,8 @@ PACKAGES = ("loader", "beam_jobs")
 # knows kinds of data only through the registry, loader.kinds.base.
 CORE = (
     "loader.order", "loader.io", "loader.stages", "loader.checkpoint", "loader.workers", "loader.transforms",
-    "loader.pipeline", "loader.config", "loader.metrics", "loader.validation", "loader.errors", "loader.registry",
-    "loader.caches",
+    "loader.pipeline", "loader.config", "loader.config_tables", "loader.metrics", "loader.validation", "loader.errors",
+    "loader.registry", "loader.caches",
     "loader.kinds.base", "loader.runtime",
 )
 # The concrete kinds of lane data: what the core must never import.
