@@ -7,8 +7,8 @@
 The default measurements (``--only floors,trainer,replay,rss``) are those of issue 16 (see
 ``bench/workers_report.py``: the busy-trainer overhead of every loader in-process and with 2
 workers, replay throughput against the floors, first batch and restore, peak RSS against
-dataset size, and the goals); they replace the section "## Issue 16: workers and the honest
-harness" of ``--out``. ``--only throughput,resume,elastic`` runs the issue 6 comparison below.
+dataset size, and the goals); they replace the section "## Peers and workers: the full
+profile" of ``--out``. ``--only throughput,resume,elastic`` runs the issue 6 comparison below.
 
 This process only orchestrates (standard library); every measurement runs in a fresh
 subprocess of the peers venv (``bench.peers.run``), one per loader and repeat, because the

@@ -32,7 +32,7 @@ import os
 import statistics
 from typing import Callable, Optional
 
-SECTION = "## Issue 16: workers and the honest harness"
+SECTION = "## Peers and workers: the full profile"
 MEASUREMENTS = ("floors", "trainer", "replay", "rss")
 
 # Pre-packed rows are the peers' offline LLM path; they exist for pre-tokenized data only.

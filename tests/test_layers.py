@@ -354,3 +354,38 @@ def test_a_big_class_is_found(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES))
     (package / "big.py").write_text(f"class Big:\n{body}\n")
     assert big_classes(tmp_path) == {("loader.big", "Big"): MAX_CLASS_LINES + 1}
+
+
+# Test folders that are not named after a package of the project: what they test instead.
+TEST_AREAS = {
+    "adversarial": "bad input at every door", "audit": "zephon audit", "bench": "the benchmarks' plumbing",
+    "docs": "the docs site and README recipes", "elastic": "the elastic matrix over every kind",
+    "examples": "examples/", "finite": "finite epochs", "gcs": "gs:// storage", "golden": "the golden pins",
+    "mixing": "source mixing", "package": "the wheel", "s3": "s3:// storage",
+}
+
+
+def folders_mismatching_packages(root: pathlib.Path = ROOT) -> list[str]:
+    """Test folders named after no package or module of ``loader`` (or ``beam_jobs``) and no area of
+    TEST_AREAS; under ``tests/loader``, folders named after no sub-package of ``loader``."""
+    def folders(path: pathlib.Path) -> list[str]:
+        return sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
+
+    packages = set(folders(root / "loader")) | {p.stem for p in (root / "loader").glob("*.py")} | {"beam_jobs", "loader"}
+    wrong = [f"tests/{name}" for name in folders(root / "tests") if name not in packages and name not in TEST_AREAS]
+    wrong += [f"tests/loader/{name}" for name in folders(root / "tests" / "loader")
+              if not (root / "loader" / name / "__init__.py").exists()]
+    return wrong
+
+
+def test_tests_mirror_the_packages():
+    wrong = folders_mismatching_packages()
+    assert not wrong, (f"test folders named after no package: {wrong}; name a folder after the package it "
+                       "tests (tests/loader/<sub-package>, tests/<package>), or add its area to TEST_AREAS")
+
+
+def test_a_test_folder_named_after_nothing_is_found(tmp_path):
+    for path in ("loader/io", "tests/loader/io", "tests/loader/iox", "tests/golden", "tests/misc"):
+        (tmp_path / path).mkdir(parents=True)
+    (tmp_path / "loader" / "io" / "__init__.py").write_text("")
+    assert folders_mismatching_packages(tmp_path) == ["tests/misc", "tests/loader/iox"]

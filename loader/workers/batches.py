@@ -48,7 +48,7 @@ from loader.workers.shm import SlotWriter, read_arrays
 # loader.workers.messages); both deliver the same stream. Off: on the shared 2-core machine
 # they did not lower the trainer's CPU per micro-batch (one copy out of the slot per array
 # stays) and the workers' added collation cost 2-worker replay 14-20% (bench/RESULTS.md,
-# issue 35); tests/loader/test_worker_batches.py runs them.
+# issue 35); tests/loader/workers/test_worker_batches.py runs them.
 WORKER_BATCHES = False
 
 

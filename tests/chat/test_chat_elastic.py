@@ -26,7 +26,7 @@ from tests.chat.chat_factory import make_records
 from tests.chat.test_chat_shard import MAX_TOKENS, NUM_LANES, _config, _job_args, _write_jsonl
 from tests.dataset_factory import synthetic_texts, write_dataset
 from tests.resume_harness import LoaderRun, check_resume
-from tests.loader.test_features import _rows as delivered_rows
+from tests.loader.io.test_features import _rows as delivered_rows
 
 STEPS = 4
 PACKINGS = ("best_fit", "concat")

@@ -31,7 +31,7 @@ from loader.kinds.chat import CHAT_REJECT_REASONS, REJECT_REASONS
 from loader.stages.tokenizer import load_tokenizer
 from tests.chat.chat_factory import TEMPLATES_DIR, make_records
 from tests.dataset_factory import synthetic_texts, write_dataset
-from tests.loader.test_features import _rows as delivered_rows  # one row collector for feature tests
+from tests.loader.io.test_features import _rows as delivered_rows  # one row collector for feature tests
 from tests.loader.settings import eos_id_of
 
 IN_MEMORY = ["--runner=FnApiRunner", "--direct_running_mode=in_memory"]

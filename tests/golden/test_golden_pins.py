@@ -10,7 +10,7 @@ from the code of commit 4c2250e (in a clean worktree, by calling this file's val
 literals; each test recomputes its value from the code under test and compares:
 
 * stable hashes: lane and order keys of fixed keys, file buckets, the hash encoding, and the
-  epoch permutations (beside the ones ``tests/loader/test_hashing.py`` already pins);
+  epoch permutations (beside the ones ``tests/loader/order/test_hashing.py`` already pins);
 * mixing decisions of a three-source schedule with phase changes;
 * a small fixed corpus as lane files: written by the suite's factory
   (``tests/dataset_factory.write_dataset``) and by the Beam job (``beam_jobs.shard``, in
@@ -99,7 +99,7 @@ def require_pinned_libraries(*names: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Stable hashes (tests/loader/test_hashing.py pins permutations of n = 5, 16, 40, 4096 and
+# Stable hashes (tests/loader/order/test_hashing.py pins permutations of n = 5, 16, 40, 4096 and
 # the mixing block of n = 512; these add other sizes and every seed-part shape the loader uses).
 
 HASH_KEYS = ("doc-0000000", "prose-17", "", "über/数据.jsonl#3", "🙂 x")

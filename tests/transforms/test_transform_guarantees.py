@@ -24,7 +24,7 @@ from loader.transforms.spec import TransformSpec
 from loader.transforms.chain import TransformChain, TransformCounts
 from loader.transforms.document import Document
 from loader.workers.pool import WorkerError
-from tests.loader.test_checkpoints import state_after
+from tests.loader.checkpoint.test_checkpoints import state_after
 from tests.resume_harness import LoaderRun, check_resume
 from tests.transforms.conftest import F, TEXT_TRANSFORMS, loader_config
 

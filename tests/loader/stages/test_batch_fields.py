@@ -36,7 +36,7 @@ def test_a_batch_holds_the_fields_asked_for_with_the_same_values(make_config, co
 
     full = _batches(config(), 6)
     part = _batches(config(batch_fields=fields), 6)
-    # No source of these cases has a loss_mask column (tests/loader/test_features.py covers it).
+    # No source of these cases has a loss_mask column (tests/loader/io/test_features.py covers it).
     expected_keys = set(BATCH_FIELDS) - {"loss_mask"} - ({"token_source_ids"} if case != "token_mix" else set())
     assert set(full[0]) == expected_keys | set(PER_SEQUENCE)
     for a, b in zip(full, part):
