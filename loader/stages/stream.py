@@ -6,7 +6,7 @@ A lane's per-source stream (:class:`loader.io.lane_reader.LaneTokenStream`, and 
 (:mod:`loader.stages.packing`, :mod:`loader.stages.window_packing`) and the mixing stream call
 its members directly, with no probing, so a stream of the tests declares them too
 (``feature_names = ()``, ``last_origin = None``: no features, origins not tracked).
-``tests/loader/test_stream_protocol.py`` holds every stream class of the loader to it.
+``tests/loader/stages/test_stream_protocol.py`` holds every stream class of the loader to it.
 
 The stream's own state is a stage state (:class:`loader.checkpoint.records.Stateful`): a
 lane stream's is its cursor (record ``cursor``), a mixed stream's one cursor per source
