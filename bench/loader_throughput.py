@@ -347,7 +347,7 @@ def _disable_integrity_checks() -> None:
 
     for module, name in _integrity_bindings(INTEGRITY_CHECKS):
         setattr(module, name, lambda *args: None)
-    LaneFiles._note_group_tokens = lambda self, *args: None
+    LaneFiles.note_group_tokens = lambda self, *args: None
 
 
 def _account_integrity_checks() -> dict:
@@ -371,7 +371,7 @@ def _account_integrity_checks() -> dict:
         setattr(module, name, timed(getattr(module, name), "hash_cpu_s"))
     for module, name in _integrity_bindings(INTEGRITY_CHECKS):
         setattr(module, name, timed(getattr(module, name), "checks_cpu_s"))
-    LaneFiles._note_group_tokens = timed(LaneFiles._note_group_tokens, "checks_cpu_s")
+    LaneFiles.note_group_tokens = timed(LaneFiles.note_group_tokens, "checks_cpu_s")
     return spent
 
 

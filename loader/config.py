@@ -21,12 +21,12 @@ from loader.validation import (
     check_record, fail, validate_instance,
 )
 
+from loader.config_tables import KindTable
 from loader.errors import ConfigError
 from loader.io.backends import is_remote
 from loader.model_inputs import LayoutName, missing_fields
 from loader.stages.features import BATCH_FEATURE_FIELDS
 from loader.transforms.spec import TransformSpec
-from loader.vision.options import ImagesConfig, ImagesTable
 from loader.io.storage import StorageOptions
 
 PACKING_MODES = ("concat", "best_fit")
@@ -175,8 +175,9 @@ class LoaderConfig:
     # from which a change of them takes effect when resuming a checkpoint made with others.
     transforms: tuple[TransformSpec, ...] = ()
     transforms_from_step: Optional[int] = None
-    # Image sources: policy, placeholder tokens, overflow, images per sequence.
-    images: Optional[ImagesConfig] = None
+    # Image sources: policy, placeholder tokens, overflow, images per sequence. The image kind's
+    # table (loader.vision.options.ImagesConfig), registered by the kind (loader.config_tables).
+    images: Optional[Any] = None
     # The model family micro-batches are laid out for (loader.model_inputs: "causal_lm",
     # "qwen2_vl"): only that forward's arguments, per-document attention, M-RoPE positions and
     # num_items_in_batch (docs/guides/model-inputs.md). None: the batch_fields as they are.
@@ -224,7 +225,7 @@ class LoaderConfig:
         "transforms": ListOf(Record(TransformSpec), example='transforms = [{function = "drop_regex", '
                                                            'args = {pattern = "lorem"}}]'),
         "transforms_from_step": OrAbsent(Integer(minimum=0)),
-        "images": ImagesTable(),
+        "images": KindTable("images"),
         "model_inputs": LayoutName(),
         "epoch_tail": Text(choices=EPOCH_TAILS),
         "overlong": Text(choices=OVERLONG_CHOICES),

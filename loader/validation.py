@@ -89,6 +89,7 @@ class Rule:
     """What one field accepts. ``check`` returns the stored form, or adds a problem."""
 
     expected: str = "a valid value"
+    hint: str = ""  # the fix appended to the problem, for rules that name one (OrAbsent keeps it)
 
     def check(self, value: Any, path: str, problems: Problems) -> Any:
         raise NotImplementedError
@@ -198,7 +199,7 @@ class OrAbsent(Rule):
         scratch = Problems()  # the inner rule's problem, restated with "or absent"
         stored = self.inner.check(value, path, scratch)
         if scratch:
-            problems.bad(path, value, self.expected, getattr(self.inner, "hint", ""))
+            problems.bad(path, value, self.expected, self.inner.hint)
         return stored
 
 

@@ -29,6 +29,7 @@ if ROOT not in sys.path:  # `mkdocs build` from the checkout: document this chec
 import loader  # noqa: E402
 from loader import cli, integrations, validation  # noqa: E402
 from loader.config import LoaderConfig  # noqa: E402
+from loader.config_tables import KindTable  # noqa: E402
 
 # Page (under docs/) -> generator; mkdocs.yml's nav names these paths.
 PAGES = {
@@ -66,6 +67,8 @@ def _nested(rule: Any) -> Iterator[tuple[str, type, frozenset]]:
         yield "", rule.record(), frozenset(rule.exclude())
     elif isinstance(rule, validation.Record):
         yield "", rule.record, frozenset()
+    elif isinstance(rule, KindTable):  # a kind's table: the rule it registered
+        yield from _nested(rule.table)
 
 
 def config_tables(root: type = LoaderConfig) -> list[Table]:

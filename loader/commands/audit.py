@@ -195,7 +195,7 @@ def concat_cursor(stream: ProvenanceStream, position: int) -> Optional[dict]:
     a file's rows then overcount its documents, whose BOS/EOS are in the stream."""
     extra = stream.token_format.extra
     if extra and stream.tombstone_transforms:
-        file_tokens = [sum(stream.block_tokens(f, g) for g in range(stream._num_row_groups(f)))
+        file_tokens = [sum(stream.block_tokens(f, g) for g in range(stream.lane_files.num_row_groups(f)))
                        for f in range(len(stream.files))]
     else:
         file_tokens = [(entry.tokens or 0) + extra * entry.rows for entry in stream.files]
@@ -206,7 +206,7 @@ def concat_cursor(stream: ProvenanceStream, position: int) -> Optional[dict]:
     k = 0
     while k < len(blocks):
         file_ordinal = blocks[k][0]
-        groups = stream._num_row_groups(file_ordinal)
+        groups = stream.lane_files.num_row_groups(file_ordinal)
         if rest >= file_tokens[file_ordinal]:
             rest -= file_tokens[file_ordinal]
             k += groups
@@ -568,7 +568,7 @@ def _fill_documents(sequences: list[SequenceAudit], lanes: dict, loader, tokeniz
             group_key = (piece.source, piece.lane, where.file_ordinal, where.row_group)
             if group_key not in columns:
                 wanted = ["key"] + (["input_ids" if stream.pretokenized else "text"] if tokenizer is not None else [])
-                table = stream._parquet(where.file_ordinal).read_row_group(where.row_group, columns=wanted,
+                table = stream.lane_files.parquet(where.file_ordinal).read_row_group(where.row_group, columns=wanted,
                                                                           use_threads=False)
                 for column in wanted:
                     log.note(piece.source, piece.lane, where.path, where.row_group, column)

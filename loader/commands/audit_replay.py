@@ -50,7 +50,7 @@ class _Cursor:
         file_ordinal, row_group = blocks[self.block]
         lengths = stream.lengths(file_ordinal, row_group)
         if self.epoch > 0:
-            lengths = lengths[stream._row_order(self.epoch, file_ordinal, row_group, len(lengths))]
+            lengths = lengths[stream.lane_files.row_order(self.epoch, file_ordinal, row_group, len(lengths))]
         lengths = lengths[lengths >= 0]  # tombstones of zephon shard --transform: no document (ProvenanceStream.lengths)
         self._ends = np.cumsum(lengths + self.extra).tolist()
         self._blocks = len(blocks)

@@ -139,7 +139,7 @@ class WindowIndex:
         lengths = stream.lengths(file_ordinal, row_group)
         rows = np.arange(len(lengths), dtype=np.int64)
         if epoch > 0:
-            rows = stream._row_order(epoch, file_ordinal, row_group, len(lengths)).astype(np.int64)
+            rows = stream.lane_files.row_order(epoch, file_ordinal, row_group, len(lengths)).astype(np.int64)
         rows = rows[lengths[rows] >= 0]  # offline tombstones: no document
         return lengths[rows] + self.extra
 

@@ -71,6 +71,9 @@ class Block:
     complete: bool = True  # False: documents after the last ``doc_starts`` entry are still text
     features: Mapping[str, np.ndarray] = NO_FEATURES  # per-token arrays aligned with ``tokens`` (loader.stages.features)
     transform_counts: Optional[object] = None  # what the source's transforms did to the row group (loader.transforms)
+    # Documents refused while decoding, per reason (``{reason: count}``, complete after ``ensure``),
+    # in a block that refuses online (chat, images: ``LaneKind.rejects_online``); None: it refuses none.
+    reject_counts = None
 
     def ensure(self, position: int) -> None:
         """Make ``tokens`` extend past ``position``, or hold the whole block."""

@@ -36,7 +36,7 @@ class LaneBlockDecoder:
         path = storage.join(self.dataset_path, entry.path)
         column = "input_ids" if self.pretokenized else CONVERSATION_COLUMN if self.chat is not None else "text"
         try:
-            parquet = self._parquet(file_ordinal)
+            parquet = self.lane_files.parquet(file_ordinal)
             # One column: pyarrow's thread pool parallelises across columns, so for us it is
             # only a hand-off (and more threads per worker process); ~8% less CPU without.
             columns = [column] + [f.column for f in self.features] + list(self._kind_columns) + (
@@ -48,7 +48,7 @@ class LaneBlockDecoder:
             check_row_group(len(values), parquet.metadata, row_group, path)
             self._group_rows[(file_ordinal, row_group)] = len(values)
             if epoch > 0 and (order is None or len(order) != len(values)):
-                order = self._row_order(epoch, file_ordinal, row_group, len(values))
+                order = self.lane_files.row_order(epoch, file_ordinal, row_group, len(values))
             rows = order if epoch > 0 else None  # the rows in replay order (None: all, as stored)
             tombstones = None
             if self.tombstone_transforms:  # skipped as online drops, in the same replay order
@@ -64,7 +64,7 @@ class LaneBlockDecoder:
                 feature_columns = [pc.take(c, indices) for c in feature_columns]
             if self.transforms is not None:  # key, metadata (...) columns: read if a function asks
                 transform_columns = LazyColumns(
-                    lambda names: self._extra_columns(parquet, row_group, names, indices if rows is not None else None),
+                    lambda names: self.lane_files.extra_columns(parquet, row_group, names, indices if rows is not None else None),
                     self._transform_columns)
             counts = None
             if self.transforms is not None and not self.pretokenized and self.chat is None:  # text: before tokenization
@@ -91,7 +91,7 @@ class LaneBlockDecoder:
                 f"corrupt: {FIX}"
             ) from exc
         documents = len(block.doc_starts) - 1
-        self._note_group_tokens(file_ordinal, row_group, len(block.tokens) - self.token_format.extra * documents)
+        self.lane_files.note_group_tokens(file_ordinal, row_group, len(block.tokens) - self.token_format.extra * documents)
         counts = None
         if self.transforms is not None:  # pre-tokenized: on the ids and features, after the checks
             block, counts = apply_transforms(self.transforms, transform_columns, block=block,

@@ -12,8 +12,6 @@ from loader.io.owner import StreamOwner
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
-
 
 def prepare_block(owner: StreamOwner, key: tuple[int, int], block: Block) -> None:
     """A block just read ahead (``key``: its epoch and index): its remaining decoding (an online
@@ -53,7 +51,7 @@ class LaneReadAhead:
             # The row order is ~a dozen NumPy calls: on the read-ahead thread each is a GIL
             # hand-off with this thread, so it is computed here when the size is known.
             rows = self._group_rows.get(where)
-            order = self._row_order(key[0], *where, rows) if key[0] > 0 and rows is not None else None
+            order = self.lane_files.row_order(key[0], *where, rows) if key[0] > 0 and rows is not None else None
             self._ahead.submit(key, where, order)
 
     def start_reading(self) -> None:

@@ -30,7 +30,6 @@ import logging
 from typing import Optional
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from loader.errors import EmptyLaneError, LaneDataError
 from loader.io import storage
@@ -58,13 +57,15 @@ log = logging.getLogger(__name__)
 __all__ = ["LaneTokenStream", "TRANSFORMS_CHANGED"]
 
 
-class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore, TransformCounting):
-    """Tokens of one (source, lane), epoch after epoch, addressed by a three-int cursor.
+class LaneTokenStream(LaneReadAhead, LaneBlockDecoder, CursorRestore, TransformCounting):
+    """Tokens of one (source, lane), epoch after epoch, addressed by a three-int cursor: the
+    :class:`~loader.stages.stream.TokenStream` the packers read.
 
     This class is the cursor (``take``, ``take_rows``, ``documents_ahead``, the state) and the
-    current block; each other job is a base of its own module, sharing the stream's attributes
-    (set here, in ``__init__``): the lane's files and footers (:mod:`loader.io.lane_files`),
-    row groups decoded into blocks (:mod:`loader.io.lane_decode`), the read-ahead
+    current block. The lane's files and footers are a member with its own state
+    (``lane_files``: :mod:`loader.io.lane_files`), reached once per block. Each other job is a
+    base of its own module, sharing the stream's attributes (set here, in ``__init__``): row
+    groups decoded into blocks (:mod:`loader.io.lane_decode`), the read-ahead
     (:mod:`loader.io.lane_read_ahead`), a restored cursor's checks (:mod:`loader.io.lane_restore`)
     and the transform counters (:mod:`loader.transforms.lane_counts`). Bases, not members: the
     per-sequence calls (``take``, ``_load_block``) reach every attribute without a hop.
@@ -139,15 +140,11 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
                 f"in {manifest.num_lanes} lanes; "
                 "re-shard it with fewer lanes (--num-lanes) so that every lane holds data."
             )
-        self._row_groups: dict[int, int] = {}
+        self.lane_files = LaneFiles(files=self.files, dataset_path=dataset_path, storage_options=storage_options,
+                                    owner=owner, seed=seed, source_name=source_name, lane_id=lane_id)
         # Rows of each (file, row group) read so far (dict writes are atomic): lets the reads
         # of later epochs get their row order computed on the thread that queues them.
         self._group_rows: dict[tuple[int, int], int] = {}
-        # Tokens of each row group read so far, per file, until the file's total is checked.
-        self._file_group_tokens: dict[int, dict[int, int]] = {}
-        self._tokens_checked: set[int] = set()
-        self._epoch_blocks: dict[int, list[tuple[int, int]]] = {}
-        self._open_file: tuple[int, pq.ParquetFile, object] | None = None
         self._block_key: tuple[int, int] | None = None
         self._block: Optional[Block] = None
         self.epoch = 0
@@ -229,12 +226,15 @@ class LaneTokenStream(LaneFiles, LaneReadAhead, LaneBlockDecoder, CursorRestore,
                 return
 
     # -- reading -----------------------------------------------------------------------
+    def blocks_of_epoch(self, epoch: int) -> list[tuple[int, int]]:
+        """``(file_ordinal, row_group)`` pairs in the order epoch ``epoch`` replays them."""
+        return self.lane_files.blocks_of_epoch(epoch)
 
     def close(self) -> None:
         """Release the open lane file (file descriptors are not left to the GC)."""
         self._settle_read_ahead()
         self._peeked = None
-        self._close_file()
+        self.lane_files.close()
 
     def _load_block(self, epoch: int, block_index: int) -> Block:
         if self._block_key == (epoch, block_index) and self._block is not None:

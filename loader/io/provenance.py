@@ -100,7 +100,7 @@ class ProvenanceStream(LaneTokenStream):
             entry = self.files[file_ordinal]
             path = storage.join(self.dataset_path, entry.path)
             column = "num_tokens" if self.pretokenized else "text"
-            parquet = self._parquet(file_ordinal)
+            parquet = self.lane_files.parquet(file_ordinal)
             try:
                 values = parquet.read_row_group(row_group, columns=[column], use_threads=False).column(0)
             except Exception as exc:  # whatever pyarrow raises on bad bytes, or a missing column
@@ -131,7 +131,7 @@ class ProvenanceStream(LaneTokenStream):
     # -- where documents live -----------------------------------------------------------
     def _row_starts(self, file_ordinal: int) -> np.ndarray:
         if file_ordinal not in self._group_row_starts:
-            metadata = self._parquet(file_ordinal).metadata
+            metadata = self.lane_files.parquet(file_ordinal).metadata
             rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
             self._group_row_starts[file_ordinal] = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         return self._group_row_starts[file_ordinal]
@@ -153,7 +153,7 @@ class ProvenanceStream(LaneTokenStream):
         lengths = self.lengths(file_ordinal, row_group)
         rows = np.arange(len(lengths), dtype=np.int64)
         if epoch > 0:  # the row order the training stream replays this epoch in
-            rows = self._row_order(epoch, file_ordinal, row_group, len(lengths)).astype(np.int64)
+            rows = self.lane_files.row_order(epoch, file_ordinal, row_group, len(lengths)).astype(np.int64)
         rows = rows[lengths[rows] >= 0]  # tombstones out (see lengths)
         wrapped = lengths[rows] + self.token_format.extra
         doc_starts = np.zeros(len(rows) + 1, dtype=np.int64)

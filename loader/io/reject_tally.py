@@ -30,7 +30,7 @@ class RejectTally:
 
     def register(self, key: tuple[int, int], block: Block) -> None:
         """A block read (on any thread); the same key always holds the same conversations."""
-        if hasattr(block, "reject_counts"):  # a block that rejects online (chat and image blocks)
+        if block.reject_counts is not None:  # a block that rejects online (chat and image blocks)
             with self._lock:
                 self._blocks[key] = block
 

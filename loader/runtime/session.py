@@ -27,6 +27,10 @@ class CheckpointSession:
     ``rank_position``, ``lane_states``, ``_step_states``, ``_run`` and ``model_inputs``.
     """
 
+    # The tokenizer's vocabulary size, a token id's bound in a checked state: from a
+    # pre-tokenized manifest, else parsed from the tokenizer on the first restore (_state_limits).
+    vocab_size: Optional[int] = None
+
     @property
     def step(self) -> int:
         """The global step of the next micro-batch."""
@@ -237,7 +241,7 @@ class CheckpointSession:
 
     def _state_limits(self) -> "checkpoint_schema.StateLimits":
         """What a checkpoint's ranges are checked against: our config and manifests (no data read)."""
-        vocab_size = getattr(self, "vocab_size", None)
+        vocab_size = self.vocab_size
         for manifest in self.manifests:
             if vocab_size is None and manifest.pretokenized and manifest.tokenizer:
                 vocab_size = manifest.tokenizer.get("vocab_size")

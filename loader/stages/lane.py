@@ -30,6 +30,7 @@ from loader.kinds.base import manifest_kind
 from loader.order.mixing import MixingSchedule
 from loader.order.ordering import lane_outputs_before
 from loader.stages.lane_record import MIXED, OUTPUTS, PACKER, SOURCES, STOPPED, cursor_lane_state, lane_state
+from loader.stages.packer_records import STREAM
 from loader.stages.packing import BestFitPacker, ConcatPacker, PackedSequence
 from loader.stages.token_mixing import MixedTokenStream
 from loader.stages.window_packing import WindowedBestFitPacker
@@ -228,7 +229,7 @@ class Lane:
             return [(stream, stream.get_state()) for stream in self._chat_streams]
         packer = self.packers[0]
         # concat: the rewound cursors of the rows handed out; best fit saves the live cursors
-        mixed = packer.get_state()["stream"] if isinstance(packer, ConcatPacker) else packer.stream.get_state()
+        mixed = packer.get_state()[STREAM] if isinstance(packer, ConcatPacker) else packer.stream.get_state()
         return [(stream, cursor) for stream, cursor in zip(self.mixed_stream.streams, mixed["sources"])
                 if stream in self._chat_streams]
 

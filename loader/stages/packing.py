@@ -38,6 +38,7 @@ from loader.io.blocks import Chunk
 from loader.io.lane_reader import LaneTokenStream
 from loader.order.best_fit import OpenBins
 from loader.stages.features import FEATURES, IGNORE_INDEX, NO_FEATURES, in_order, lay_out, mask_labels
+from loader.stages.stream import TokenStream
 from loader.stages.packer_records import (
     BINS, DOC_STARTS, PIECE_ORIGINS, PIECE_STARTS, SERIAL, STREAM, TOKENS, best_fit_state, concat_state,
 )
@@ -212,7 +213,7 @@ class ConcatPacker:
     # at seq_len 1024; the fill's arrays are a few hundred KiB per lane and source.
     FILL_TOKENS = 1 << 16
 
-    def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int, features: tuple[str, ...] = ()) -> None:
+    def __init__(self, stream: TokenStream, seq_len: int, pad_id: int, features: tuple[str, ...] = ()) -> None:
         self.stream = stream
         self.seq_len = seq_len
         self.pad_id = pad_id
@@ -372,7 +373,7 @@ class BestFitPacker:
     and saves none until it is emitted; a restore puts saved origins back.
     """
 
-    def __init__(self, stream: LaneTokenStream, seq_len: int, pad_id: int, open_bins: int,
+    def __init__(self, stream: TokenStream, seq_len: int, pad_id: int, open_bins: int,
                  features: tuple[str, ...] = (), max_images: Optional[int] = None,
                  images_in: Optional[Callable[[object], int]] = None) -> None:
         self.stream = stream
@@ -386,7 +387,6 @@ class BestFitPacker:
         self.bins = OpenBins(seq_len, open_bins, self.max_images)
         self._buffers: dict[int, np.ndarray] = {}  # bin serial -> its input ids so far, padded
         self._padded = np.full(seq_len, pad_id, dtype=np.int32)  # a new bin's buffer: a copy (np.full costs 4x)
-        self._has_origins = hasattr(stream, "last_origin")  # lane streams; a stream of the tests may not say
         # Bulk pieces: plain lane streams, a loader without per-token features, no image cap (a capped
         # bin counts each piece's images: the general path); tests switch it off to compare.
         self._bulk = type(stream) is LaneTokenStream and not features and self.max_images is None
@@ -418,7 +418,7 @@ class BestFitPacker:
                                              features=self.features)
             features = {n: v.copy() for n, v in chunk.features.items()} if chunk.features else NO_FEATURES
             emitted = self._place(chunk.tokens, chunk.doc_starts.copy(), features,
-                                  stream.last_origin if self._has_origins else None, _begins(chunk.doc_starts))
+                                  stream.last_origin, _begins(chunk.doc_starts))
             if emitted is not None:
                 return self._sequence(emitted)
 
@@ -590,9 +590,9 @@ class BestFitPacker:
         otherwise name another image. Reads each origin's block once; a state without origins
         (version 1) cannot be checked."""
         bound = [name for name in self.stream.feature_names if FEATURES[name].bound_to_data]
-        block_at = getattr(self.stream, "block_at", None)
-        if not bound or block_at is None:
+        if not bound:
             return
+        block_at = self.stream.block_at
         blocks: dict = {}
         for k, (_, _, pieces) in enumerate(self.bins.bins()):
             for j, piece in enumerate(pieces):

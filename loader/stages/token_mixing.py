@@ -1,7 +1,8 @@
 """Token-unit mixing: documents of several sources packed into the same sequences.
 
-``MixedTokenStream`` looks like a single :class:`~loader.io.lane_reader.LaneTokenStream` to the
-packers, but chooses the source of every *document* by a deterministic deficit rule:
+``MixedTokenStream`` is a :class:`~loader.stages.stream.TokenStream`, as a single
+:class:`~loader.io.lane_reader.LaneTokenStream` is, to the packers, but chooses the source of
+every *document* by a deterministic deficit rule:
 
     next document's source = argmax_s ( w_s * (T + 1) - t_s )     (ties: lowest source id)
 
@@ -43,15 +44,18 @@ import numpy as np
 
 from loader.errors import StateError
 from loader.stages.features import FEATURES, in_order, lay_out
-from loader.io.blocks import Chunk
+from loader.io.blocks import Block, Chunk
 from loader.io.lane_reader import LaneTokenStream
 from loader.stages.mixed_record import CURRENT, PHASE_START, SOURCES, TOKENS
+from loader.stages.stream import Origin
 
 
 class MixedTokenStream:
+    """Several sources' streams as one :class:`~loader.stages.stream.TokenStream` (see the module)."""
+
     # As LaneTokenStream.last_origin, in the stream of the source of the last take's first
     # document (the chunk's token_sources): meaningful after take(within_document=True).
-    last_origin = None
+    last_origin: Optional[Origin] = None
 
     def __init__(self, streams: Sequence[LaneTokenStream]) -> None:
         self.streams = list(streams)
@@ -76,6 +80,7 @@ class MixedTokenStream:
         own = [name for stream in self.streams for name in stream.feature_names]
         self.feature_names = in_order(["token_sources", *own])
         self._carried = self.feature_names[1:]  # the sources' own features
+        self._features_of = [frozenset(stream.feature_names) for stream in self.streams]
 
     def set_phase(self, phase_start: int, weights: tuple[Fraction, ...], rows_left: Optional[int] = None) -> None:
         """Called by the lane before each sequence with the phase of its global index.
@@ -160,7 +165,7 @@ class MixedTokenStream:
             if stream.exhausted:
                 self._alive = None
             if not tokens:
-                self.last_origin = getattr(stream, "last_origin", None)  # a stream of the tests may not say
+                self.last_origin = stream.last_origin
             tokens.append(chunk.tokens)
             doc_starts.append(chunk.doc_starts)
             sources.append(source)
@@ -261,7 +266,7 @@ class MixedTokenStream:
             mine = token_sources == s
             tokens[mine] = stretch[0] if len(stretch) == 1 else np.concatenate(stretch)
             for name in self._carried:
-                if name in getattr(self.streams[s], "feature_names", ()):
+                if name in self._features_of[s]:
                     stretch = views[s].slices(begin, end, feature=name)
                     mixed[name][mine] = stretch[0] if len(stretch) == 1 else np.concatenate(stretch)
         self.current = int(sources[-1]) if cut else -1
@@ -280,6 +285,13 @@ class MixedTokenStream:
             CURRENT: self.current,
             PHASE_START: self.phase_start,
         }
+
+    def block_at(self, epoch: int, block_index: int) -> Optional[Block]:
+        """Not defined under token mixing: an origin lies in the stream of one source and does
+        not name it. Only features bound to the data (``image_ref``) need it, and image
+        sources refuse token mixing (loader.vision.loader_options)."""
+        raise NotImplementedError("a token mix's origins do not name their source's stream; features bound to "
+                                  "the data (image_ref) are not supported with mixing_unit = \"token\"")
 
     def set_state(self, state: dict, path: str = "stream") -> None:
         """``state`` as checked by ``loader.checkpoint.schema``; ``path``: its JSON path, for errors."""

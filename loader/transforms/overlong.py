@@ -40,7 +40,7 @@ def text_fit(manifest, *, seq_len: int, packing: str, wrap_tokens: int) -> Optio
     to decide: concat packing, a source that is not pre-tokenized text (chat, images and named
     kinds have their own bounds), or a recorded longest document that fits."""
     if packing != "best_fit" or not manifest.pretokenized or manifest.chat is not None \
-            or getattr(manifest, "images", None) is not None or manifest.kind is not None:
+            or manifest.images is not None or manifest.kind is not None:
         return None
     fit = seq_len - wrap_tokens
     if fit < 1 or (manifest.longest_tokens is not None and manifest.longest_tokens <= fit):

@@ -1,5 +1,8 @@
 """The loader config's ``images`` table (resolved to the loader's image options by :mod:`loader.vision.loader_options`).
 
+Registered at import with :mod:`loader.config_tables`, which imports this module by name the
+first time a config holds the table: the config names no kind, and this module stays light.
+
 Every field is documented by ``FIELD_DOCS`` (the configuration reference, ``images`` table)::
 
     images = {policy = "dynamic", overflow = "truncate", max_images_per_sequence = 4}
@@ -16,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional
 
+from loader.config_tables import register_config_table
 from loader.errors import ImagePolicyError
 from loader.validation import Integer, OrAbsent, Problems, Record, Rule, Text
 from loader.vision.policies import parse_policy_spec, policy_from_dict
@@ -103,3 +107,6 @@ class ImagesConfig:
         return {"policy": self.policy, "image_token": self.image_token, "image_start_token": self.image_start_token,
                 "image_end_token": self.image_end_token, "overflow": self.overflow,
                 "max_images_per_sequence": self.max_images_per_sequence}
+
+
+register_config_table("images", ImagesTable())

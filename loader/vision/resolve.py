@@ -158,7 +158,7 @@ class ImageResolver:
         for column in table.columns:
             column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
             if epoch > 0:  # the rows in the order the block was built in (loader.order.epochs)
-                order = stream._row_order(epoch, file_ordinal, row_group, len(column))
+                order = stream.lane_files.row_order(epoch, file_ordinal, row_group, len(column))
                 column = pc.take(column, pa.Array.from_buffers(pa.int64(), len(order), [None, pa.py_buffer(order)]))
             columns.append(column)
         return tuple(columns)

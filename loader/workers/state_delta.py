@@ -47,6 +47,7 @@ from loader.checkpoint.records import StateSnapshot
 from loader.io.cursor_record import cursor_state
 from loader.io.lane_reader import LaneTokenStream
 from loader.stages.lane_record import cursor_lane_state, lane_state
+from loader.stages.packer_records import BINS, SERIAL, STREAM
 from loader.stages.packing import (
     BestFitPacker, received_piece, received_piece_of, received_pieces, ship_piece, ship_pieces,
 )
@@ -131,7 +132,8 @@ class StateEncoder:
             kept = sent.get(bin_serial, 0)
             bins.append(bin_serial if kept == len(pieces) else (bin_serial, kept, [ship_piece(p) for p in pieces[kept:]]))
         self._sent[(lane_id, path)] = {s: len(pieces) for s, pieces in open_bins}
-        return {_DELTA: lane_id, "stream": stream_state, "serial": serial, "bins": bins}
+        # The packer record's keys (loader.stages.packer_records); BINS holds the delta of the bins.
+        return {_DELTA: lane_id, STREAM: stream_state, SERIAL: serial, BINS: bins}
 
 
 class StateDecoder:
@@ -211,14 +213,14 @@ class StateDecoder:
         key = (delta[_DELTA], path)  # the lane, and where in its state
         known = self._bins.get(key, {})
         bins = {}
-        for entry in delta["bins"]:
+        for entry in delta[BINS]:
             if type(entry) is int:  # every piece known: the same (immutable) tuple
                 bins[entry] = known[entry]
             else:
                 serial, kept, new = entry
                 bins[serial] = known.get(serial, ())[:kept] + tuple(received_piece(*p) for p in new)
         self._bins[key] = bins
-        return StateSnapshot(BestFitPacker.state_of, delta["stream"], delta["serial"], list(bins.items()))
+        return StateSnapshot(BestFitPacker.state_of, delta[STREAM], delta[SERIAL], list(bins.items()))
 
 
 def plain_packers(lane) -> bool:

@@ -24,6 +24,7 @@ from loader.config import ConfigError
 from loader.commands.fingerprints import collect_fingerprints
 from loader.io.blocks import TokenFormat, pretokenized_block, wrap_documents
 from loader.io.integrity import LaneDataError
+from loader.io.lane_files import LaneFiles
 from loader.io.lane_reader import LaneTokenStream
 from loader.io.manifest import read_manifest
 from loader.stages.packing import ConcatPacker
@@ -105,13 +106,13 @@ def test_later_epochs_get_their_row_order_where_the_read_is_queued(corpus, monke
     manifest = read_manifest(corpus.pretokenized_path)
     fmt = TokenFormat(bos_id=None, eos_id=0)
     threads_computing: list[str] = []
-    row_order = LaneTokenStream._row_order
+    row_order = LaneFiles.row_order
 
     def watched(self, *args):
         threads_computing.append(threading.current_thread().name)
         return row_order(self, *args)
 
-    monkeypatch.setattr(LaneTokenStream, "_row_order", watched)
+    monkeypatch.setattr(LaneFiles, "row_order", watched)
 
     def drain(read_ahead: bool) -> np.ndarray:
         stream = LaneTokenStream(dataset_path=corpus.pretokenized_path, manifest=manifest, source_name="s",

@@ -163,3 +163,25 @@ def test_a_piece_count_the_trainer_does_not_hold_is_an_error(make_config):
     finally:
         lanes[0].close()
         loader.close()
+
+
+def test_a_delta_is_keyed_by_the_best_fit_record(make_config):
+    """The transport writes the record's own keys (loader.stages.packer_records), its marker beside them
+    (the encoded snapshot: what lanes mixed per token ship; other best-fit lanes ship packer tuples)."""
+    from loader.stages.packer_records import BEST_FIT
+    from loader.workers import state_delta
+
+    def deltas(value):
+        if isinstance(value, dict):
+            if state_delta._DELTA in value:
+                yield value
+            for inner in value.values():
+                yield from deltas(inner)
+
+    loader = ZephonLoader(make_config("best_fit", pretokenized=True))
+    for lane_id, _, _ in _run_states(loader, [0], {}, 0, 1):
+        lane = build_lanes(loader.spec, [lane_id], {})[lane_id]
+        found = list(deltas(StateEncoder().encode(lane_id, lane.snapshot())))
+        lane.close()
+        assert found and all(set(d) - {state_delta._DELTA} == set(BEST_FIT.keys) for d in found)
+    loader.close()
