@@ -67,9 +67,10 @@ from loader.errors import StateError
 from loader.io.cursor_record import DOCUMENT_KEYS, Cursor
 from loader.order.ordering import lane_outputs_before
 from loader.stages.features import FEATURES
-from loader.stages.lane_record import LANE, LaneState, SourceLane
+from loader.stages.lane_record import LANE, MIXED, PACKER, SOURCES, LaneState, SourceLane
 from loader.stages.mixed_record import MixedStream
-from loader.stages.packer_records import BEST_FIT_WINDOW, Bin, PackerState, WindowPosition, check_bin_values
+from loader.stages.packer_records import BEST_FIT_WINDOW, BINS, TOKEN_SOURCES, TOKENS, Bin, PackerState, WindowPosition, \
+    check_bin_values
 from loader.validation import fields_of as _fields, json_int as _int, json_str as _str, show as _show, \
     type_name as _type_name
 
@@ -342,27 +343,27 @@ def stage_state(raw: dict, lane: LaneState) -> dict:
     by the arrays parsed here (int32 tokens, int8 token_sources, as ``get_state`` makes them),
     so a restore converts them once. Saving it again gives the same JSON."""
     if lane.mixed is not None:
-        return dict(raw, mixed=_packer_with_arrays(raw["mixed"], lane.mixed)) if lane.mixed.bins else raw
+        return dict(raw, **{MIXED: _packer_with_arrays(raw[MIXED], lane.mixed)}) if lane.mixed.bins else raw
     if not any(source.packer.bins for source in lane.sources.values()):
         return raw
     sources = {}
     for name, source in lane.sources.items():
-        saved = raw["sources"][name]
-        sources[name] = dict(saved, packer=_packer_with_arrays(saved["packer"], source.packer)) if source.packer.bins \
+        saved = raw[SOURCES][name]
+        sources[name] = dict(saved, **{PACKER: _packer_with_arrays(saved[PACKER], source.packer)}) if source.packer.bins \
             else saved
-    return dict(raw, sources=sources)
+    return dict(raw, **{SOURCES: sources})
 
 
 def _packer_with_arrays(raw: dict, packer: PackerState) -> dict:
     bins = []
-    for saved, bin_ in zip(raw["bins"], packer.bins):
-        arrays = {"tokens": bin_.tokens.astype(np.int32)}
+    for saved, bin_ in zip(raw[BINS], packer.bins):
+        arrays = {TOKENS: bin_.tokens.astype(np.int32)}
         if bin_.token_sources is not None:
-            arrays["token_sources"] = bin_.token_sources.astype(np.int8)
+            arrays[TOKEN_SOURCES] = bin_.token_sources.astype(np.int8)
         for name, values in bin_.features:
             arrays[name] = values.astype(FEATURES[name].dtype)
         bins.append(dict(saved, **arrays))
-    return dict(raw, bins=bins)
+    return dict(raw, **{BINS: bins})
 
 
 # -- level 2: ranges against the dataset and config -----------------------------------------------

@@ -87,8 +87,9 @@ from loader.order.mixing import batch_assignments
 from loader.order.ordering import lane_outputs_before
 from loader.stages.lane import Lane
 from loader.stages.tokenizer import load_tokenizer
-from loader.stages.lane_record import lane_state
-from loader.stages.packer_records import concat_packer_state, window_packer_state
+from loader.stages.lane_record import MIXED, PACKER, SOURCES, lane_state
+from loader.stages.packer_records import BINS, DOC_STARTS, PIECE_ORIGINS, PIECE_STARTS, SERIAL, TOKEN_SOURCES, TOKENS, \
+    concat_packer_state, window_packer_state
 
 METHODS = ("seek", "checkpoint", "replay", "window")
 
@@ -259,11 +260,11 @@ def _open_bins(state: dict) -> tuple[int, int]:
     """``(open best-fit bins, those without piece_origins)`` of a state (checked on load before)."""
     total = unknown = 0
     for lane in state.get("lanes", {}).values():
-        packers = [lane["mixed"]] if "mixed" in lane else [s["packer"] for s in lane.get("sources", {}).values()]
+        packers = [lane[MIXED]] if MIXED in lane else [s[PACKER] for s in lane.get(SOURCES, {}).values()]
         for packer in packers:
-            for bin_ in packer.get("bins", ()):
+            for bin_ in packer.get(BINS, ()):
                 total += 1
-                unknown += "piece_origins" not in bin_
+                unknown += PIECE_ORIGINS not in bin_
     return total, unknown
 
 
@@ -273,39 +274,39 @@ def _resolved_lane_state(lane, state: dict) -> dict:
     tokens, as the audit's streams have), reading the lengths of those row groups only."""
     streams = lane.source_streams()
     path = f"lanes.{lane_key(lane.lane_id)}"
-    if "mixed" in state:
-        return dict(state, mixed=_resolved_packer(state["mixed"], streams, f"{path}.mixed", mixed=True))
+    if MIXED in state:
+        return dict(state, **{MIXED: _resolved_packer(state[MIXED], streams, f"{path}.mixed", mixed=True)})
     sources = {}
     for source, stream in zip(lane.spec.sources, streams):
-        saved = state["sources"][source.name]
-        sources[source.name] = dict(saved, packer=_resolved_packer(
-            saved["packer"], [stream], f"{path}.sources.{source.name}.packer", mixed=False))
-    return dict(state, sources=sources)
+        saved = state[SOURCES][source.name]
+        sources[source.name] = dict(saved, **{PACKER: _resolved_packer(
+            saved[PACKER], [stream], f"{path}.sources.{source.name}.packer", mixed=False)})
+    return dict(state, **{SOURCES: sources})
 
 
 def _resolved_packer(packer: dict, streams: list, path: str, *, mixed: bool) -> dict:
-    if not packer.get("bins"):
+    if not packer.get(BINS):
         return packer
     bins = []
-    for k, saved in enumerate(packer["bins"]):
-        tokens = len(saved["tokens"])
-        starts = [int(x) for x in saved["piece_starts"]] + [tokens]
-        doc_starts = np.asarray(saved["doc_starts"], dtype=np.int64)
+    for k, saved in enumerate(packer[BINS]):
+        tokens = len(saved[TOKENS])
+        starts = [int(x) for x in saved[PIECE_STARTS]] + [tokens]
+        doc_starts = np.asarray(saved[DOC_STARTS], dtype=np.int64)
         parts: dict[str, list] = {"audit_document": [], "audit_offset": []}
-        for j, (origin, lo, hi) in enumerate(zip(saved["piece_origins"], starts[:-1], starts[1:])):
-            stream = streams[int(saved["token_sources"][lo])] if mixed else streams[0]
+        for j, (origin, lo, hi) in enumerate(zip(saved[PIECE_ORIGINS], starts[:-1], starts[1:])):
+            stream = streams[int(saved[TOKEN_SOURCES][lo])] if mixed else streams[0]
             inside = doc_starts[(doc_starts >= lo) & (doc_starts < hi)] - lo
             features = stream.piece_features(origin, hi - lo, inside, f"{path}.bins[{k}].piece_origins[{j}]")
             for name, values in features.items():
                 parts[name].append(values)
-        resolved = {"serial": saved["serial"], "tokens": np.zeros(tokens, dtype=np.int32),
-                    "piece_starts": saved["piece_starts"], "doc_starts": saved["doc_starts"],
-                    "piece_origins": saved["piece_origins"],
+        resolved = {SERIAL: saved[SERIAL], TOKENS: np.zeros(tokens, dtype=np.int32),
+                    PIECE_STARTS: saved[PIECE_STARTS], DOC_STARTS: saved[DOC_STARTS],
+                    PIECE_ORIGINS: saved[PIECE_ORIGINS],
                     **{name: np.concatenate(values) for name, values in parts.items()}}
         if mixed:
-            resolved["token_sources"] = saved["token_sources"]
+            resolved[TOKEN_SOURCES] = saved[TOKEN_SOURCES]
         bins.append(resolved)
-    return dict(packer, bins=bins)
+    return dict(packer, **{BINS: bins})
 
 
 # Lengths-only replay speed, documents per second of CPU on the shared 2-core dev machine

@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from loader.errors import SeekIndexError
+from loader.io.cursor_record import BLOCK, EPOCH, EXHAUSTED, OFFSET
+from loader.stages.lane_record import PACKER, SOURCES, STOPPED
+from loader.stages.packer_records import BINS, SERIAL, STREAM
 
 SEEK_INDEX_VERSION = 2  # 2: an HMAC seal ("hmac_sha256") instead of a plain SHA-256
 KEY_FILE = os.path.join("zephon", "seek-index.key")  # under $XDG_CONFIG_HOME (default ~/.config)
@@ -162,12 +165,12 @@ class SeekIndex:
 
     def check_point(self, lane_id: int, outputs: int, point: dict, streams: list) -> None:
         """A point about to be replayed from names only blocks of its lane's epochs."""
-        for s, (source, stream) in enumerate(zip(point["sources"], streams)):
+        for s, (source, stream) in enumerate(zip(point[SOURCES], streams)):
             at = f"lanes.{lane_id}.{outputs}.sources.{s}.packer"
-            packer = source["packer"]
-            cursor = packer["stream"]
-            places = [(cursor["epoch"], cursor["block"], f"{at}.stream")]
-            places += [(p[0], p[1], f"{at}.bins.{b}") for b, bin_ in enumerate(packer["bins"]) for p in bin_[2]]
+            packer = source[PACKER]
+            cursor = packer[STREAM]
+            places = [(cursor[EPOCH], cursor[BLOCK], f"{at}.stream")]
+            places += [(p[0], p[1], f"{at}.bins.{b}") for b, bin_ in enumerate(packer[BINS]) for p in bin_[2]]
             max_epochs = stream.max_epochs
             for epoch, block, where in places:
                 if max_epochs is not None and epoch > max_epochs:
@@ -178,21 +181,21 @@ class SeekIndex:
                                       f"{blocks} block(s)")
 
     def _check_point(self, point: Any, where: str) -> None:
-        sources = point.get("sources") if isinstance(point, dict) else None
+        sources = point.get(SOURCES) if isinstance(point, dict) else None
         if not isinstance(sources, list) or len(sources) != self.num_sources:
             raise self._error(f"has a malformed point at {where}: expected {self.num_sources} sources")
         for s, source in enumerate(sources):
             at = f"{where}.sources.{s}"
-            packer = source.get("packer") if isinstance(source, dict) else None
-            if not isinstance(packer, dict) or not isinstance(source.get("stopped"), bool):
+            packer = source.get(PACKER) if isinstance(source, dict) else None
+            if not isinstance(packer, dict) or not isinstance(source.get(STOPPED), bool):
                 raise self._error(f"has a malformed source at {at}")
-            stream = packer.get("stream")
-            if not (isinstance(stream, dict) and all(_count(stream.get(k)) for k in ("epoch", "block", "offset"))
-                    and isinstance(stream.get("exhausted"), bool)):
+            stream = packer.get(STREAM)
+            if not (isinstance(stream, dict) and all(_count(stream.get(k)) for k in (EPOCH, BLOCK, OFFSET))
+                    and isinstance(stream.get(EXHAUSTED), bool)):
                 raise self._error(f"has a malformed cursor at {at}.packer.stream")
-            if not _count(packer.get("serial")) or not isinstance(packer.get("bins"), list):
+            if not _count(packer.get(SERIAL)) or not isinstance(packer.get(BINS), list):
                 raise self._error(f"has a malformed packer at {at}.packer")
-            for b, bin_ in enumerate(packer["bins"]):
+            for b, bin_ in enumerate(packer[BINS]):
                 ok = (isinstance(bin_, list) and len(bin_) == 3 and _count(bin_[0]) and _count(bin_[1])
                       and isinstance(bin_[2], list) and bin_[2]
                       and all(isinstance(p, list) and len(p) == 5 and all(_count(v) for v in p[:4])
