@@ -47,8 +47,8 @@ from loader.workers.shm import SlotWriter, read_arrays
 # Whether loaders whose lane groups allow it use worker micro-batches (else item messages,
 # loader.workers.messages); both deliver the same stream. Off: on the shared 2-core machine
 # they did not lower the trainer's CPU per micro-batch (one copy out of the slot per array
-# stays) and the workers' added collation cost 2-worker replay 14-20% (bench/RESULTS.md,
-# issue 35); tests/loader/workers/test_worker_batches.py runs them.
+# stays) and the workers' added collation cost 2-worker replay 14-20% (bench/HISTORY.md,
+# "Issue 35: in-process replay in bulk"); tests/loader/workers/test_worker_batches.py runs them.
 WORKER_BATCHES = False
 
 
