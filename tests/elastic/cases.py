@@ -12,9 +12,12 @@ Topologies are dicts of ``world_size``, ``num_workers`` and ``micro_batch_size``
 otherwise::
 
     reference   W1, 0 workers, micro 2
-    spread      W4, 0 workers, micro 1                       (a whole run against the reference)
-    resume      W2, 2 workers, micro 4  (uninterrupted, saving at every cut)
-                W1 | W2, 2 workers | W4                      (cut at ``cuts``, each on another topology)
+    spread      W4, 0 workers, micro 1                    (a whole run against the reference)
+    resume      W2, 0 workers, micro 4                    (uninterrupted, saving at every cut)
+                W1 micro 4 | W2, 2 workers, micro 4 | W4 micro 2   (cut at ``cuts``)
+
+The workers of the chain's middle segment load the state saved on W1, serve every step of the
+segment (``workers_serve``: not the trainer process's warm start) and save the state W4 loads.
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ from tests.transforms.conftest import TEXT_TRANSFORMS, TOKEN_TRANSFORMS, loader_
 
 REFERENCE = {"world_size": 1, "num_workers": 0, "micro_batch_size": 2}
 SPREAD = ({"world_size": 4, "num_workers": 0, "micro_batch_size": 1},)
-RESUME = ({"world_size": 2, "num_workers": 2, "micro_batch_size": 4},
+# A run with worker processes costs seconds (fresh interpreters): one per row, in the chain.
+RESUME = ({"world_size": 2, "num_workers": 0, "micro_batch_size": 4},
           {"world_size": 1, "num_workers": 0, "micro_batch_size": 4},
-          {"world_size": 2, "num_workers": 2, "micro_batch_size": 2},
+          {"world_size": 2, "num_workers": 2, "micro_batch_size": 4},
           {"world_size": 4, "num_workers": 0, "micro_batch_size": 2})
+IN_PROCESS = tuple({**topology, "num_workers": 0} for topology in RESUME)
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,6 @@ class Case:
     spread: tuple[dict, ...] = SPREAD
     resume: tuple[dict, ...] = RESUME
     check: Optional[Callable[[Outcome], None]] = None
-    workers_serve: bool = False  # wait for the workers: what only they do is part of the row's subject
     marks: tuple = ()
 
 
@@ -255,17 +259,19 @@ def _tombstoned(paths, transforms=()) -> LoaderConfig:
 
 
 CASES: tuple[Case, ...] = (
-    # Text tokenized online and pre-tokenized (tests/loader/runtime/test_fingerprints.py drives
-    # them through more topologies, epoch edges and many cuts).
-    *(Case(f"text-{p}", write_transform_corpus, lambda c, p=p: loader_config(c.text_path, packing=p))
-      for p in ("concat", "best_fit")),
-    *(Case(f"tokens-{p}", write_transform_corpus, lambda c, p=p: loader_config(c.pretokenized_path, packing=p))
-      for p in ("concat", "best_fit")),
+    # Text tokenized online and pre-tokenized: tests/loader/runtime/test_fingerprints.py drives
+    # them through worker processes, prefetch depths, epoch edges and many cuts, so their chain
+    # stays in the trainer process.
+    *(Case(f"text-{p}", write_transform_corpus, lambda c, p=p: loader_config(c.text_path, packing=p),
+           resume=IN_PROCESS) for p in ("concat", "best_fit")),
+    *(Case(f"tokens-{p}", write_transform_corpus, lambda c, p=p: loader_config(c.pretokenized_path, packing=p),
+           resume=IN_PROCESS) for p in ("concat", "best_fit")),
     *(Case(f"{mix}-{p}", write_chat_and_text, lambda d, mix=mix, p=p: chat_config(d[mix], p), run=MaskedLoaderRun,
-           check=supervised_counts_follow_the_labels_and_masks if (mix, p) == ("chat+text", "best_fit") else None)
+           check=supervised_counts_follow_the_labels_and_masks if (mix, p) == ("chat+text", "best_fit") else None,
+           marks=(pytest.mark.slow,) if (mix, p) == ("chat+text", "best_fit") else ())  # 4 more runs, 8 workers
       for mix in ("chat", "chat+text") for p in ("concat", "best_fit")),
     *(Case(f"chat-online-{p}", write_offline_and_online, lambda d, p=p: chat_config(_chat(d, "online"), p),
-           run=MaskedLoaderRun, workers_serve=True,
+           run=MaskedLoaderRun,
            check=equals_offline(lambda d, p=p: chat_config(_chat(d, "offline"), p)))
       for p in ("concat", "best_fit")),
     Case("images-best_fit", write_golden_images, lambda d: _images(d, images={"max_images_per_sequence": 3}),
@@ -295,6 +301,6 @@ CASES: tuple[Case, ...] = (
       for unit in ("sequence", "token") for p in ("concat", "best_fit")),
     # The test-only kind registered from tests/: worker processes import its module by name.
     *(Case(f"utf8-bytes-{p}", write_utf8_lanes, lambda path, p=p: utf8_config(path, packing=p),
-           steps=10, cuts=(3, 7), workers_serve=True, marks=(pytest.mark.slow, pytest.mark.timeout(300)))
+           steps=10, cuts=(3, 7), marks=(pytest.mark.slow, pytest.mark.timeout(300)))
       for p in ("concat", "best_fit")),
 )

@@ -5,17 +5,17 @@ One row per (kind, packing) in :mod:`tests.elastic.cases`; each row runs
 
 * its reference (W1, no workers) and every ``spread`` topology, whose lines must be equal;
 * :func:`tests.resume_harness.check_resume` over its ``resume`` topologies: the uninterrupted run
-  (W2 with worker processes, saving at every cut) and the run cut at ``cuts`` and resumed each
-  time on another world size and worker count must both give the reference lines, and a state
-  saved at a cut must be the same JSON however it was reached;
+  (saving at every cut) and the run cut at ``cuts`` and resumed each time on another world size
+  and worker count must both give the reference lines, and a state saved at a cut must be the
+  same JSON however it was reached;
 * its extra check (supervised counts, offline == online, pixels in the fingerprint, transform
   counters in the state).
 
-On rows whose subject only the worker processes handle (a named kind's module imported by
-name, chat rendered online) the workers serve from the first batch (``Case.workers_serve``);
-elsewhere a short run may be served by the warm start while they start. A step line is the harness's
-(``StepFingerprint.line()``: ids and labels, image pixels, per-source counts) and, for chat
-rows, the SHA-256 of the step's loss masks (``MaskedLoaderRun``).
+Worker processes serve from their first batch (``workers_serve``), so what only they do (import
+a named kind's module, render chat online, ship pixels in their messages, load a state) is on
+the compared path. A step line is the harness's (``StepFingerprint.line()``: ids and labels,
+image pixels, per-source counts) and, for chat rows, the SHA-256 of the step's loss masks
+(``MaskedLoaderRun``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def lines_on() -> Callable[..., list[str]]:
         key = (json.dumps(config.to_dict(), sort_keys=True), json.dumps(topology, sort_keys=True), case.steps,
                case.run)
         if key not in cache:
-            make = loader_runs(config, [topology], run=case.run, workers_serve=case.workers_serve)
+            make = loader_runs(config, [topology], run=case.run, workers_serve=True)
             cache[key] = run_lines(make, case.steps)
         return cache[key]
 
@@ -88,7 +88,7 @@ def test_every_topology_gives_the_reference_batches(case, topology, built, lines
 @pytest.mark.parametrize("case", ROWS)
 def test_resumes_on_other_topologies_give_the_reference_batches(case, built, lines_on):
     data, config, reference = _reference(case, built, lines_on)
-    make = loader_runs(config, case.resume, run=case.run, workers_serve=case.workers_serve)
+    make = loader_runs(config, case.resume, run=case.run, workers_serve=True)
     report = check_resume(make, steps=case.steps, cut_points=case.cuts, expected=reference)
     if case.check is not None:
         case.check(Outcome(data, config, reference, report, lambda other: lines_on(other, case.reference, case)))
