@@ -1,9 +1,9 @@
 """The rows of the elastic matrix: one per (kind, packing), each naming its data, its loader
 config and what else its kind must show.
 
-A row's data comes from the suite's own writers (``tests/dataset_factory.py``, the transform,
-mixing and utf8-bytes writers of their folders' ``conftest.py``, ``tests/golden/kinds_data.py``,
-the image and chat factories) and is built once per module per writer (``Case.data``). Its
+A row's data comes from the suite's own writers (the chat, transform, mixing and utf8-bytes
+writers of their folders' ``conftest.py``, ``tests/golden/kinds_data.py``,
+``tests/dataset_factory.py``) and is built once per module per writer (``Case.data``). Its
 extra check (``Case.check``) gets the row's :class:`Outcome`: the reference lines, the resume
 report and a way to run another config on the reference topology.
 
@@ -115,7 +115,7 @@ def write_utf8_lanes(base: Path) -> str:
     return write_utf8_dataset(base)[0]
 
 
-def write_mixes(base: Path):
+def write_mixes(base: Path) -> Callable[..., LoaderConfig]:
     return mix_configs(write_mix_data(base, load_tokenizer(default_tokenizer_path())))
 
 
@@ -242,10 +242,6 @@ def _text_mix(corpus, transformed: bool) -> list[dict]:
              "transforms": list(TOKEN_TRANSFORMS) if transformed else []}]
 
 
-def _chat(shards, kind: str) -> list[dict]:
-    return [{"path": str(shards["base"] / kind), "name": "chat"}]
-
-
 def _images(paths, with_text: bool = False, **fields) -> LoaderConfig:
     weight = 0.5 if with_text else 1.0
     datasets = [{"path": paths["image"], "name": "images", "weight": weight}]
@@ -258,35 +254,67 @@ def _tombstoned(paths, transforms=()) -> LoaderConfig:
                                                         "transforms": list(transforms)}])
 
 
+def _text(packing: str) -> Callable[[Any], LoaderConfig]:
+    return lambda corpus: loader_config(corpus.text_path, packing=packing)
+
+
+def _tokens(packing: str) -> Callable[[Any], LoaderConfig]:
+    return lambda corpus: loader_config(corpus.pretokenized_path, packing=packing)
+
+
+def _chat_mix(mix: str, packing: str) -> Callable[[Any], LoaderConfig]:
+    return lambda datasets: chat_config(datasets[mix], packing)
+
+
+def _chat_shard(kind: str, packing: str) -> Callable[[Any], LoaderConfig]:
+    return lambda shards: chat_config([{"path": str(shards["base"] / kind), "name": "chat"}], packing)
+
+
+def _mix(unit: str, packing: str) -> Callable[[Any], LoaderConfig]:
+    return lambda make: make(mixing_unit=unit, packing=packing)
+
+
+def _utf8(packing: str) -> Callable[[Any], LoaderConfig]:
+    return lambda path: utf8_config(path, packing=packing)
+
+
+SLOW = (pytest.mark.slow, pytest.mark.timeout(300))
+IMAGES = (pytest.mark.timeout(240),)
+MIXES = (pytest.mark.timeout(180),)
+
 CASES: tuple[Case, ...] = (
     # Text tokenized online and pre-tokenized: tests/loader/runtime/test_fingerprints.py drives
     # them through worker processes, prefetch depths, epoch edges and many cuts, so their chain
     # stays in the trainer process.
-    *(Case(f"text-{p}", write_transform_corpus, lambda c, p=p: loader_config(c.text_path, packing=p),
-           resume=IN_PROCESS) for p in ("concat", "best_fit")),
-    *(Case(f"tokens-{p}", write_transform_corpus, lambda c, p=p: loader_config(c.pretokenized_path, packing=p),
-           resume=IN_PROCESS) for p in ("concat", "best_fit")),
-    *(Case(f"{mix}-{p}", write_chat_and_text, lambda d, mix=mix, p=p: chat_config(d[mix], p), run=MaskedLoaderRun,
-           check=supervised_counts_follow_the_labels_and_masks if (mix, p) == ("chat+text", "best_fit") else None,
-           marks=(pytest.mark.slow,) if (mix, p) == ("chat+text", "best_fit") else ())  # 4 more runs, 8 workers
-      for mix in ("chat", "chat+text") for p in ("concat", "best_fit")),
-    *(Case(f"chat-online-{p}", write_offline_and_online, lambda d, p=p: chat_config(_chat(d, "online"), p),
-           run=MaskedLoaderRun,
-           check=equals_offline(lambda d, p=p: chat_config(_chat(d, "offline"), p)))
-      for p in ("concat", "best_fit")),
+    Case("text-concat", write_transform_corpus, _text("concat"), resume=IN_PROCESS),
+    Case("text-best_fit", write_transform_corpus, _text("best_fit"), resume=IN_PROCESS),
+    Case("tokens-concat", write_transform_corpus, _tokens("concat"), resume=IN_PROCESS),
+    Case("tokens-best_fit", write_transform_corpus, _tokens("best_fit"), resume=IN_PROCESS),
+    # Chat sharded offline, alone and mixed 1:1 with text: loss masks are part of the line.
+    Case("chat-concat", write_chat_and_text, _chat_mix("chat", "concat"), run=MaskedLoaderRun),
+    Case("chat-best_fit", write_chat_and_text, _chat_mix("chat", "best_fit"), run=MaskedLoaderRun),
+    Case("chat+text-concat", write_chat_and_text, _chat_mix("chat+text", "concat"), run=MaskedLoaderRun),
+    Case("chat+text-best_fit", write_chat_and_text, _chat_mix("chat+text", "best_fit"), run=MaskedLoaderRun,
+         check=supervised_counts_follow_the_labels_and_masks, marks=SLOW),  # 6 more runs, two with 8 workers
+    # Chat rendered and tokenized by the loader (in the workers of the chain's middle segment).
+    Case("chat-online-concat", write_offline_and_online, _chat_shard("online", "concat"), run=MaskedLoaderRun,
+         check=equals_offline(_chat_shard("offline", "concat"))),
+    Case("chat-online-best_fit", write_offline_and_online, _chat_shard("online", "best_fit"), run=MaskedLoaderRun,
+         check=equals_offline(_chat_shard("offline", "best_fit"))),
+    # Pixels travel in worker messages and are part of the line; best-fit bins hold image refs.
     Case("images-best_fit", write_golden_images, lambda d: _images(d, images={"max_images_per_sequence": 3}),
-         check=images_fingerprinted, marks=(pytest.mark.timeout(240),)),
+         check=images_fingerprinted, marks=IMAGES),
     Case("images+text-best_fit", write_golden_images, lambda d: _images(d, with_text=True),
-         check=images_and_text_fingerprinted, marks=(pytest.mark.timeout(240),)),
+         check=images_and_text_fingerprinted, marks=IMAGES),
     Case("image-chat+text-best_fit", write_golden_images, lambda d: kinds_config(d, "image_chat"),
-         check=sources_in_every_step("image_chat", "text"), marks=(pytest.mark.timeout(240),)),
+         check=sources_in_every_step("image_chat", "text"), marks=IMAGES),
+    # A filter, a map and a seeded random map of each stage; the workers import the functions.
     Case("transforms-text-concat", write_transform_corpus,
          lambda c: loader_config(c.text_path, TEXT_TRANSFORMS, packing="concat"),
-         check=transforms_counted(lambda c: loader_config(c.text_path, packing="concat")), **TRANSFORM_STEPS),
+         check=transforms_counted(_text("concat")), **TRANSFORM_STEPS),
     Case("transforms-tokens-best_fit", write_transform_corpus,
          lambda c: loader_config(c.pretokenized_path, TOKEN_TRANSFORMS, packing="best_fit"),
-         check=transforms_counted(lambda c: loader_config(c.pretokenized_path, packing="best_fit")),
-         **TRANSFORM_STEPS),
+         check=transforms_counted(_tokens("best_fit")), **TRANSFORM_STEPS),
     # Token mixing takes documents of two sources in bulk (states inside the next row group).
     Case("transforms-mix-token-concat", write_transform_corpus,
          lambda c: loader_config(c.text_path, datasets=_text_mix(c, True), mixing_unit="token"),
@@ -295,12 +323,16 @@ CASES: tuple[Case, ...] = (
     # Online token transforms over a dataset the job transformed (its dropped rows are tombstones).
     Case("transforms-tombstoned-concat", write_golden_tombstoned, lambda d: _tombstoned(d, TOKEN_TRANSFORMS),
          check=transforms_counted(_tombstoned), **TRANSFORM_STEPS),
-    *(Case(f"mix-{unit}-{p}", write_mixes, lambda make, unit=unit, p=p: make(mixing_unit=unit, packing=p),
-           resume=_mix_resume(2 if (unit, p) in {("sequence", "best_fit"), ("token", "concat")} else 0),
-           marks=(pytest.mark.timeout(180),), **MIX_TOPOLOGIES)
-      for unit in ("sequence", "token") for p in ("concat", "best_fit")),
+    # Three sources at 0.55/0.3/0.15 (tests/mixing/conftest.py), micro-batches 1/7/14/28.
+    Case("mix-sequence-concat", write_mixes, _mix("sequence", "concat"), resume=_mix_resume(0), marks=MIXES,
+         **MIX_TOPOLOGIES),
+    Case("mix-sequence-best_fit", write_mixes, _mix("sequence", "best_fit"), resume=_mix_resume(2), marks=MIXES,
+         **MIX_TOPOLOGIES),
+    Case("mix-token-concat", write_mixes, _mix("token", "concat"), resume=_mix_resume(2), marks=MIXES,
+         **MIX_TOPOLOGIES),
+    Case("mix-token-best_fit", write_mixes, _mix("token", "best_fit"), resume=_mix_resume(0), marks=MIXES,
+         **MIX_TOPOLOGIES),
     # The test-only kind registered from tests/: worker processes import its module by name.
-    *(Case(f"utf8-bytes-{p}", write_utf8_lanes, lambda path, p=p: utf8_config(path, packing=p),
-           steps=10, cuts=(3, 7), marks=(pytest.mark.slow, pytest.mark.timeout(300)))
-      for p in ("concat", "best_fit")),
+    Case("utf8-bytes-concat", write_utf8_lanes, _utf8("concat"), steps=10, cuts=(3, 7), marks=SLOW),
+    Case("utf8-bytes-best_fit", write_utf8_lanes, _utf8("best_fit"), steps=10, cuts=(3, 7), marks=SLOW),
 )
