@@ -18,6 +18,9 @@ otherwise::
 
 The workers of the chain's middle segment load the state saved on W1, serve every step of the
 segment (``workers_serve``: not the trainer process's warm start) and save the state W4 loads.
+Worker processes cost seconds per run (fresh interpreters): where two rows of a kind differ only
+in packing or mix, one of them runs the workers and the other keeps its chain in process
+(``IN_PROCESS``).
 """
 
 from __future__ import annotations
@@ -50,11 +53,11 @@ from tests.transforms.conftest import TEXT_TRANSFORMS, TOKEN_TRANSFORMS, loader_
 
 REFERENCE = {"world_size": 1, "num_workers": 0, "micro_batch_size": 2}
 SPREAD = ({"world_size": 4, "num_workers": 0, "micro_batch_size": 1},)
-# A run with worker processes costs seconds (fresh interpreters): one per row, in the chain.
 RESUME = ({"world_size": 2, "num_workers": 0, "micro_batch_size": 4},
           {"world_size": 1, "num_workers": 0, "micro_batch_size": 4},
           {"world_size": 2, "num_workers": 2, "micro_batch_size": 4},
           {"world_size": 4, "num_workers": 0, "micro_batch_size": 2})
+# For rows whose worker path another row of the same kind runs (in the other packing or mix).
 IN_PROCESS = tuple({**topology, "num_workers": 0} for topology in RESUME)
 
 
@@ -290,10 +293,13 @@ CASES: tuple[Case, ...] = (
     Case("text-best_fit", write_transform_corpus, _text("best_fit"), resume=IN_PROCESS),
     Case("tokens-concat", write_transform_corpus, _tokens("concat"), resume=IN_PROCESS),
     Case("tokens-best_fit", write_transform_corpus, _tokens("best_fit"), resume=IN_PROCESS),
-    # Chat sharded offline, alone and mixed 1:1 with text: loss masks are part of the line.
+    # Chat sharded offline, alone and mixed 1:1 with text: loss masks are part of the line; the
+    # workers run chat-concat and chat+text-best_fit.
     Case("chat-concat", write_chat_and_text, _chat_mix("chat", "concat"), run=MaskedLoaderRun),
-    Case("chat-best_fit", write_chat_and_text, _chat_mix("chat", "best_fit"), run=MaskedLoaderRun),
-    Case("chat+text-concat", write_chat_and_text, _chat_mix("chat+text", "concat"), run=MaskedLoaderRun),
+    Case("chat-best_fit", write_chat_and_text, _chat_mix("chat", "best_fit"), run=MaskedLoaderRun,
+         resume=IN_PROCESS),
+    Case("chat+text-concat", write_chat_and_text, _chat_mix("chat+text", "concat"), run=MaskedLoaderRun,
+         resume=IN_PROCESS),
     Case("chat+text-best_fit", write_chat_and_text, _chat_mix("chat+text", "best_fit"), run=MaskedLoaderRun,
          check=supervised_counts_follow_the_labels_and_masks, marks=SLOW),  # 6 more runs, two with 8 workers
     # Chat rendered and tokenized by the loader (in the workers of the chain's middle segment).
@@ -301,9 +307,10 @@ CASES: tuple[Case, ...] = (
          check=equals_offline(_chat_shard("offline", "concat"))),
     Case("chat-online-best_fit", write_offline_and_online, _chat_shard("online", "best_fit"), run=MaskedLoaderRun,
          check=equals_offline(_chat_shard("offline", "best_fit"))),
-    # Pixels travel in worker messages and are part of the line; best-fit bins hold image refs.
+    # Pixels travel in worker messages (images+text, image-chat) and are part of the line;
+    # best-fit bins hold image refs.
     Case("images-best_fit", write_golden_images, lambda d: _images(d, images={"max_images_per_sequence": 3}),
-         check=images_fingerprinted, marks=IMAGES),
+         resume=IN_PROCESS, check=images_fingerprinted, marks=IMAGES),
     Case("images+text-best_fit", write_golden_images, lambda d: _images(d, with_text=True),
          check=images_and_text_fingerprinted, marks=IMAGES),
     Case("image-chat+text-best_fit", write_golden_images, lambda d: kinds_config(d, "image_chat"),
@@ -332,7 +339,9 @@ CASES: tuple[Case, ...] = (
          **MIX_TOPOLOGIES),
     Case("mix-token-best_fit", write_mixes, _mix("token", "best_fit"), resume=_mix_resume(0), marks=MIXES,
          **MIX_TOPOLOGIES),
-    # The test-only kind registered from tests/: worker processes import its module by name.
+    # The test-only kind registered from tests/: worker processes import its module by name
+    # (utf8-bytes-concat).
     Case("utf8-bytes-concat", write_utf8_lanes, _utf8("concat"), steps=10, cuts=(3, 7), marks=SLOW),
-    Case("utf8-bytes-best_fit", write_utf8_lanes, _utf8("best_fit"), steps=10, cuts=(3, 7), marks=SLOW),
+    Case("utf8-bytes-best_fit", write_utf8_lanes, _utf8("best_fit"), steps=10, cuts=(3, 7), resume=IN_PROCESS,
+         marks=SLOW),
 )
