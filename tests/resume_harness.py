@@ -23,8 +23,9 @@ checkpoint before anything was consumed). Each segment is built by ``make(k)``, 
 can change the world size, worker count, micro-batch or prefetch at every resume.
 
 Drivers: :class:`LoaderRun` (W rank loaders reassembled into global batches, the same
-fingerprint as :func:`loader.commands.fingerprints.collect_fingerprints`) and :class:`StageRun`
-(any object with ``get_state``/``set_state`` and a function producing its next output).
+fingerprint as :func:`loader.commands.fingerprints.collect_fingerprints`), :class:`MaskedLoaderRun`
+(the same line plus the step's loss masks) and :class:`StageRun` (any object with
+``get_state``/``set_state`` and a function producing its next output).
 """
 
 from __future__ import annotations
@@ -186,14 +187,23 @@ class LoaderRun:
     as ``collect_fingerprints`` (plus ``name=count`` per source for mixes). Every micro-batch
     is checked for its ``step``/``micro_step``/``global_indices`` fields, and all ranks must
     agree on where the data ends.
+
+    With ``workers_serve`` the worker processes (if any) serve from the first batch: without
+    the wait a loader reads in-process until they are ready (its warm start), and a short run
+    might never reach them, so what only the workers do (import a named kind's module, encode
+    online) would go untested.
     """
 
-    def __init__(self, config: LoaderConfig, world_size: int = 1) -> None:
+    def __init__(self, config: LoaderConfig, world_size: int = 1, *, workers_serve: bool = False) -> None:
         from loader.pipeline import ZephonLoader
 
         self.config = config
         self.world_size = world_size
         self.loaders = [ZephonLoader(config, rank=r, world_size=world_size) for r in range(world_size)]
+        self.workers_serve = workers_serve and config.num_workers > 0
+        if self.workers_serve:
+            for loader in self.loaders:
+                loader.wait_for_workers(60)
         self.names = self.loaders[0].source_names
         self.micro_steps = self.loaders[0].topology.micro_steps_per_step
         self.last_rows: dict[int, bytes] = {}  # the last step's sequence bytes by global index
@@ -221,6 +231,8 @@ class LoaderRun:
             if line is None:
                 break
             out.append(line)
+        if out and self.workers_serve:
+            assert not any(loader._run.warm_start for loader in self.loaders), f"{self!r}: the workers did not serve"
         return out
 
     def _step(self) -> Optional[str]:
@@ -272,19 +284,69 @@ class LoaderRun:
         return StepFingerprint(step, digest.hexdigest(), source_counts).line()
 
 
-def loader_runs(config: LoaderConfig, topologies: Sequence[dict]) -> Callable[[int], LoaderRun]:
+class RecordingLoader:
+    """A rank loader that hands each micro-batch's loss masks to ``sink`` by global index."""
+
+    def __init__(self, loader, sink: dict[int, bytes]) -> None:
+        self._loader, self._sink = loader, sink
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def __next__(self) -> dict:
+        batch = next(self._loader)
+        for index, mask in zip(batch["global_indices"].tolist(), batch["loss_mask"].numpy()):
+            self._sink[index] = np.asarray(mask, np.uint8).tobytes()
+        return batch
+
+
+class MaskedLoaderRun(LoaderRun):
+    """:class:`LoaderRun` whose step line also covers the step's ``loss_mask`` rows.
+
+    A step fingerprint hashes ``input_ids`` and ``labels``, not ``loss_mask``; this line adds
+    the SHA-256 of the step's masks in global-index order, so two lines agree only when ids,
+    labels and masks all do.
+    """
+
+    def __init__(self, config: LoaderConfig, world_size: int = 1, **options: Any) -> None:
+        super().__init__(config, world_size, **options)
+        self.masks: dict[int, bytes] = {}
+        self.loaders = [RecordingLoader(loader, self.masks) for loader in self.loaders]
+
+    def _step(self) -> Optional[str]:
+        self.masks.clear()
+        line = super()._step()
+        if line is None:
+            return None
+        digest = hashlib.sha256(b"".join(self.masks[i] for i in sorted(self.masks)))
+        assert sorted(self.masks) == sorted(self.last_rows)  # every sequence of the step has its mask
+        return f"{line} loss_mask={digest.hexdigest()}"
+
+
+def loader_runs(config: LoaderConfig, topologies: Sequence[dict], *, run: Callable[..., LoaderRun] = LoaderRun,
+                workers_serve: bool = False) -> Callable[[int], LoaderRun]:
     """``make`` for :func:`check_resume`: segment ``k`` uses ``topologies[k % len]``.
 
     A topology is a dict of ``world_size`` and any of ``num_workers``, ``micro_batch_size``,
-    ``prefetch``; index 0 is the uninterrupted run.
+    ``prefetch``; index 0 is the uninterrupted run. ``run`` is the driver class
+    (:class:`LoaderRun` or a subclass).
     """
 
     def make(k: int) -> LoaderRun:
         topo = dict(topologies[k % len(topologies)])
         world_size = topo.pop("world_size", 1)
-        return LoaderRun(config.replace(**topo), world_size)
+        return run(config.replace(**topo), world_size, workers_serve=workers_serve)
 
     return make
+
+
+def run_lines(make: Callable[[int], Resumable], steps: int, k: int = 0) -> list[str]:
+    """The fingerprints of ``steps`` steps of ``make(k)`` alone, closed afterwards."""
+    run = make(k)
+    try:
+        return run.run(steps)
+    finally:
+        run.close()
 
 
 class StageRun:

@@ -1,9 +1,8 @@
 """Online chat: conversations stored by ``zephon shard`` without ``--tokenizer`` and rendered,
 tokenized and masked by the loader (``loader.chat.block``).
 
-* Offline == online: the same conversations sharded with ``--tokenizer`` and without give the
-  same step lines (ids, labels and loss masks: ``MaskedLoaderRun``), in both packings, on
-  W 1/2/4 with 0/2 workers: the online run resumed on another W and worker count at each cut.
+* Offline and online lanes hold the same conversations in the same layout (their batches are
+  compared on every topology by the elastic matrix, ``tests/elastic``).
 * Online rejects (``empty_loss_mask``, ``full_loss_mask``, ``too_long``) are counted per
   reason in each micro-batch's ``chat_rejects``, the same on every topology and across a
   resume, and their conversations never reach a batch.
@@ -25,56 +24,27 @@ import pyarrow.parquet as pq
 import pytest
 
 from beam_jobs import shard
-from loader.samples import default_tokenizer_path
-from loader.chat import ConversationRejected, encode_conversation, load_chat_template
+from loader.chat import load_chat_template
 from loader.chat import block as chat_block
 from loader.chat.block import ONLINE_REJECT_REASONS, ChatConfigError
 from loader.checkpoint.state import StateError
 from loader.io.manifest import read_manifest
 from loader.pipeline import ZephonLoader
-from loader.stages.tokenizer import load_tokenizer
 from tests.chat.chat_factory import TEMPLATES_DIR, make_records
-from tests.chat.test_chat_elastic import MaskedLoaderRun, _Recording
-from tests.chat.test_chat_shard import MAX_TOKENS, NUM_LANES, TEMPLATE, _config, _job_args, _write_jsonl
-from tests.resume_harness import check_resume
-from tests.loader.settings import eos_id_of
+from tests.chat.conftest import online_args, outcome, write_offline_and_online
+from tests.chat.test_chat_shard import MAX_TOKENS, NUM_LANES, _config, _job_args, _write_jsonl
+from tests.resume_harness import MaskedLoaderRun, RecordingLoader, check_resume
 
 STEPS = 4
-# (world_size, num_workers, micro_batch_size) of the reference run; RESUME: W 1, then 2 (2 workers), 4, 1.
-TOPOLOGIES = ((1, 0, 2),)
+# W 1 uninterrupted; cut: W 2 with 2 workers, W 4, then W 1 again.
 RESUME = ({"world_size": 1, "num_workers": 0, "micro_batch_size": 4},
           {"world_size": 2, "num_workers": 2, "micro_batch_size": 2},
           {"world_size": 4, "num_workers": 0, "micro_batch_size": 2})
 
 
-def _online_args(inputs, output, *extra) -> list[str]:
-    args = _job_args(inputs, output, *extra)
-    at = args.index("--tokenizer")
-    return args[:at] + args[at + 2 :]
-
-
-def _outcome(record, template, tokenizer, **options):
-    try:
-        return encode_conversation(record, template, tokenizer, **options)
-    except ConversationRejected as exc:
-        return exc.reason
-
-
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> dict[str, Any]:
-    """The same conversations sharded offline and online (those both accept: rejects online
-    are counted, offline they never reach the lanes)."""
-    base = tmp_path_factory.mktemp("chat_online")
-    template, tokenizer = load_chat_template(TEMPLATE), load_tokenizer(default_tokenizer_path())
-    options = dict(max_tokens=MAX_TOKENS, overflow="truncate")
-    records = [r for r in make_records(41, 70) if not isinstance(_outcome(r, template, tokenizer, **options), str)]
-    (base / "in").mkdir()
-    _write_jsonl(base / "in" / "chat.jsonl", records)
-    extra = ("--chat-max-tokens", str(MAX_TOKENS), "--chat-overflow", "truncate")
-    offline = shard.run(_job_args([str(base / "in" / "chat.jsonl")], base / "offline", *extra))
-    online = shard.run(_online_args([str(base / "in" / "chat.jsonl")], base / "online", *extra))
-    return {"base": base, "records": records, "offline": offline, "online": online,
-            "eos": eos_id_of(tokenizer), "template": template, "tokenizer": tokenizer}
+    return write_offline_and_online(tmp_path_factory.mktemp("chat_online"))
 
 
 def _dataset(shards, kind: str) -> list[dict]:
@@ -108,41 +78,6 @@ def test_online_lanes_hold_the_conversations_with_the_offline_layout(shards):
     assert online.dataset_fingerprint != offline.dataset_fingerprint
 
 
-def _workers_ready(run):
-    """The run's loaders with their worker processes started (else a short run is served by
-    the warm start in the trainer's process, and the worker path is not exercised)."""
-    if run.config.num_workers:
-        for loader in run.loaders:
-            loader.wait_for_workers(60)
-    return run
-
-
-def _lines(config, world_size: int, num_workers: int, micro: int) -> list[str]:
-    run = MaskedLoaderRun(config.replace(num_workers=num_workers, micro_batch_size=micro), world_size)
-    try:
-        if num_workers:
-            for loader in run.loaders:
-                loader.wait_for_workers(60)
-        return run.run(STEPS)
-    finally:
-        run.close()
-
-
-@pytest.mark.parametrize("packing", ("best_fit", "concat"))
-def test_offline_and_online_batches_are_identical_on_every_topology_and_across_a_resume(shards, packing):
-    reference = _lines(_config(_dataset(shards, "offline"), packing), *TOPOLOGIES[0])
-    assert len(reference) == STEPS
-    online = _config(_dataset(shards, "online"), packing)
-    # W 1 uninterrupted, then resumed on W 2 with 2 workers, W 4 (and W 1 again): all equal the offline run
-
-    def make(k: int) -> MaskedLoaderRun:
-        topology = dict(RESUME[k % len(RESUME)])
-        world_size = topology.pop("world_size")
-        return _workers_ready(MaskedLoaderRun(online.replace(**topology), world_size))
-
-    check_resume(make, steps=STEPS, cut_points=[1, 3] if packing == "best_fit" else [2], expected=reference)
-
-
 # -- online rejects -----------------------------------------------------------------------
 
 # A template whose generation tags cover the whole conversation: every conversation whose
@@ -152,7 +87,7 @@ TAG_EVERYTHING = ("{% generation %}{% for m in messages %}<|im_start|>{{ m.role 
 REJECT_MAX_TOKENS = 500  # < seq_len - 1: the same bound under both packings
 
 
-class _RejectRecording(_Recording):
+class _RejectRecording(RecordingLoader):
     """Also sums each micro-batch's ``chat_rejects`` into ``totals`` (per step, via ``sink``)."""
 
     def __init__(self, loader, sink: dict[int, bytes], rejects: list) -> None:
@@ -169,8 +104,8 @@ class _RejectRecording(_Recording):
 class RejectLoaderRun(MaskedLoaderRun):
     """A step line that also says how many conversations were rejected online during the step."""
 
-    def __init__(self, config, world_size: int = 1) -> None:
-        super().__init__(config, world_size)
+    def __init__(self, config, world_size: int = 1, **options) -> None:
+        super().__init__(config, world_size, **options)
         self.rejects: list = []
         self.loaders = [_RejectRecording(loader._loader, self.masks, self.rejects) for loader in self.loaders]
 
@@ -197,24 +132,24 @@ def rejecting(tmp_path_factory, shards) -> dict[str, Any]:
     _write_jsonl(base / "in" / "a.jsonl", records)
     bound = ("--chat-max-tokens", str(REJECT_MAX_TOKENS))
     # one lane: a run with exhaustion="stop" delivers the whole epoch (global batch 1)
-    a = shard.run(_online_args([str(base / "in" / "a.jsonl")], base / "a", *bound, "--num-lanes", "1"))
+    a = shard.run(online_args([str(base / "in" / "a.jsonl")], base / "a", *bound, "--num-lanes", "1"))
     # NUM_LANES lanes, for the topology test (concat): a looser bound, fewer rejects, fewer epochs
-    shard.run(_online_args([str(base / "in" / "a.jsonl")], base / "a4", "--chat-max-tokens", "1000"))
+    shard.run(online_args([str(base / "in" / "a.jsonl")], base / "a4", "--chat-max-tokens", "1000"))
     tag_all = base / "tag_all.jinja"
     tag_all.write_text(TAG_EVERYTHING)
     simple = [{"messages": [{"role": "user", "content": f"hi {k}"}, {"role": "assistant", "content": f"hello {k}"}]}
               if k % 2 else {"messages": [{"role": "assistant", "content": f"only the assistant speaks {k}"}]}
               for k in range(16)]  # odd: full_loss_mask (user text tagged), even: accepted
     _write_jsonl(base / "in" / "b.jsonl", simple)
-    b = shard.run(_online_args([str(base / "in" / "b.jsonl")], base / "b", "--chat-template", str(tag_all),
+    b = shard.run(online_args([str(base / "in" / "b.jsonl")], base / "b", "--chat-template", str(tag_all),
                                "--num-lanes", "1"))
-    expected_a = Counter(o for o in (_outcome(r, template, tokenizer, max_tokens=REJECT_MAX_TOKENS) for r in records)
+    expected_a = Counter(o for o in (outcome(r, template, tokenizer, max_tokens=REJECT_MAX_TOKENS) for r in records)
                          if isinstance(o, str))
     b_template = load_chat_template(str(tag_all))
-    outcomes_b = [_outcome(r, b_template, tokenizer) for r in simple]
+    outcomes_b = [outcome(r, b_template, tokenizer) for r in simple]
     return {"a": a, "b": b, "base": base, "expected": {"a": expected_a, "b": Counter(o for o in outcomes_b
                                                                                     if isinstance(o, str))},
-            "accepted": {"a": [o for o in (_outcome(r, template, tokenizer, max_tokens=REJECT_MAX_TOKENS)
+            "accepted": {"a": [o for o in (outcome(r, template, tokenizer, max_tokens=REJECT_MAX_TOKENS)
                                           for r in records) if not isinstance(o, str)],
                          "b": [o for o in outcomes_b if not isinstance(o, str)]}}
 
@@ -266,7 +201,7 @@ def test_reject_counts_are_the_same_on_every_topology_and_across_a_resume(reject
     def make(k: int) -> RejectLoaderRun:  # W 1 uninterrupted; cut: W 2 with 2 workers, W 4, W 1
         topology = dict(RESUME[k % len(RESUME)])
         world_size = topology.pop("world_size")
-        return _workers_ready(RejectLoaderRun(config.replace(**topology), world_size))
+        return RejectLoaderRun(config.replace(**topology), world_size, workers_serve=True)
 
     report = check_resume(make, steps=STEPS, cut_points=[1, 3])
     counted = [sum(int(part.split(":")[1]) for part in line.split("rejects=")[1].split(",")) for line in report.baseline]
@@ -285,7 +220,7 @@ def unbounded(tmp_path_factory, shards) -> dict[str, Any]:
     (base / "in").mkdir()
     records = make_records(13, 40)
     _write_jsonl(base / "in" / "c.jsonl", records)
-    shard.run(_online_args([str(base / "in" / "c.jsonl")], base / "online", "--chat-overflow", "truncate",
+    shard.run(online_args([str(base / "in" / "c.jsonl")], base / "online", "--chat-overflow", "truncate",
                            "--num-lanes", "1"))  # one lane: exhaustion="stop" delivers the whole epoch
     shard.run(_job_args([str(base / "in" / "c.jsonl")], base / "offline", "--chat-overflow", "truncate"))
     return {"base": base, "records": records}
@@ -295,7 +230,7 @@ def test_best_fit_never_splits_a_conversation_and_positions_restart_per_conversa
     config = _config([{"path": str(unbounded["base"] / "online"), "exhaustion": "stop"}], "best_fit",
                      seq_len=SHORT_SEQ_LEN, global_batch_size=1, micro_batch_size=1)
     fit = SHORT_SEQ_LEN - 1  # the loader's EOS
-    outcomes = [_outcome(r, shards["template"], shards["tokenizer"], max_tokens=fit, overflow="truncate")
+    outcomes = [outcome(r, shards["template"], shards["tokenizer"], max_tokens=fit, overflow="truncate")
                 for r in unbounded["records"]]
     accepted = [o for o in outcomes if not isinstance(o, str)]
     assert sum(o.truncated for o in accepted) > 0  # long conversations were cut at the fit, not split
@@ -340,7 +275,7 @@ def test_a_pretokenized_chat_source_that_does_not_fit_is_refused_under_best_fit(
 def test_a_resume_on_a_dataset_sharded_with_another_template_is_refused(shards, tmp_path):
     changed = tmp_path / "chatml_changed.jinja"
     changed.write_text("{# another revision #}\n" + (TEMPLATES_DIR / "chatml_generation.jinja").read_text())
-    other = shard.run(_online_args([str(shards["base"] / "in" / "chat.jsonl")], tmp_path / "online",
+    other = shard.run(online_args([str(shards["base"] / "in" / "chat.jsonl")], tmp_path / "online",
                                    "--chat-template", str(changed), "--chat-max-tokens", str(MAX_TOKENS),
                                    "--chat-overflow", "truncate"))
     assert other.chat.template_fingerprint != shards["online"].chat.template_fingerprint

@@ -17,6 +17,7 @@ The suite-wide hang guard of ``tests/conftest.py`` (``timeout`` marker) applies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -53,7 +54,16 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def mix_data(tmp_path_factory, tokenizer) -> MixData:
-    root = tmp_path_factory.mktemp("mixing")
+    return write_mix_data(tmp_path_factory.mktemp("mixing"), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def mix_config(mix_data) -> Callable[..., LoaderConfig]:
+    """``mix_config(weights={name: w}, sources={name: {extra entry fields}}, **config fields)``."""
+    return mix_configs(mix_data)
+
+
+def write_mix_data(root: Path, tokenizer: Tokenizer) -> MixData:
     paths, manifests = {}, {}
     for name, (count, text_seed, pretokenized) in SOURCES.items():
         paths[name] = str(root / name)
@@ -67,9 +77,8 @@ def mix_data(tmp_path_factory, tokenizer) -> MixData:
     return MixData(paths, manifests, odd, default_tokenizer_path())
 
 
-@pytest.fixture(scope="session")
-def mix_config(mix_data) -> Callable[..., LoaderConfig]:
-    """``mix_config(weights={name: w}, sources={name: {extra entry fields}}, **config fields)``."""
+def mix_configs(mix_data: MixData) -> Callable[..., LoaderConfig]:
+    """``make(weights={name: w}, sources={name: {extra entry fields}}, **config fields)`` over ``mix_data``."""
 
     def make(weights: dict[str, float] = WEIGHTS, sources: dict[str, dict] | None = None, **overrides) -> LoaderConfig:
         sources = sources or {}

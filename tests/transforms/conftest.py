@@ -7,6 +7,7 @@ groups and rows, and a filter empties whole row groups. Written without Beam (fa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,10 @@ class Corpus:
 
 @pytest.fixture(scope="session")
 def transform_corpus(tmp_path_factory) -> Corpus:
-    base = tmp_path_factory.mktemp("transform_corpus")
+    return write_transform_corpus(tmp_path_factory.mktemp("transform_corpus"))
+
+
+def write_transform_corpus(base: Path) -> Corpus:
     texts = synthetic_texts(160, seed=11, max_words=40)
     options = dict(num_lanes=NUM_LANES, files_per_lane=2, row_group_rows=4)
     write_dataset(str(base / "text"), texts, **options)
