@@ -163,12 +163,12 @@ def worker_profile(args) -> int:
 
     layout = Layout(args.work or str(REPO_ROOT / "bench" / "_work" / "compare-full"))
     options = {"read_ahead": False} if args.no_read_ahead else {}
-    spec = Spec(loader="zephon", mode="text" if args.mode == "text" else "pretok", data_dir=layout.root,
+    spec = Spec(loader=args.loader, mode="text" if args.mode == "text" else "pretok", data_dir=layout.root,
                 seq_len=2048, global_batch=8, num_workers=args.workers, options=options)
     if args.timeline:
         return busy_timeline(args, spec, layout)
-    print(f"python bench/thread_profile.py --workers {args.workers} --batches {args.batches} --pace-ms {args.pace_ms:g}"
-          f" --drain-s {args.drain_s:g}"
+    print(f"python bench/thread_profile.py --workers {args.workers} --loader {args.loader} --batches {args.batches} "
+          f"--pace-ms {args.pace_ms:g} --drain-s {args.drain_s:g}"
           + (" --no-read-ahead" if args.no_read_ahead else "") + f"\n{machine_line()}")
     started = time.perf_counter()
     session = zephon.open_session(spec, layout)

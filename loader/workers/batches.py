@@ -22,14 +22,16 @@ in the slot, :class:`~loader.workers.shm.SlotWriter`), ``lane_states`` (``[lane,
 state]`` after it, :class:`~loader.workers.state_delta.StateEncoder`), ``source_ids`` and
 ``padding`` per row and ``rejects`` (online chat rejects, or None) for the loader's metrics;
 and ``io``. The worker collates the large arrays straight into the slot (:class:`SlotArrays`);
-the trainer copies a micro-batch out when it hands it out and gives the slot back after the
-message's last. Every array of a batch travels the same way, whatever its name: image fields
-can follow once the slot is sized for their pixels (today a loader with image sources keeps
-item messages).
+the trainer hands a micro-batch out as views of the slot, no copy (:mod:`loader.workers.held`:
+the slot goes back once every micro-batch of its message is freed; beyond
+``HELD_BATCHES`` held, or into pinned memory, a micro-batch is copied out). Every array of a
+batch travels the same way, whatever its name: image fields can follow once the slot is sized
+for their pixels (today a loader with image sources keeps item messages).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -40,16 +42,10 @@ from loader.order.ordering import rank_period
 from loader.stages.collate import Collator
 from loader.stages.features import FEATURES
 from loader.stages.producer import End, produce_one, take_rows
-from loader.workers.messages import MESSAGE_TOKENS, SlotLease
+from loader.workers.held import HeldViews, MessageLease
+from loader.workers.messages import MESSAGE_TOKENS
 from loader.workers.shm import SlotWriter, read_arrays
 
-
-# Whether loaders whose lane groups allow it use worker micro-batches (else item messages,
-# loader.workers.messages); both deliver the same stream. Off: on the shared 2-core machine
-# they did not lower the trainer's CPU per micro-batch (one copy out of the slot per array
-# stays) and the workers' added collation cost 2-worker replay 14-20% (bench/RESULTS.md,
-# issue 35); tests/loader/workers/test_worker_batches.py runs them.
-WORKER_BATCHES = False
 
 
 @dataclass(frozen=True)
@@ -101,7 +97,7 @@ def batch_bytes(collator: Collator, per_message: int = 1) -> int:
 @dataclass
 class BuiltBatch:
     """A micro-batch a worker built (NumPy), with what the trainer records for it; on the
-    trainer's side (:class:`ShippedBatch`) its arrays are copied out of the slot and
+    trainer's side (:class:`ShippedBatch`) its arrays are views of the slot (or copies) and
     ``lane_states`` decoded."""
 
     position: int
@@ -227,13 +223,40 @@ def write_batch(built: BuiltBatch, writer: SlotWriter, made: Optional[dict[int, 
 
 
 class ShippedBatch(BuiltBatch):
-    """A micro-batch of a received message: views of the slot until :meth:`copy_out` (at its
-    hand-out), or :meth:`drop` (the lead made it); the slot goes back after the message's last."""
+    """A micro-batch of a received message, in its slot until it is handed out (:meth:`views` or
+    :meth:`copy_out`) or dropped (:meth:`drop`: the lead made it); the slot goes back once every
+    micro-batch of the message is settled (:class:`~loader.workers.held.MessageLease`)."""
 
-    def __init__(self, part: dict, slot: memoryview, lease: SlotLease, decode_state) -> None:
+    def __init__(self, part: dict, slot: memoryview, lease: MessageLease, decode_state) -> None:
         super().__init__(part["position"], {}, [[lane, decode_state(state)] for lane, state in part["lane_states"]],
                          part["source_ids"], part["padding"], part["rejects"])
         self._part, self._slot, self._lease = part, slot, lease
+
+    def hand_out(self, held: HeldViews, empty=np.empty) -> dict:
+        """The batch as views of the slot (:meth:`views`), or copied out where the trainer holds
+        ``held.limit`` batches already or ``empty`` is another allocator (pinned memory)."""
+        if empty is np.empty and not held.full():
+            return self.views(held)
+        return self.copy_out(empty)
+
+    def views(self, held: HeldViews) -> dict:
+        """The batch, every array a view of the slot, all of one owner array whose release
+        settles this micro-batch's share of the slot (:meth:`HeldViews.take`)."""
+        part = self._part
+        owner = np.frombuffer(self._slot, dtype=np.uint8)
+        layout, values = part["layout"], part["values"]
+        batch: dict[str, Any] = {}
+        for key in part["keys"]:
+            spec = layout.get(key)
+            if spec is None:
+                batch[key] = values[key]
+            else:
+                dtype, shape, offset = spec
+                dtype = np.dtype(dtype)
+                batch[key] = owner[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+        held.take(owner, self._lease)
+        self.batch, self._slot = batch, None
+        return batch
 
     def copy_out(self, empty=np.empty) -> dict:
         """The batch, every array copied out of the slot (into ``empty``'s memory: pinned memory too)."""
@@ -257,12 +280,13 @@ class ShippedBatch(BuiltBatch):
 
     def drop(self) -> None:
         self._slot = None
-        self._lease.item_done()
+        self._lease.settle()
 
 
-def read_batches(descriptor: dict, slot: memoryview, give_back, decode_state, io: IoCounters = IO) -> list[ShippedBatch]:
-    """The micro-batches of a message of :func:`produce_batches`, in position order (views of
-    ``slot``); the worker's reads it reports are added to ``io`` (the pool's loader's counters)."""
+def read_batches(descriptor: dict, slot: memoryview, lease_of, decode_state, io: IoCounters = IO) -> list[ShippedBatch]:
+    """The micro-batches of a message of :func:`produce_batches`, in position order (in ``slot``,
+    under the lease ``lease_of(count)`` makes); the worker's reads it reports are added to ``io``
+    (the pool's loader's counters)."""
     receive_shipped(descriptor.get("io"), io)
-    lease = SlotLease(len(descriptor["batches"]), give_back)
+    lease = lease_of(len(descriptor["batches"]))
     return [ShippedBatch(part, slot, lease, decode_state) for part in descriptor["batches"]]

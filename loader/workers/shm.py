@@ -114,6 +114,11 @@ class Segment:
         """One uint8 per slot, shared with the other process: 1 while the slot holds a message."""
         return np.frombuffer(self._map, dtype=np.uint8, count=self.num_slots)
 
+    @property
+    def mapped(self) -> bool:
+        """Whether this process still maps the segment (:meth:`close` not called)."""
+        return self._map is not None
+
     def free_slot(self) -> Optional[int]:
         """A slot the trainer has given back, or None."""
         free = np.flatnonzero(self.flags == 0)

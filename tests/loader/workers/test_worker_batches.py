@@ -10,15 +10,8 @@ import numpy as np
 import pytest
 
 from loader.pipeline import ZephonLoader
-from loader.workers import batches as batches_module
 from loader.workers.batches import batch_plan
 from tests.loader.settings import MICRO_BATCH, NUM_LANES
-
-
-@pytest.fixture(autouse=True)
-def worker_batches(monkeypatch):
-    """Worker micro-batches on, whatever the default (loader.workers.batches.WORKER_BATCHES)."""
-    monkeypatch.setattr(batches_module, "WORKER_BATCHES", True)
 
 
 STEPS = 12  # micro-batches per run: GLOBAL_BATCH // MICRO_BATCH = 8 per step, epochs end every ~10 steps
