@@ -89,9 +89,8 @@ class StepDelivery:
         ready = run.next_batch(self.rank_position)
         ready.hand_out(run.pool.held, self._collator.empty)  # views of the slot (loader.workers.held), or a copy
         self.rank_position += len(ready.source_ids)
-        for lane_id, state in ready.lane_states:
-            self.lane_states[lane_id] = state
-            self._lanes_in_step.add(lane_id)
+        self.lane_states.update(ready.lane_states)
+        self._lanes_in_step.update(ready.lane_states)
         if self.rank_position % self.topology.per_rank_batch == 0:
             self._record_step_boundary()
         return ready

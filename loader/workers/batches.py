@@ -20,7 +20,7 @@ rank position of its first row), ``keys`` (the batch's keys in order), ``values`
 whose values are not arrays: ``step``, ``micro_step``, reject counts), ``layout`` (its arrays
 in the slot, :class:`~loader.workers.shm.SlotWriter`), ``lane_states`` (``[lane, shipped
 state]`` after it, :class:`~loader.workers.state_delta.StateEncoder`), ``source_ids`` and
-``padding`` per row and ``rejects`` (online chat rejects, or None) for the loader's metrics;
+``padding`` per row (None: full rows) and ``rejects`` (online chat rejects, or None) for the loader's metrics;
 and ``io``. The worker collates the large arrays straight into the slot (:class:`SlotArrays`);
 the trainer hands a micro-batch out as views of the slot, no copy (:mod:`loader.workers.held`:
 the slot goes back once every micro-batch of its message is freed; beyond
@@ -31,7 +31,6 @@ for their pixels (today a loader with image sources keeps item messages).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -102,7 +101,7 @@ class BuiltBatch:
 
     position: int
     batch: dict
-    lane_states: list
+    lane_states: list  # [lane, shipped state] in the worker; {lane: state} on the trainer's side
     source_ids: list
     padding: list
     rejects: Optional[dict]
@@ -181,7 +180,7 @@ def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, sou
     taken = take_rows(lanes, num_lanes, source_of, first, stride, mbs) if bulk else None
     if taken is not None:
         fills, rows, sources, lane_ids = taken
-        padding, rejects = [0] * mbs, None
+        padding, rejects = None, None  # full rows
         collate = lambda: collator.collate_rows(fills, rows, sources, first, stride, position + mbs)  # noqa: E731
     else:
         items = [produce_one(lanes[(first + k * stride) % num_lanes], first + k * stride, False) for k in range(mbs)]
@@ -190,6 +189,7 @@ def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, sou
         sources = [item.source_id for item in items]
         lane_ids = [item.global_index % num_lanes for item in items]
         padding = [item.sequence.padding for item in items]
+        padding = padding if any(padding) else None  # None: full rows (MetricsRecorder.count_rows)
         rejects = _merged([item.chat_rejects for item in items])
         collate = lambda: collator.collate(items, position + mbs)  # noqa: E731
     return position, collate, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding, rejects
@@ -228,7 +228,8 @@ class ShippedBatch(BuiltBatch):
     micro-batch of the message is settled (:class:`~loader.workers.held.MessageLease`)."""
 
     def __init__(self, part: dict, slot: memoryview, lease: MessageLease, decode_state) -> None:
-        super().__init__(part["position"], {}, [[lane, decode_state(state)] for lane, state in part["lane_states"]],
+        # lane_states: a dict here, which the loader's own merges in one call
+        super().__init__(part["position"], {}, {lane: decode_state(state) for lane, state in part["lane_states"]},
                          part["source_ids"], part["padding"], part["rejects"])
         self._part, self._slot, self._lease = part, slot, lease
 
@@ -244,7 +245,7 @@ class ShippedBatch(BuiltBatch):
         settles this micro-batch's share of the slot (:meth:`HeldViews.take`)."""
         part = self._part
         owner = np.frombuffer(self._slot, dtype=np.uint8)
-        layout, values = part["layout"], part["values"]
+        layout, values, ndarray = part["layout"], part["values"], np.ndarray
         batch: dict[str, Any] = {}
         for key in part["keys"]:
             spec = layout.get(key)
@@ -252,8 +253,7 @@ class ShippedBatch(BuiltBatch):
                 batch[key] = values[key]
             else:
                 dtype, shape, offset = spec
-                dtype = np.dtype(dtype)
-                batch[key] = owner[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+                batch[key] = ndarray(shape, _DTYPES.get(dtype) or _dtype(dtype), owner, offset)  # its base: owner
         held.take(owner, self._lease)
         self.batch, self._slot = batch, None
         return batch
@@ -281,6 +281,14 @@ class ShippedBatch(BuiltBatch):
     def drop(self) -> None:
         self._slot = None
         self._lease.settle()
+
+
+_DTYPES: dict[str, np.dtype] = {}  # a layout's dtype strings, parsed once
+
+
+def _dtype(name: str) -> np.dtype:
+    _DTYPES[name] = dtype = np.dtype(name)
+    return dtype
 
 
 def read_batches(descriptor: dict, slot: memoryview, lease_of, decode_state, io: IoCounters = IO) -> list[ShippedBatch]:

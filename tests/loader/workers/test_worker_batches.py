@@ -4,6 +4,7 @@ states of the per-item path, which the rest of the suite pins."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -127,3 +128,54 @@ def test_batch_plan_groups():
     # A micro-batch that does not divide the lane period, or fewer groups than workers: item messages.
     assert batch_plan(rank=0, world_size=1, num_lanes=8, micro_batch_size=3, num_workers=2, collator={}) is None
     assert batch_plan(rank=0, world_size=1, num_lanes=8, micro_batch_size=8, num_workers=2, collator={}) is None
+
+
+@pytest.fixture(scope="module")
+def chat_dataset(tmp_path_factory) -> str:
+    """Conversations sharded offline (tokenized, loss masks): tests/chat's job on its records."""
+    from beam_jobs import shard
+    from tests.chat.chat_factory import make_records
+    from tests.chat.test_chat_shard import MAX_TOKENS, _job_args, _write_jsonl
+
+    base = tmp_path_factory.mktemp("worker_batches_chat")
+    _write_jsonl(base / "chat.jsonl", make_records(17, 120))
+    shard.run(_job_args([str(base / "chat.jsonl")], base / "out", "--chat-max-tokens", str(MAX_TOKENS),
+                        "--chat-overflow", "truncate"))
+    return str(base / "out")
+
+
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_chat_through_worker_batches(chat_dataset, packing):
+    """Loss masks and padded best-fit rows (padding per row) travel in the worker's batches too."""
+    from tests.chat.test_chat_shard import _config
+
+    config = _config([{"path": chat_dataset, "name": "chat"}], packing)
+    reference, states, _, ref_metrics = batches(config, 24, save_at=(9,))
+    got, worker_states, used, metrics = batches(config.replace(num_workers=2), 24, save_at=(9,))
+    assert used["ready"] == 24
+    assert "loss_mask" in got[0]
+    assert_same(reference, got)
+    assert worker_states == states
+    assert metrics.tokens == ref_metrics.tokens and metrics.padding_tokens == ref_metrics.padding_tokens
+
+
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_filled_tails_keep_item_messages_and_the_stream(make_config, packing):
+    """Finite data with filled tails looks a step ahead: item messages, the same stream to its end."""
+    path = make_config(packing, pretokenized=True).datasets[0].path
+    config = make_config(packing, pretokenized=True, datasets=[{"path": path, "max_epochs": 1}], epoch_tail="fill")
+
+    def to_the_end(config) -> tuple[list, bool]:
+        loader = ZephonLoader(config, output="numpy")
+        try:
+            if config.num_workers:
+                loader.wait_for_workers(timeout_s=60)
+            out = list(itertools.islice(loader, 50 * STEPS))
+            return out, loader._batch_plan is not None
+        finally:
+            loader.close()
+
+    reference, _ = to_the_end(config)
+    got, planned = to_the_end(config.replace(num_workers=2))
+    assert not planned and 0 < len(reference) < 50 * STEPS  # the data ended
+    assert_same(reference, got)
