@@ -82,7 +82,7 @@ INPUT_IDS_TYPE = pa.binary()
 LOSS_MASK_TYPE = pa.binary()  # one byte (0/1) per id, the feature column of loader.stages.features
 # Codec of the input_ids column (every other column is zstd). The loader decodes this column
 # on every epoch and is CPU-bound there: lz4 decodes 1.4-1.6x faster than zstd level 3
-# (bench/RESULTS.md, "Token column codec and lane file access"); zstd stores fewer bytes,
+# (bench/HISTORY.md, "Token column codec and lane file access"); zstd stores fewer bytes,
 # which matters more when reads are network-bound and no local cache is used; none skips
 # decompression but makes the page checksums run over 4 bytes per token.
 TOKEN_COMPRESSIONS = ("lz4", "zstd", "none")

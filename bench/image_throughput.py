@@ -18,6 +18,11 @@ Cases:
                   micro-batch 2) with 0 / 2 worker processes, ``output="numpy"`` (each
                   micro-batch's ``pixel_values`` copied out of the worker's slot), timed from
                   the loader's construction (worker start-up included). Goal: >= 0.8 x pillow images/s with the same cores.
+* ``settled_k0`` / ``settled_k2``   the same loaders in the steady state: ``--images / 4``
+                  images untimed, then ``--images`` timed, CPU of the trainer's process and
+                  its live workers read from /proc at both ends of the window. Goals (issue 35):
+                  2 workers >= 0.95 x in-process images/s and CPU per image <= 1.3 x in-process,
+                  both as within-round ratios, median over rounds.
 * ``transfer``    the per-message cost of shipping image sequences through a worker slot:
                   ``write_message`` + ``read_message`` + collation of its 8 sequences (4
                   micro-batches of 2), in one process, with and without their pixels (µs, and
@@ -125,20 +130,34 @@ def child_pillow(dataset: str) -> dict:
     return {**clock.read(), "images": images}
 
 
-def child_loader(dataset: str, num_workers: int, images: int) -> dict:
+def child_loader(dataset: str, num_workers: int, images: int, settle: int = 0) -> dict:
+    """``settle`` 0: timed from the loader's construction, start-up included (worker start,
+    first reads): timing from a later batch would credit the workers with what they prefetched
+    meanwhile. ``settle`` > 0: ``images`` more images timed after the first ``settle``, with
+    the CPU of the trainer's process and its live worker processes read from /proc at both
+    ends of the window, so the CPU per image is that of the steady state (the window's start
+    and end both hold a full pipeline), without the workers' imports and start-up."""
     from bench.loader_throughput import _Clock
+    from bench.peers.run import tree_cpu_s
     from loader.pipeline import ZephonLoader
 
     config = _config(dataset, num_workers=num_workers)
-    # Timed from construction, start-up included (worker start, first reads): timing from a
-    # later batch would credit the workers with what they prefetched meanwhile.
     clock, seen, tokens = _Clock(), 0, 0
     with ZephonLoader(config, output="numpy") as loader:
+        if settle:
+            while seen < settle:
+                seen += len(next(loader)["image_grid_thw"])
+            seen, start_cpu, clock = 0, tree_cpu_s(), _Clock()
         while seen < images:
             batch = next(loader)
             seen += len(batch["image_grid_thw"])
             tokens += batch["input_ids"].size
         seconds = clock.read()["seconds"]
+        if settle:
+            end_cpu = tree_cpu_s()
+            cpu_s = sum(end_cpu.values()) - sum(start_cpu.values())
+            return {"seconds": seconds, "cpu_s": cpu_s, "images": seen, "tokens": tokens,
+                    "workers_cpu_s": end_cpu["workers_cpu_s"] - start_cpu["workers_cpu_s"]}
     # CPU read after close(): a worker's CPU time is counted once it has exited (RUSAGE_CHILDREN)
     return {"seconds": seconds, "cpu_s": clock.read()["cpu_s"], "images": seen, "tokens": tokens}
 
@@ -211,6 +230,9 @@ def plan(images: int) -> dict[str, dict]:
         "pillow": {"kind": "pillow", "dataset": small},
         "loader_k0": {"kind": "loader", "dataset": small, "num_workers": 0, "images": images},
         "loader_k2": {"kind": "loader", "dataset": small, "num_workers": 2, "images": images},
+        # the steady state: a quarter of the dataset untimed, then as many images as the dataset holds
+        "settled_k0": {"kind": "loader", "dataset": small, "num_workers": 0, "images": images, "settle": images // 4},
+        "settled_k2": {"kind": "loader", "dataset": small, "num_workers": 2, "images": images, "settle": images // 4},
         "transfer": {"kind": "transfer", "dataset": small},
         "rss_n": {"kind": "rss", "dataset": small, "images": images},
         "rss_4n": {"kind": "rss", "dataset": large, "images": images},
@@ -233,6 +255,21 @@ def report(results: dict[str, list[dict]]) -> list[str]:
                 if floor else ""
             lines.append(f"{name:<19} {images:9.1f} images/s {tokens:11,.0f} tok/s{ratio}; "
                          f"{rate(runs, 'images', 'cpu_s'):.1f} images per CPU s")
+    settled = {name: results.get(name) for name in ("settled_k0", "settled_k2")}
+    for name, runs in settled.items():
+        if runs:
+            lines.append(f"{name:<19} {rate(runs, 'images'):9.1f} images/s; {1e3 * rate(runs, 'cpu_s', 'images'):.2f} "
+                         "ms CPU per image (trainer process and workers, steady state)")
+    if all(settled.values()):
+        # within each round (the cases interleave round by round), median over rounds
+        speed = statistics.median(b["images"] / b["seconds"] / (a["images"] / a["seconds"])
+                                  for a, b in zip(settled["settled_k0"], settled["settled_k2"]))
+        cpu = statistics.median(b["cpu_s"] / b["images"] / (a["cpu_s"] / a["images"])
+                                for a, b in zip(settled["settled_k0"], settled["settled_k2"]))
+        lines.append(f"GOAL 2 workers >= 0.95 x in-process images/s (steady state): {speed:.2f} "
+                     f"{'PASS' if speed >= 0.95 else 'FAIL'}")
+        lines.append(f"GOAL 2 workers CPU per image <= 1.3 x in-process (steady state): {cpu:.2f} "
+                     f"{'PASS' if cpu <= 1.3 else 'FAIL'}")
     if results.get("transfer"):
         runs = results["transfer"]
         lines.append(f"transfer per message of 8 sequences: {med(runs, 'with_pixels_us'):.0f} us with pixels "

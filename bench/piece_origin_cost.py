@@ -15,7 +15,7 @@ best-fit replay: the loader's per-sequence CPU was 1.0-1.4x this loop's). Varian
 * ``no_origins``: without the lines that keep ``last_origin`` (pieces get None);
 * ``chunk_copy``: also copying bin pieces into a frozen ``Chunk``, as before ``_Piece``.
 
-Measured 2026-12-01 (valgrind 3.19, CPython 3.11), instructions per sequence, three pairs of
+Measured with valgrind 3.19 and CPython 3.11, instructions per sequence, three pairs of
 runs (N = 2000, 2000, 6000): origins 390.0K / 391.8K / 400.9K against no_origins 388.9K /
 389.0K / 397.8K, so the origins cost 1.1-3.1K (0.3-0.8%; the spread is the method's, the
 same code recompiled moved by 1.4K); chunk_copy 412.6K / 412.8K (N = 2000): with origins,

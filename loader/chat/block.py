@@ -234,8 +234,8 @@ class ChatBlock(Block):
 
     def prepare(self) -> None:
         """Encode on the prepare thread when read ahead: a block encoded when the stream reached
-        it stalled the stream for the whole render (0.75x the floor in-process, bench/RESULTS.md
-        issue 17)."""
+        it stalled the stream for the whole render (0.75x the floor in-process, bench/HISTORY.md,
+        "issue 17, online chat")."""
         with self._encoding:
             if not self._claimed and not self.complete:
                 self._encode()

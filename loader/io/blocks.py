@@ -40,12 +40,14 @@ class TokenFormat:
 # with fixed 64 KiB calls ~20% of the tokenizer's CPU time ran on the calling thread, outside
 # its thread pool; doubling calls (6-7 per row group) keep that small. Starting at 64 KiB
 # instead of 16 KiB cost a fresh text loader 2.5x the CPU to its first batch (every lane
-# of the batch tokenizes its first call: 0.51-0.58 s against 0.17-0.26 s, bench/RESULTS.md, issue 16).
+# of the batch tokenizes its first call: 0.51-0.58 s against 0.17-0.26 s; bench/HISTORY.md,
+# "worker changes (helper A/B pairs, load 2-16)").
 TOKENIZE_CHARS = 16 * 1024
 # ...up to this much text per tokenizer thread: larger calls made a worker (one thread) stop
 # delivering for 100-700 ms at a time, which its prefetch could not cover (text, 2 workers, busy
 # trainer: 1.1 M tok/s in bursts, 1.7 M tok/s with the cap and a deeper prefetch; in-process,
-# two threads, the cap cost nothing measurable: bench/RESULTS.md, issue 16).
+# two threads, the cap cost nothing measurable: bench/HISTORY.md, "issue 16, text with
+# workers").
 MAX_TOKENIZE_CHARS_PER_THREAD = 64 * 1024
 
 
@@ -92,7 +94,8 @@ class TextBlock(Block):
 
     Not prepared ahead (:meth:`Block.prepare`): the stream's own calls already run on the
     tokenizer's thread pool, and tokenizing read-ahead blocks on the prepare thread cost 16%
-    more CPU per token in-process for no gain in tokens/s (bench/RESULTS.md, issue 17)."""
+    more CPU per token in-process for no gain in tokens/s (bench/HISTORY.md, "issue 17, online
+    chat")."""
 
     def __init__(self, texts: list, tokenizer, token_format: TokenFormat) -> None:
         super().__init__(tokens=np.zeros(0, dtype=np.int32), doc_starts=np.zeros(1, dtype=np.int64),
@@ -131,7 +134,8 @@ class TextBlock(Block):
         """Tokenize from ``document`` on, whose first token is ``token_start`` in the block: a
         restored cursor's :func:`cursor_document`, so that a restore tokenizes from the cursor's
         document, not from the start of the row group (up to ~230 K tokens per lane, which
-        every lane of a resumed rank paid before its first sequence: bench/RESULTS.md, issue 16).
+        every lane of a resumed rank paid before its first sequence: bench/HISTORY.md, "Issue 16:
+        the harness audit").
 
         The documents before it are never read again by the restored stream (every cursor is
         at or after ``token_start``). Their token positions hold zeros, and their

@@ -72,7 +72,7 @@ class LaneFiles:
                     verify_local_file(path, handle, entry)
                 # pre_buffer (pyarrow's default) sends every local row-group read through
                 # Arrow's I/O thread pool with an fadvise first: 150-350 us per read for
-                # nothing when the file is in the page cache (bench/RESULTS.md, "Token column
+                # nothing when the file is in the page cache (bench/HISTORY.md, "Token column
                 # codec and lane file access"). Remote files keep it: it coalesces ranged reads.
                 parquet = pq.ParquetFile(handle, page_checksum_verification=True,
                                          pre_buffer=storage.is_remote(self.dataset_path))

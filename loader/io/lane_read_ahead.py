@@ -59,9 +59,10 @@ class LaneReadAhead:
 
         A lane's first block is otherwise read when its first sequence is asked for: the
         second micro-batch of a fresh loader, the first to use lanes 8-15 of 16, waited for
-        their reads (bench/RESULTS.md, issue 16), and a worker read its lanes' blocks one
-        after another. A block that cannot be read or does not exist is left to the read the
-        stream really makes (it raises there, naming the file or the state's path).
+        their reads (bench/HISTORY.md, "Issue 16: the harness audit"), and a worker read its
+        lanes' blocks one after another. A block that cannot be read or does not exist is left
+        to the read the stream really makes (it raises there, naming the file or the state's
+        path).
         """
         if not self.read_ahead or self.exhausted or self._block is not None or len(self._ahead):
             return

@@ -60,7 +60,7 @@ class LocalBackend(StorageBackend):
             )
         # A native Arrow file, not a Python file object: pyarrow then reads without calling back
         # into Python, so the read-ahead thread does not queue for the GIL the trainer's thread
-        # holds (bench/RESULTS.md, "Token column codec and lane file access"). Not a memory map:
+        # holds (bench/HISTORY.md, "Token column codec and lane file access"). Not a memory map:
         # mapped pages of every open lane file would count in the process's RSS as it reads,
         # which looks like a leak on a long run.
         return pa.OSFile(path, "r")

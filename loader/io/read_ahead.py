@@ -5,7 +5,7 @@ packing and collation on the calling thread. The threads are shared by the strea
 loader (its :class:`~loader.io.owner.StreamOwner`, which joins them on ``close()``); each
 stream's reads run one after another, in its order (a stream's Parquet file is not read by two
 threads at once). With one thread the reads were the bound of pre-tokenized replay on two
-cores (bench/RESULTS.md, issue 6 profile).
+cores (bench/HISTORY.md, "Where pre-tokenized replay spends its time").
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def read_ahead_depth(share: Fraction, *, takes_next_block_early: bool = False) -
     A source consumed at half the rate needs half the blocks to cover the same time, so a
     lane holds about ``READ_AHEAD_BLOCKS`` blocks ahead however many sources it mixes (with
     two blocks per source, the trainer's thread of a two-source mix did 8-13% more CPU for
-    the same rows: bench/RESULTS.md, issue 4). At least one.
+    the same rows: bench/HISTORY.md, "Mixing overhead"). At least one.
 
     ``takes_next_block_early``: the stream feeds a token mix, whose bulk reader takes the
     next block as soon as the cursor enters a block (:meth:`LaneTokenStream.documents_ahead`),

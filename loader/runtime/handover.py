@@ -35,7 +35,8 @@ class WorkerHandOver:
         Except where the sources tokenize online: there the trainer's lanes would take the
         cores the workers tokenize on, so that they caught up only after seconds (text, 2
         workers, busy trainer: 4.5 s at a third of the rate, against one wait of ~0.3 s at
-        the hand-over; bench/RESULTS.md, issue 16), and the workers take over at once.
+        the hand-over; bench/HISTORY.md, "issue 16, text with workers"), and the workers take
+        over at once.
         """
         if self._run is None:
             if self.config.num_workers > 0 and (self._pool is None or not self._pool.healthy()):
@@ -118,9 +119,10 @@ class Run:
         self.warm_start = warm_start  # in-process until the workers are ready
         # The warm start's in-process run, handed over from: it goes on producing while the
         # workers open their lanes and read their first row groups (a few hundred ms, which
-        # the trainer waited for at the hand-over: bench/RESULTS.md, issue 16), until every
-        # worker has a message at or past the trainer's index; what they made before it is
-        # dropped. Both produce the same items from the same lane states.
+        # the trainer waited for at the hand-over: bench/HISTORY.md, "worker changes (helper A/B
+        # pairs, load 2-16)"), until every worker has a message at or past the trainer's index;
+        # what they made before it is dropped. Both produce the same items from the same lane
+        # states.
         self.lead = lead
         # A trainer faster than the workers (replay flat out) would keep the lead forever, so
         # it is given up once every worker is producing and the trainer has taken four times

@@ -169,7 +169,7 @@ class Collator:
             # row boundaries without a per-row loop. A concat row's segments start at the row
             # start and at its documents' starts, which may coincide: the few starts are sorted
             # and the repeats dropped (half the time of marking a flag per token and reading
-            # the marks back, bench/RESULTS.md issue 35).
+            # the marks back, bench/HISTORY.md, "Issue 35: in-process replay in bulk").
             if not concat_rows:
                 cu = np.append(_flat_positions([s.segment_starts for s in sequences], seq_len), rows * seq_len)
             else:

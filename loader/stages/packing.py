@@ -639,8 +639,9 @@ def ship_pieces(pieces: list) -> tuple:
     their int32 tokens back to back as bytes, then per piece its length, its document starts
     (``begins`` where they are the shared ``[0]`` or ``[]``) and origin, and the features of
     each (None where no piece has any). Bytes, not arrays: pickling and unpickling a small
-    array costs ~9 us, its bytes ~0.6 us; one per shipment, not one per piece (bench/RESULTS.md,
-    issue 35). A piece's tokens are a view of its bin's int32 buffer (or of a restored one)."""
+    array costs ~9 us, its bytes ~0.6 us; one per shipment, not one per piece (bench/HISTORY.md,
+    "Best fit with 2 workers"). A piece's tokens are a view of its bin's int32 buffer (or of a
+    restored one)."""
     tokens = b"".join([p.tokens for p in pieces])
     lengths = [len(p.tokens) for p in pieces]
     starts = [p.doc_starts if p.begins is None else p.begins for p in pieces]

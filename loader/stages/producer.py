@@ -155,7 +155,7 @@ def take_rows(lanes: dict[int, Lane], num_lanes: int, source_of, first_index: in
 
     What :func:`produce_one` would make, without an item or a row object per sequence: the
     per-sequence Python was most of the trainer's time in pre-tokenized replay
-    (bench/RESULTS.md, issue 35).
+    (bench/HISTORY.md, "Issue 35: in-process replay in bulk").
     """
     packers, sources, lane_ids = [], [], []
     global_index = first_index

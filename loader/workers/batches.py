@@ -46,7 +46,6 @@ from loader.workers.messages import MESSAGE_TOKENS
 from loader.workers.shm import SlotWriter, read_arrays
 
 
-
 @dataclass(frozen=True)
 class BatchPlan:
     """Which worker builds which micro-batch of a rank (picklable: sent with a run's start).

@@ -66,9 +66,9 @@ WORKER_NICENESS = 5  # the trainer's own thread comes first when the cores are b
 # The message pipe's buffer, then the most an unprivileged process may ask for by default
 # (/proc/sys/fs/pipe-max-size). A best-fit message's descriptor carries its lanes' new bin pieces
 # (~200 KB per 32 sequences at seq_len 2048): through the default 64 KB buffer the worker blocked
-# in every write until the trainer came to read that very message, so it prefetched nothing (70%
-# of a worker's wall time in the write, bench/RESULTS.md issue 35). 4 MB holds the messages of
-# every slot; the kernel allocates the pages only as they fill.
+# in every write until the trainer came to read that very message, so it prefetched nothing (72%
+# of a worker's wall time in the write, bench/HISTORY.md, "Best fit with 2 workers"). 4 MB holds
+# the messages of every slot; the kernel allocates the pages only as they fill.
 MESSAGE_PIPE_BYTES = (4 << 20, 1 << 20)
 
 

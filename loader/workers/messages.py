@@ -26,7 +26,7 @@ from loader.workers.shm import SlotWriter, read_arrays
 # pickling, a pipe write and read, a wake-up, slot bookkeeping) besides its arrays: 8 sequences
 # of 2048 tokens per message held pre-tokenized replay with 2 workers to 0.43x of in-process,
 # 32 (with the other changes of that session) reached 0.77x; 64 was no better than 32
-# (bench/RESULTS.md, issue 16). Pre-tokenized sources therefore ship
+# (bench/HISTORY.md, "issue 16, the worker transport"). Pre-tokenized sources therefore ship
 # ``MESSAGE_TOKENS`` per message (within these bounds); sources that tokenize online or carry
 # images keep ``ITEMS_PER_MESSAGE``: a text worker would tokenize 4x as much before its first
 # message, and an image slot is sized for a message's worst-case pixels.

@@ -3,8 +3,8 @@
 ``multiprocessing.connection.Connection.poll`` builds, registers and closes a new selector
 on every call. The trainer polls a worker's message pipe once per message and a worker polls
 its command pipe once per message it writes, so that cost ~20-40 us of CPU per micro-batch on
-each side (pre-tokenized replay, 2 workers: bench/RESULTS.md, issue 16); a poll object made
-once answers the same question with one system call.
+each side (pre-tokenized replay, 2 workers: bench/HISTORY.md, "issue 16, the worker
+transport"); a poll object made once answers the same question with one system call.
 """
 
 from __future__ import annotations

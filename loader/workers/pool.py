@@ -84,7 +84,8 @@ class WorkerProcess:
 # Default prefetch: messages holding this many tokens per worker, at least 4. Text workers
 # deliver in bursts (a tokenizer call per lane and ~64 KiB of text); 4 messages of 2048-token
 # sequences (64 K tokens, ~40 ms of a 2-worker text loader) ran dry under a busy trainer, 16 did
-# not (bench/RESULTS.md, issue 16). Slots hold ~16 bytes per token: ~4 MB per worker by default.
+# not (bench/HISTORY.md, "issue 16, text with workers"). Slots hold ~16 bytes per token: ~4 MB
+# per worker by default.
 PREFETCH_TOKENS = 256 * 1024
 # ...and no more slot room than this per worker beyond the 4 messages (image sources: a slot
 # has room for a message's pixels, up to ~125 MB), so /dev/shm holds what it did before.

@@ -3,11 +3,12 @@
 Every item a worker ships carries its lane's state after it (the trainer records the state of
 what it hands out, so a checkpoint never includes prefetched work). A best-fit packer's state
 holds its open bins' token arrays: ~8 bins of up to ``seq_len`` tokens. Rebuilding and pickling
-them for every item cost more than the packing (bench/RESULTS.md, issue 16: 468 KB of
-descriptor per message of 8 items); sending only the bins that changed, whole, still cost a
-worker about half its CPU per item (issue 35). Yet between two items of a lane a bin only
-gains pieces, and a piece never changes: so a bin with the same serial is the same bin with
-perhaps more pieces.
+them for every item cost more than the packing (468 KB of descriptor per message of 8 items:
+bench/HISTORY.md, "worker changes (helper A/B pairs, load 2-16)"); sending only the
+bins that changed, whole, still cost a worker about half its CPU per item (bench/HISTORY.md,
+"Issue 35: best fit near concat"). Yet between two items of a lane a bin only gains pieces,
+and a piece never changes: so a bin with the same serial is the same bin with perhaps more
+pieces.
 
 So the worker takes cheap snapshots (:meth:`loader.stages.lane.Lane.snapshot`: each open bin's
 pieces) and :class:`StateEncoder` sends, per open bin, its serial, how many of its pieces the
@@ -25,15 +26,16 @@ reads the packers directly and ships, per packer, a tuple of its cursor, the ope
 and piece counts, and the new pieces with their tokens as one bytes string per item
 (:func:`~loader.stages.packing.ship_pieces`); the trainer appends the new pieces to their bins'
 lists and makes piece objects only when a state is saved. Per item that moved a worker's state
-shipping from ~40 to ~10 us and the trainer's decoding from ~25 to ~10 us (bench/RESULTS.md,
-issue 35: pickling a small array costs ~5 us, its bytes ~0.3 us).
+shipping from ~40 to ~10 us and the trainer's decoding from ~25 to ~10 us (pickling a small
+array costs ~5 us, its bytes ~0.3 us: bench/HISTORY.md, "Best fit with 2 workers").
 
 A lane whose packers' states are bare stream cursors (concat packing over plain streams) ships
 ``(outputs, cursors, stopped)`` instead (:meth:`loader.stages.lane.Lane.cursors`: four integers
 per source), and the decoder turns it into a :class:`StateSnapshot` of
 :func:`loader.stages.lane_record.cursor_lane_state`, whose dicts are built only if the state is saved:
 building, pickling and unpickling those dicts for every item cost ~20 us of CPU per 8 items,
-timed alone (~5% of a 2-worker replay's CPU: bench/RESULTS.md, issue 16). Such a snapshot is a lane state wherever the trainer keeps
+timed alone (~5% of a 2-worker replay's CPU: bench/HISTORY.md, "issue 16, the worker
+transport"). Such a snapshot is a lane state wherever the trainer keeps
 one (``loader.stages.producer.build_lanes`` builds the dicts where a lane is made from them).
 """
 
@@ -85,7 +87,8 @@ class StateEncoder:
         (:func:`~loader.stages.packing.ship_pieces`; None: none).
 
         Straight from the packers, no snapshot or state dicts: walking and pickling the nested
-        state of every item cost a worker more than packing it (bench/RESULTS.md, issue 35)."""
+        state of every item cost a worker more than packing it (bench/HISTORY.md, "Best fit
+        with 2 workers")."""
         parts = []
         for k, packer in enumerate(lane.packers):
             key = (lane_id, k)
