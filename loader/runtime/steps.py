@@ -87,7 +87,7 @@ class StepDelivery:
         if run.batch_plan is None or (run.lead is not None and not run.batches_caught_up(self.rank_position)):
             return None  # (the lead makes this micro-batch, item by item)
         ready = run.next_batch(self.rank_position)
-        ready.hand_out(run.pool.held, self._collator.empty)  # views of the slot (loader.workers.held), or a copy
+        ready.hand_out(run.pool.held, self._collator)  # views of the slot (loader.workers.held), a copy, or collated
         self.rank_position += len(ready.source_ids)
         self.lane_states.update(ready.lane_states)
         self._lanes_in_step.update(ready.lane_states)

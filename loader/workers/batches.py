@@ -42,8 +42,16 @@ from loader.stages.collate import Collator
 from loader.stages.features import FEATURES
 from loader.stages.producer import End, produce_one, take_rows
 from loader.workers.held import HeldViews, MessageLease
-from loader.workers.messages import MESSAGE_TOKENS
+from loader.workers.messages import MESSAGE_TOKENS, _MessageRows
 from loader.workers.shm import SlotWriter, read_arrays
+
+
+# When a worker ships a micro-batch of bulk concat rows as the rows (int32 ids, document starts),
+# for the trainer to collate, instead of collating it: "drained" (the default), when the trainer
+# has read every message the worker sent before, so that it waits for this one (replay flat
+# out: its core would idle, and collating in the worker held 2-worker replay to 0.70-0.95x of
+# the item messages' rate); "always"; "never" (tests of either path).
+ROWS_POLICIES = ("drained", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,8 @@ class BatchPlan:
 
     ``groups``: micro-batch ``m`` uses the lanes of group ``m % groups``; group ``g`` is worker
     ``g % num_workers``'s. ``collator``: the keyword arguments of the loader's :class:`Collator`.
+    ``rows``: when micro-batches of bulk concat rows travel as rows, collated by the trainer
+    (:data:`ROWS_POLICIES`; the stream is the same either way).
     """
 
     rank: int
@@ -62,6 +72,7 @@ class BatchPlan:
     num_workers: int
     collator: dict
     per_message: int = 1  # micro-batches per message (batches_per_message)
+    rows: str = "drained"
 
     def worker_of(self, micro_batch: int) -> int:
         return (micro_batch % self.groups) % self.num_workers
@@ -147,25 +158,37 @@ def batches_per_message(micro_batch_size: int, seq_len: int, tokenizes: bool) ->
 def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position: int, ship_state) -> Iterator:
     """Worker ``worker_id``'s micro-batches from ``start_position`` (a micro-batch boundary) on,
     endless, ``plan.per_message`` at a time; ``ship_state(lane_id, lane)``: the state to ship (the
-    run's ``StateEncoder.ship``). Yields the descriptor maker of each message (``write(slot)``:
-    its micro-batches collated into the slot)."""
+    run's ``StateEncoder.ship``). Yields the descriptor maker of each message (``write(slot,
+    drained)``: its micro-batches collated into the slot; those of bulk concat rows shipped as
+    rows instead (:func:`write_rows`) where ``plan.rows`` says so: ``"drained"``, when the
+    trainer has read every message sent before, ``drained``)."""
+    if plan.rows not in ROWS_POLICIES:
+        raise ValueError(f"BatchPlan(rows={plan.rows!r}): must be one of {list(ROWS_POLICIES)}")
     slot_arrays = SlotArrays()
     collator = Collator(**plan.collator, empty=slot_arrays)
     mbs, stride, num_lanes = plan.micro_batch_size, plan.world_size, plan.num_lanes
     source_of = next(iter(lanes.values())).spec.schedule.source_of
     bulk = all(lane.bulk_rows for lane in lanes.values())
+    # (rows whose features a batch reads are collated here: the trainer would need them shipped too)
+    as_rows = plan.rows != "never" and bulk and not collator.needed_features
+    always = plan.rows == "always"
     micro_batch = start_position // mbs
     while True:
-        pending = []  # (position, collate, states, sources, padding, rejects) per micro-batch
+        pending = []  # (position, collate, taken rows or None, states, sources, padding, rejects) per micro-batch
         while len(pending) < plan.per_message:
             if plan.worker_of(micro_batch) == worker_id:
                 pending.append(_cut(lanes, collator, plan, micro_batch, source_of, bulk, ship_state))
             micro_batch += 1
 
-        def write(slot: memoryview, pending=pending) -> dict:
-            slot_arrays.start(slot)
-            batches = [slot_arrays.written(BuiltBatch(position, collate(), states, sources, padding, rejects))
-                       for position, collate, states, sources, padding, rejects in pending]
+        def write(slot: memoryview, drained: bool = False, pending=pending) -> dict:
+            writer = slot_arrays.start(slot)
+            rows = as_rows and (drained or always)
+            batches = []
+            for position, collate, taken, *rest in pending:
+                if rows and taken is not None:
+                    batches.append(write_rows(BuiltBatch(position, {}, *rest), taken, writer, collator.reads_segments))
+                else:
+                    batches.append(slot_arrays.written(BuiltBatch(position, collate(), *rest)))
             return {"kind": "batch", "batches": batches, "io": IO.delta_to_ship()}
 
         yield write
@@ -181,6 +204,7 @@ def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, sou
         fills, rows, sources, lane_ids = taken
         padding, rejects = None, None  # full rows
         collate = lambda: collator.collate_rows(fills, rows, sources, first, stride, position + mbs)  # noqa: E731
+        taken = (fills, rows, first, stride)
     else:
         items = [produce_one(lanes[(first + k * stride) % num_lanes], first + k * stride, False) for k in range(mbs)]
         if any(isinstance(item, End) for item in items):
@@ -191,7 +215,7 @@ def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, sou
         padding = padding if any(padding) else None  # None: full rows (MetricsRecorder.count_rows)
         rejects = _merged([item.chat_rejects for item in items])
         collate = lambda: collator.collate(items, position + mbs)  # noqa: E731
-    return position, collate, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding, rejects
+    return position, collate, taken, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding, rejects
 
 
 def _merged(rejects: list) -> Optional[dict]:
@@ -221,6 +245,35 @@ def write_batch(built: BuiltBatch, writer: SlotWriter, made: Optional[dict[int, 
             "rejects": built.rejects}
 
 
+def write_rows(built: BuiltBatch, taken: tuple, writer: SlotWriter, segments: bool) -> dict:
+    """A micro-batch of bulk concat rows as the rows themselves: their token ids as they are
+    (int32) and, with ``segments``, their document starts (``doc_counts`` per row), which the
+    trainer collates (:meth:`ShippedBatch.collated`); ``rows``: its first global index and stride."""
+    fills, rows, first, stride = taken
+    ids = [fill.input_ids[row] for fill, row in zip(fills, rows)]
+    name = f"{built.position}.rows"
+    np.concatenate(ids, out=writer.allocate(name, ids[0].dtype, (len(ids) * len(ids[0]),)))
+    layout = {"input_ids": writer.layout[name]}
+    part = {"position": built.position, "rows": (first, stride), "layout": layout, "lane_states": built.lane_states,
+            "source_ids": built.source_ids, "padding": built.padding, "rejects": built.rejects}
+    if segments:
+        starts = [fill.row_doc_starts(row) for fill, row in zip(fills, rows)]
+        writer.write(f"{built.position}.doc_starts", np.concatenate(starts))
+        layout["doc_starts"] = writer.layout[f"{built.position}.doc_starts"]
+        part["doc_counts"] = [len(s) for s in starts]
+    return part
+
+
+class _ShippedRows(_MessageRows):
+    """The ``fill`` of :meth:`Collator.collate_rows` for shipped rows: row ``k`` of ``input_ids``."""
+
+    __slots__ = ("input_ids",)
+
+    def __init__(self, input_ids: np.ndarray, doc_starts: Optional[np.ndarray], counts: Optional[list[int]]) -> None:
+        super().__init__(doc_starts, counts)
+        self.input_ids = input_ids
+
+
 class ShippedBatch(BuiltBatch):
     """A micro-batch of a received message, in its slot until it is handed out (:meth:`views` or
     :meth:`copy_out`) or dropped (:meth:`drop`: the lead made it); the slot goes back once every
@@ -232,12 +285,28 @@ class ShippedBatch(BuiltBatch):
                          part["source_ids"], part["padding"], part["rejects"])
         self._part, self._slot, self._lease = part, slot, lease
 
-    def hand_out(self, held: HeldViews, empty=np.empty) -> dict:
+    def hand_out(self, held: HeldViews, collator: Collator) -> dict:
         """The batch as views of the slot (:meth:`views`), or copied out where the trainer holds
-        ``held.limit`` batches already or ``empty`` is another allocator (pinned memory)."""
-        if empty is np.empty and not held.full():
+        ``held.limit`` batches already or ``collator`` allocates elsewhere (pinned memory), or
+        collated here from shipped rows (:meth:`collated`)."""
+        if "rows" in self._part:
+            return self.collated(collator)
+        if collator.empty is np.empty and not held.full():
             return self.views(held)
-        return self.copy_out(empty)
+        return self.copy_out(collator.empty)
+
+    def collated(self, collator: Collator) -> dict:
+        """The batch of shipped rows (:func:`write_rows`), collated by the loader's ``collator``
+        (the one copy out of the slot, which is settled at once)."""
+        part = self._part
+        arrays = read_arrays(self._slot, part["layout"])
+        count = len(self.source_ids)
+        fill = _ShippedRows(arrays["input_ids"].reshape(count, -1), arrays.get("doc_starts"), part.get("doc_counts"))
+        first, stride = part["rows"]
+        self.batch = collator.collate_rows([fill] * count, list(range(count)), self.source_ids, first, stride,
+                                           self.position + count)
+        self.drop()
+        return self.batch
 
     def views(self, held: HeldViews) -> dict:
         """The batch, every array a view of the slot, all of one owner array whose release

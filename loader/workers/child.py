@@ -41,7 +41,7 @@ from loader.workers.batches import produce_batches
 from loader.workers.error_relay import error_message
 from loader.workers.messages import write_message
 from loader.workers.pipes import PipeWaiter
-from loader.workers.shm import Segment
+from loader.workers.shm import SENT, Segment
 from loader.workers.state_delta import StateEncoder
 
 # ``python -c`` program that starts a worker: it reads its setup from the command pipe with
@@ -118,9 +118,13 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                 continue
             waits = 0
             try:
-                if batches:  # whole micro-batches (loader.workers.batches): one per message, endless
-                    descriptor = next(items)(segment.view(slot))
-                    flags[slot] = 1
+                if batches:  # whole micro-batches (loader.workers.batches), endless
+                    # The trainer has read every message sent (it waits for this one, or soon will):
+                    # bulk rows go as rows, collated on the trainer's otherwise idle core; while
+                    # messages wait for the trainer, they are collated here.
+                    drained = not np.count_nonzero(flags == SENT)
+                    descriptor = next(items)(segment.view(slot), drained)
+                    flags[slot] = SENT
                     messages.send(("items", run_id, slot, descriptor))
                     continue
                 batch = []
@@ -132,7 +136,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                 sequences = len(batch) - (1 if batch and isinstance(batch[-1], End) else 0)
                 if sequences:
                     descriptor = write_message(batch, segment.view(slot), segments)
-                    flags[slot] = 1
+                    flags[slot] = SENT
                 else:
                     slot = None
                     descriptor = write_message(batch, memoryview(b""))

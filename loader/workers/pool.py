@@ -37,7 +37,7 @@ from loader.workers.batches import read_batches
 from loader.workers.held import HELD_BATCHES, HeldViews, MessageLease
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
-from loader.workers.shm import SHM_DIR, Segment, remove_stale_segments, slot_bytes
+from loader.workers.shm import READ, SHM_DIR, Segment, remove_stale_segments, slot_bytes
 from loader.workers.state_delta import StateDecoder
 
 log = logging.getLogger(__name__)
@@ -298,6 +298,7 @@ class WorkerPool:
         decode = self.decoders[worker_id].decode
         if descriptor.get("kind") == "batch":  # whole micro-batches (loader.workers.batches)
             segment = self.segments[worker_id]
+            segment.flags[slot] = READ  # its worker counts the messages not read yet
             return read_batches(descriptor, segment.view(slot), lambda count: MessageLease(
                 worker_id, slot, count, lambda lease: self._give_back(segment, run_id, slot, lease.kept)), decode, self.io)
         if slot is None:

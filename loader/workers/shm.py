@@ -8,8 +8,10 @@ views of the slot, copies them once into the micro-batch, and gives the slot bac
     worker:  find a free slot flag, set it ── write arrays ── send ("items", slot, descriptor)
     trainer: recv descriptor ── views of the slot ── collate (the one copy) ── clear the flag
 
-The segment starts with one flag byte per slot (1: the worker wrote it and the trainer
-has not copied it out yet). Giving a slot back is a store into shared memory, not a
+The segment starts with one flag byte per slot (0: free; ``SENT``: the worker wrote it and
+the trainer has not given it back yet; ``READ``: the trainer has read its message's
+descriptor, for messages of whole micro-batches, whose worker counts the ``SENT`` ones to
+see whether the trainer waits for it). Giving a slot back is a store into shared memory, not a
 message: the trainer's hot path makes no system call for it, and wakes nobody. The
 flag is cleared after the copy; a worker that finds no free slot waits on its command pipe
 for a millisecond and looks again (it only waits when it is ``prefetch`` messages ahead).
@@ -43,6 +45,7 @@ from loader.errors import SharedMemoryError
 from loader.stages.features import FEATURES, slot_bytes_per_token
 
 SHM_DIR = "/dev/shm"
+SENT, READ = 1, 2  # slot flags besides 0 (free), see the module docstring
 PREFIX = "zephon-"
 
 

@@ -6,6 +6,7 @@ last held batch is freed."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 
@@ -22,7 +23,9 @@ MANY = 200  # micro-batches fetched after the held ones: every slot of both work
 
 
 def _loader(make_config, output: str = "numpy", **overrides) -> ZephonLoader:
+    """A loader whose workers always collate (never ship rows for the trainer to collate)."""
     loader = ZephonLoader(make_config("concat", pretokenized=True, num_workers=2, **overrides), output=output)
+    loader._batch_plan = dataclasses.replace(loader._batch_plan, rows="never")
     loader.wait_for_workers(timeout_s=60)
     return loader
 

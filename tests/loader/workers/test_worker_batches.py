@@ -4,6 +4,7 @@ states of the per-item path, which the rest of the suite pins."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from loader.pipeline import ZephonLoader
-from loader.workers.batches import batch_plan
+from loader.workers.batches import ROWS_POLICIES, ShippedBatch, batch_plan
 from tests.loader.settings import MICRO_BATCH, NUM_LANES
 
 
@@ -19,9 +20,12 @@ STEPS = 12  # micro-batches per run: GLOBAL_BATCH // MICRO_BATCH = 8 per step, e
 
 
 def batches(config, micro_batches: int, *, wait: bool = True, pace_s: float = 0.0, bulk: bool = True,
-            restore=None, save_at=()):
-    """The run's micro-batches (NumPy), its states at ``save_at`` and whether it used the bulk paths."""
+            restore=None, save_at=(), rows: str = "drained"):
+    """The run's micro-batches (NumPy), its states at ``save_at`` and whether it used the bulk
+    paths; ``rows``: when the workers ship bulk rows for the trainer to collate (BatchPlan.rows)."""
     loader = ZephonLoader(config, output="numpy")
+    if loader._batch_plan is not None:
+        loader._batch_plan = dataclasses.replace(loader._batch_plan, rows=rows)
     if restore is not None:
         loader.load_state_dict(restore)
     if wait and config.num_workers:
@@ -68,18 +72,30 @@ def test_in_process_bulk_rows_match_the_item_path(make_config, fields):
     assert bulk_metrics.tokens == item_metrics.tokens and bulk_metrics.sequences == item_metrics.sequences
 
 
+@pytest.mark.parametrize("rows", ROWS_POLICIES)
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])
-def test_worker_micro_batches_match_in_process_and_resume(make_config, packing):
+def test_worker_micro_batches_match_in_process_and_resume(make_config, packing, rows):
     config = make_config(packing, pretokenized=True)
     reference, states, _, ref_metrics = batches(config, 8 * STEPS, save_at=(5, 40))
     workers = config.replace(num_workers=2)
-    got, worker_states, used, metrics = batches(workers, 8 * STEPS, save_at=(5, 40))
+    got, worker_states, used, metrics = batches(workers, 8 * STEPS, save_at=(5, 40), rows=rows)
     assert used["ready"] == 8 * STEPS  # every micro-batch came whole from a worker
     assert_same(reference, got)
     assert worker_states == states
     assert metrics.tokens == ref_metrics.tokens and metrics.padding_tokens == ref_metrics.padding_tokens
-    resumed, _, _, _ = batches(workers, 8 * STEPS - 41, restore=states[40])
+    resumed, _, _, _ = batches(workers, 8 * STEPS - 41, restore=states[40], rows=rows)
     assert_same(reference[41:], resumed)
+
+
+@pytest.mark.parametrize("fields", [("input_ids",), ("input_ids", "labels", "cu_seqlens")])
+def test_shipped_rows_collated_by_the_trainer_for_other_fields(make_config, fields, monkeypatch):
+    config = make_config("concat", pretokenized=True, batch_fields=fields)
+    reference, _, _, _ = batches(config, 5 * 8)
+    collated, collate = [], ShippedBatch.collated
+    monkeypatch.setattr(ShippedBatch, "collated", lambda self, c: collated.append(1) or collate(self, c))
+    got, _, used, _ = batches(config.replace(num_workers=2), 5 * 8, rows="always")
+    assert used["ready"] == 5 * 8 and len(collated) > 5 * 4  # most came as rows (a block's last rows do not)
+    assert_same(reference, got)
 
 
 def test_hand_over_from_the_warm_start_to_whole_batches(make_config):
