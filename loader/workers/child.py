@@ -58,10 +58,12 @@ BOOTSTRAP = (
 )
 
 
-# How long a worker with no free slot waits before it looks again: 1 ms, doubling to 8 ms while
-# none comes free (a trainer that holds its batches, or one far behind), so that an idle worker
-# does not wake 1000 times a second on the cores the trainer runs on.
-_SLOT_WAITS_S = (0.001, 0.002, 0.004, 0.008)
+# How long a worker with no free slot waits before it looks again: 1 ms, and once it has waited
+# ~0.1 s for one (the trainer evaluates, checkpoints, holds its batches), 2, 4, then 8 ms, so that
+# an idle worker does not wake 1000 times a second on the cores the trainer runs on. Not sooner:
+# a trainer replaying flat out drains a worker's prefetch (16 micro-batches) in ~2 ms, and a
+# worker asleep for 8 ms stalled it.
+_SLOT_WAITS_S = (0.001,) * 100 + (0.002, 0.004, 0.008)
 WORKER_NICENESS = 5  # the trainer's own thread comes first when the cores are busy
 # The message pipe's buffer, then the most an unprivileged process may ask for by default
 # (/proc/sys/fs/pipe-max-size). A best-fit message's descriptor carries its lanes' new bin pieces
