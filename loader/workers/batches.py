@@ -47,11 +47,16 @@ from loader.workers.shm import SlotWriter, read_arrays
 
 
 # When a worker ships a micro-batch of bulk concat rows as the rows (int32 ids, document starts),
-# for the trainer to collate, instead of collating it: "drained" (the default), when the trainer
-# has read every message the worker sent before, so that it waits for this one (replay flat
-# out: its core would idle, and collating in the worker held 2-worker replay to 0.70-0.95x of
-# the item messages' rate); "always"; "never" (tests of either path).
-ROWS_POLICIES = ("drained", "always", "never")
+# for the trainer to collate, instead of collating it: "loader_bound" (the default), while the
+# trainer asks for its micro-batches back to back (ROWS_GAP_S: replay, a trainer bound by the
+# loader); "always"; "never" (tests of either path). Collated in the workers, replay flat out
+# on 2 shared cores ran at 0.70-0.95x of the item messages' rate: the collation moved onto the
+# workers, into cold shared memory, and the trainer's loop read the batch from there, at more
+# CPU per token in all; a trainer with work of its own gets the batches collated.
+ROWS_POLICIES = ("loader_bound", "always", "never")
+# A trainer counts as loader-bound while it comes back for the next micro-batch within this many
+# seconds of taking one (a moving average): a training step with any device work takes longer.
+ROWS_GAP_S = 1e-3
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class BatchPlan:
     num_workers: int
     collator: dict
     per_message: int = 1  # micro-batches per message (batches_per_message)
-    rows: str = "drained"
+    rows: str = "loader_bound"
 
     def worker_of(self, micro_batch: int) -> int:
         return (micro_batch % self.groups) % self.num_workers
@@ -159,9 +164,9 @@ def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position
     """Worker ``worker_id``'s micro-batches from ``start_position`` (a micro-batch boundary) on,
     endless, ``plan.per_message`` at a time; ``ship_state(lane_id, lane)``: the state to ship (the
     run's ``StateEncoder.ship``). Yields the descriptor maker of each message (``write(slot,
-    drained)``: its micro-batches collated into the slot; those of bulk concat rows shipped as
-    rows instead (:func:`write_rows`) where ``plan.rows`` says so: ``"drained"``, when the
-    trainer has read every message sent before, ``drained``)."""
+    rows_wanted)``: its micro-batches collated into the slot; those of bulk concat rows shipped
+    as rows instead (:func:`write_rows`) where ``plan.rows`` says so: ``"loader_bound"``, while
+    the trainer asks for them, ``rows_wanted``)."""
     if plan.rows not in ROWS_POLICIES:
         raise ValueError(f"BatchPlan(rows={plan.rows!r}): must be one of {list(ROWS_POLICIES)}")
     slot_arrays = SlotArrays()
@@ -180,9 +185,9 @@ def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position
                 pending.append(_cut(lanes, collator, plan, micro_batch, source_of, bulk, ship_state))
             micro_batch += 1
 
-        def write(slot: memoryview, drained: bool = False, pending=pending) -> dict:
+        def write(slot: memoryview, rows_wanted: bool = False, pending=pending) -> dict:
             writer = slot_arrays.start(slot)
-            rows = as_rows and (drained or always)
+            rows = as_rows and (rows_wanted or always)
             batches = []
             for position, collate, taken, *rest in pending:
                 if rows and taken is not None:

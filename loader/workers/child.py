@@ -121,11 +121,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
             waits = 0
             try:
                 if batches:  # whole micro-batches (loader.workers.batches), endless
-                    # The trainer has read every message sent (it waits for this one, or soon will):
-                    # bulk rows go as rows, collated on the trainer's otherwise idle core; while
-                    # messages wait for the trainer, they are collated here.
-                    drained = not np.count_nonzero(flags == SENT)
-                    descriptor = next(items)(segment.view(slot), drained)
+                    descriptor = next(items)(segment.view(slot), segment.rows_wanted)
                     flags[slot] = SENT
                     messages.send(("items", run_id, slot, descriptor))
                     continue

@@ -37,7 +37,7 @@ from loader.workers.batches import read_batches
 from loader.workers.held import HELD_BATCHES, HeldViews, MessageLease
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
-from loader.workers.shm import READ, SHM_DIR, Segment, remove_stale_segments, slot_bytes
+from loader.workers.shm import SHM_DIR, Segment, remove_stale_segments, slot_bytes
 from loader.workers.state_delta import StateDecoder
 
 log = logging.getLogger(__name__)
@@ -237,6 +237,12 @@ class WorkerPool:
                             protocol=pickle.HIGHEST_PROTOCOL)
             self._send(worker_id, ("start", self.run_id, path, start_position, kept.get(worker_id, [])))
 
+    def want_rows(self, wanted: bool) -> None:
+        """Tell every worker whether to ship bulk rows for the trainer to collate
+        (:attr:`~loader.workers.shm.Segment.rows_wanted`)."""
+        for segment in self.segments:
+            segment.rows_wanted = wanted
+
     def end_run(self) -> None:
         """Messages and leases of the current run are ignored from now on."""
         self.run_id += 1
@@ -298,7 +304,6 @@ class WorkerPool:
         decode = self.decoders[worker_id].decode
         if descriptor.get("kind") == "batch":  # whole micro-batches (loader.workers.batches)
             segment = self.segments[worker_id]
-            segment.flags[slot] = READ  # its worker counts the messages not read yet
             return read_batches(descriptor, segment.view(slot), lambda count: MessageLease(
                 worker_id, slot, count, lambda lease: self._give_back(segment, run_id, slot, lease.kept)), decode, self.io)
         if slot is None:

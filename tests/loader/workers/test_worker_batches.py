@@ -20,7 +20,7 @@ STEPS = 12  # micro-batches per run: GLOBAL_BATCH // MICRO_BATCH = 8 per step, e
 
 
 def batches(config, micro_batches: int, *, wait: bool = True, pace_s: float = 0.0, bulk: bool = True,
-            restore=None, save_at=(), rows: str = "drained"):
+            restore=None, save_at=(), rows: str = "loader_bound"):
     """The run's micro-batches (NumPy), its states at ``save_at`` and whether it used the bulk
     paths; ``rows``: when the workers ship bulk rows for the trainer to collate (BatchPlan.rows)."""
     loader = ZephonLoader(config, output="numpy")
