@@ -20,17 +20,23 @@ rank position of its first row), ``keys`` (the batch's keys in order), ``values`
 whose values are not arrays: ``step``, ``micro_step``, reject counts), ``layout`` (its arrays
 in the slot, :class:`~loader.workers.shm.SlotWriter`), ``lane_states`` (``[lane, shipped
 state]`` after it, :class:`~loader.workers.state_delta.StateEncoder`), ``source_ids`` and
-``padding`` per row (None: full rows) and ``rejects`` (online chat rejects, or None) for the loader's metrics;
-and ``io``. The worker collates the large arrays straight into the slot (:class:`SlotArrays`);
+``padding`` per row (None: full rows) and ``rejects`` (online chat rejects, or None) for the
+loader's metrics; and ``io``. The worker collates the large arrays straight into the slot (:class:`SlotArrays`);
 the trainer hands a micro-batch out as views of the slot, no copy (:mod:`loader.workers.held`:
 the slot goes back once every micro-batch of its message is freed; beyond
-``HELD_BATCHES`` held, or into pinned memory, a micro-batch is copied out). Every array of a
-batch travels the same way, whatever its name: image fields can follow once the slot is sized
-for their pixels (today a loader with image sources keeps item messages).
+``HELD_BATCHES`` held, or into pinned memory, a micro-batch is copied out). While the trainer
+is loader-bound (``BatchPlan.rows``, :data:`ROWS_POLICIES`), a micro-batch travels for the
+trainer to collate instead: bulk concat rows as the rows (:func:`write_rows`: ``rows`` its
+first global index and stride, ``layout`` its int32 ids and document starts, ``doc_counts``
+per row), others as an item message in the rest of the slot (:func:`write_items`: ``items``
+its descriptor, ``items_at`` its offset). Every array of a batch travels the same way, whatever its name: image fields can
+follow once the slot is sized for their pixels (today a loader with image sources keeps item
+messages).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -42,12 +48,12 @@ from loader.stages.collate import Collator
 from loader.stages.features import FEATURES
 from loader.stages.producer import End, produce_one, take_rows
 from loader.workers.held import HeldViews, MessageLease
-from loader.workers.messages import MESSAGE_TOKENS, _MessageRows
+from loader.workers.messages import MESSAGE_TOKENS, _MessageRows, read_message, write_message
 from loader.workers.shm import SlotWriter, read_arrays
 
 
-# When a worker ships a micro-batch of bulk concat rows as the rows (int32 ids, document starts),
-# for the trainer to collate, instead of collating it: "loader_bound" (the default), while the
+# When a worker ships a micro-batch for the trainer to collate instead of collating it (bulk
+# concat rows as the rows: int32 ids, document starts; others as items): "loader_bound" (the default), while the
 # trainer asks for its micro-batches back to back (ROWS_GAP_S: replay, a trainer bound by the
 # loader); "always"; "never" (tests of either path). Collated in the workers, replay flat out
 # on 2 shared cores ran at 0.70-0.95x of the item messages' rate: the collation moved onto the
@@ -164,9 +170,9 @@ def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position
     """Worker ``worker_id``'s micro-batches from ``start_position`` (a micro-batch boundary) on,
     endless, ``plan.per_message`` at a time; ``ship_state(lane_id, lane)``: the state to ship (the
     run's ``StateEncoder.ship``). Yields the descriptor maker of each message (``write(slot,
-    rows_wanted)``: its micro-batches collated into the slot; those of bulk concat rows shipped
-    as rows instead (:func:`write_rows`) where ``plan.rows`` says so: ``"loader_bound"``, while
-    the trainer asks for them, ``rows_wanted``)."""
+    rows_wanted)``: its micro-batches collated into the slot, or shipped for the trainer to
+    collate, as rows (bulk concat rows, :func:`write_rows`) or items (:func:`write_items`), where
+    ``plan.rows`` says so: ``"loader_bound"``, while the trainer asks for them, ``rows_wanted``)."""
     if plan.rows not in ROWS_POLICIES:
         raise ValueError(f"BatchPlan(rows={plan.rows!r}): must be one of {list(ROWS_POLICIES)}")
     slot_arrays = SlotArrays()
@@ -174,8 +180,9 @@ def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position
     mbs, stride, num_lanes = plan.micro_batch_size, plan.world_size, plan.num_lanes
     source_of = next(iter(lanes.values())).spec.schedule.source_of
     bulk = all(lane.bulk_rows for lane in lanes.values())
-    # (rows whose features a batch reads are collated here: the trainer would need them shipped too)
-    as_rows = plan.rows != "never" and bulk and not collator.needed_features
+    # Shipped for the trainer to collate: bulk rows as rows, other micro-batches as items; bulk rows
+    # whose features a batch reads are collated here (their features would have to travel too).
+    as_rows = plan.rows != "never" and (not bulk or not collator.needed_features)
     always = plan.rows == "always"
     micro_batch = start_position // mbs
     while True:
@@ -190,8 +197,10 @@ def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position
             rows = as_rows and (rows_wanted or always)
             batches = []
             for position, collate, taken, *rest in pending:
-                if rows and taken is not None:
+                if rows and type(taken) is tuple:
                     batches.append(write_rows(BuiltBatch(position, {}, *rest), taken, writer, collator.reads_segments))
+                elif rows and type(taken) is list:
+                    batches.append(write_items(BuiltBatch(position, {}, *rest), taken, writer, collator.reads_segments))
                 else:
                     batches.append(slot_arrays.written(BuiltBatch(position, collate(), *rest)))
             return {"kind": "batch", "batches": batches, "io": IO.delta_to_ship()}
@@ -220,6 +229,8 @@ def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, sou
         padding = padding if any(padding) else None  # None: full rows (MetricsRecorder.count_rows)
         rejects = _merged([item.chat_rejects for item in items])
         collate = lambda: collator.collate(items, position + mbs)  # noqa: E731
+        taken = items
+    # taken: (fills, rows, first index, stride) of bulk rows, or the items (write_rows, write_items)
     return position, collate, taken, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding, rejects
 
 
@@ -253,7 +264,7 @@ def write_batch(built: BuiltBatch, writer: SlotWriter, made: Optional[dict[int, 
 def write_rows(built: BuiltBatch, taken: tuple, writer: SlotWriter, segments: bool) -> dict:
     """A micro-batch of bulk concat rows as the rows themselves: their token ids as they are
     (int32) and, with ``segments``, their document starts (``doc_counts`` per row), which the
-    trainer collates (:meth:`ShippedBatch.collated`); ``rows``: its first global index and stride."""
+    trainer collates (:meth:`ShippedBatch.collated`)."""
     fills, rows, first, stride = taken
     ids = [fill.input_ids[row] for fill, row in zip(fills, rows)]
     name = f"{built.position}.rows"
@@ -267,6 +278,19 @@ def write_rows(built: BuiltBatch, taken: tuple, writer: SlotWriter, segments: bo
         layout["doc_starts"] = writer.layout[f"{built.position}.doc_starts"]
         part["doc_counts"] = [len(s) for s in starts]
     return part
+
+
+def write_items(built: BuiltBatch, items: list, writer: SlotWriter, segments: bool) -> dict:
+    """A micro-batch of other sequences (best fit, a block's last rows) as an item message in the
+    rest of the slot (:func:`~loader.workers.messages.write_message`), which the trainer collates
+    (:meth:`ShippedBatch.collated`); its lanes' states travel with the batch, not per item."""
+    at = writer.offset
+    message = write_message(items, writer.slot[at:], segments)
+    writer.offset = at + max((offset + math.prod(shape) * np.dtype(dtype).itemsize
+                              for dtype, shape, offset in message["layout"].values()), default=0)
+    writer.offset = (writer.offset + 63) // 64 * 64
+    return {"position": built.position, "items": message, "items_at": at, "lane_states": built.lane_states,
+            "source_ids": built.source_ids, "padding": built.padding, "rejects": built.rejects}
 
 
 class _ShippedRows(_MessageRows):
@@ -294,16 +318,21 @@ class ShippedBatch(BuiltBatch):
         """The batch as views of the slot (:meth:`views`), or copied out where the trainer holds
         ``held.limit`` batches already or ``collator`` allocates elsewhere (pinned memory), or
         collated here from shipped rows (:meth:`collated`)."""
-        if "rows" in self._part:
+        if "rows" in self._part or "items" in self._part:
             return self.collated(collator)
         if collator.empty is np.empty and not held.full():
             return self.views(held)
         return self.copy_out(collator.empty)
 
     def collated(self, collator: Collator) -> dict:
-        """The batch of shipped rows (:func:`write_rows`), collated by the loader's ``collator``
-        (the one copy out of the slot, which is settled at once)."""
+        """The batch of shipped rows (:func:`write_rows`) or items (:func:`write_items`), collated
+        by the loader's ``collator`` (the one copy out of the slot, which is settled at once)."""
         part = self._part
+        if "items" in part:
+            items = read_message(part["items"], self._slot[part["items_at"]:], self._lease.settle)
+            self._slot = None
+            self.batch = collator.collate(items, self.position + len(items))  # settles the lease
+            return self.batch
         arrays = read_arrays(self._slot, part["layout"])
         count = len(self.source_ids)
         fill = _ShippedRows(arrays["input_ids"].reshape(count, -1), arrays.get("doc_starts"), part.get("doc_counts"))
@@ -369,5 +398,8 @@ def read_batches(descriptor: dict, slot: memoryview, lease_of, decode_state, io:
     under the lease ``lease_of(count)`` makes); the worker's reads it reports are added to ``io``
     (the pool's loader's counters)."""
     receive_shipped(descriptor.get("io"), io)
+    for part in descriptor["batches"]:
+        if "items" in part:  # write_items: the worker's reads before it travel in its own descriptor
+            receive_shipped(part["items"].pop("io", None), io)
     lease = lease_of(len(descriptor["batches"]))
     return [ShippedBatch(part, slot, lease, decode_state) for part in descriptor["batches"]]

@@ -74,12 +74,16 @@ def test_in_process_bulk_rows_match_the_item_path(make_config, fields):
 
 @pytest.mark.parametrize("rows", ROWS_POLICIES)
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])
-def test_worker_micro_batches_match_in_process_and_resume(make_config, packing, rows):
+def test_worker_micro_batches_match_in_process_and_resume(make_config, packing, rows, monkeypatch):
     config = make_config(packing, pretokenized=True)
     reference, states, _, ref_metrics = batches(config, 8 * STEPS, save_at=(5, 40))
     workers = config.replace(num_workers=2)
+    collated, collate = [], ShippedBatch.collated
+    monkeypatch.setattr(ShippedBatch, "collated", lambda self, c: collated.append(1) or collate(self, c))
     got, worker_states, used, metrics = batches(workers, 8 * STEPS, save_at=(5, 40), rows=rows)
     assert used["ready"] == 8 * STEPS  # every micro-batch came whole from a worker
+    if rows != "loader_bound":  # shipped as rows or items for the trainer to collate: always, or never
+        assert len(collated) == (8 * STEPS if rows == "always" else 0)
     assert_same(reference, got)
     assert worker_states == states
     assert metrics.tokens == ref_metrics.tokens and metrics.padding_tokens == ref_metrics.padding_tokens
@@ -160,14 +164,16 @@ def chat_dataset(tmp_path_factory) -> str:
     return str(base / "out")
 
 
+@pytest.mark.parametrize("rows", ["always", "never"])
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])
-def test_chat_through_worker_batches(chat_dataset, packing):
-    """Loss masks and padded best-fit rows (padding per row) travel in the worker's batches too."""
+def test_chat_through_worker_batches(chat_dataset, packing, rows):
+    """Loss masks and padded best-fit rows (padding per row) travel in the worker's batches too,
+    collated there or (best fit: as items) by the trainer."""
     from tests.chat.test_chat_shard import _config
 
     config = _config([{"path": chat_dataset, "name": "chat"}], packing)
     reference, states, _, ref_metrics = batches(config, 24, save_at=(9,))
-    got, worker_states, used, metrics = batches(config.replace(num_workers=2), 24, save_at=(9,))
+    got, worker_states, used, metrics = batches(config.replace(num_workers=2), 24, save_at=(9,), rows=rows)
     assert used["ready"] == 24
     assert "loss_mask" in got[0]
     assert_same(reference, got)
