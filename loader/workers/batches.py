@@ -28,15 +28,14 @@ the slot goes back once every micro-batch of its message is freed; beyond
 is loader-bound (``BatchPlan.rows``, :data:`ROWS_POLICIES`), a micro-batch travels for the
 trainer to collate instead: bulk concat rows as the rows (:func:`write_rows`: ``rows`` its
 first global index and stride, ``layout`` its int32 ids and document starts, ``doc_counts``
-per row), others as an item message in the rest of the slot (:func:`write_items`: ``items``
-its descriptor, ``items_at`` its offset). Every array of a batch travels the same way, whatever its name: image fields can
+per row), others as items of one item message in the rest of the slot (the message's
+``items`` and ``items_at``, each micro-batch's ``items`` its range: :func:`_items_part`). Every array of a batch travels the same way, whatever its name: image fields can
 follow once the slot is sized for their pixels (today a loader with image sources keeps item
 messages).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -171,7 +170,7 @@ def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position
     endless, ``plan.per_message`` at a time; ``ship_state(lane_id, lane)``: the state to ship (the
     run's ``StateEncoder.ship``). Yields the descriptor maker of each message (``write(slot,
     rows_wanted)``: its micro-batches collated into the slot, or shipped for the trainer to
-    collate, as rows (bulk concat rows, :func:`write_rows`) or items (:func:`write_items`), where
+    collate, as rows (bulk concat rows, :func:`write_rows`) or items (:func:`_items_part`), where
     ``plan.rows`` says so: ``"loader_bound"``, while the trainer asks for them, ``rows_wanted``)."""
     if plan.rows not in ROWS_POLICIES:
         raise ValueError(f"BatchPlan(rows={plan.rows!r}): must be one of {list(ROWS_POLICIES)}")
@@ -195,15 +194,21 @@ def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position
         def write(slot: memoryview, rows_wanted: bool = False, pending=pending) -> dict:
             writer = slot_arrays.start(slot)
             rows = as_rows and (rows_wanted or always)
-            batches = []
+            batches, items = [], []  # items: those of every micro-batch shipped as items, in order
             for position, collate, taken, *rest in pending:
                 if rows and type(taken) is tuple:
                     batches.append(write_rows(BuiltBatch(position, {}, *rest), taken, writer, collator.reads_segments))
                 elif rows and type(taken) is list:
-                    batches.append(write_items(BuiltBatch(position, {}, *rest), taken, writer, collator.reads_segments))
+                    batches.append(_items_part(BuiltBatch(position, {}, *rest), len(items), len(taken)))
+                    items += taken
                 else:
                     batches.append(slot_arrays.written(BuiltBatch(position, collate(), *rest)))
-            return {"kind": "batch", "batches": batches, "io": IO.delta_to_ship()}
+            message = {"kind": "batch", "batches": batches}
+            if items:  # one item message for all of them, in the rest of the slot (written last)
+                message["items_at"] = writer.offset
+                message["items"] = write_message(items, writer.slot[writer.offset:], collator.reads_segments)
+            message["io"] = IO.delta_to_ship()
+            return message
 
         yield write
 
@@ -230,7 +235,7 @@ def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, sou
         rejects = _merged([item.chat_rejects for item in items])
         collate = lambda: collator.collate(items, position + mbs)  # noqa: E731
         taken = items
-    # taken: (fills, rows, first index, stride) of bulk rows, or the items (write_rows, write_items)
+    # taken: (fills, rows, first index, stride) of bulk rows, or the items (write_rows, _items_part)
     return position, collate, taken, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding, rejects
 
 
@@ -280,16 +285,12 @@ def write_rows(built: BuiltBatch, taken: tuple, writer: SlotWriter, segments: bo
     return part
 
 
-def write_items(built: BuiltBatch, items: list, writer: SlotWriter, segments: bool) -> dict:
-    """A micro-batch of other sequences (best fit, a block's last rows) as an item message in the
-    rest of the slot (:func:`~loader.workers.messages.write_message`), which the trainer collates
+def _items_part(built: BuiltBatch, start: int, count: int) -> dict:
+    """A micro-batch of other sequences (best fit, a block's last rows), shipped as items
+    ``start .. start + count`` of its message's one item message (``items``, at ``items_at`` in
+    the slot: :func:`~loader.workers.messages.write_message`), which the trainer collates
     (:meth:`ShippedBatch.collated`); its lanes' states travel with the batch, not per item."""
-    at = writer.offset
-    message = write_message(items, writer.slot[at:], segments)
-    writer.offset = at + max((offset + math.prod(shape) * np.dtype(dtype).itemsize
-                              for dtype, shape, offset in message["layout"].values()), default=0)
-    writer.offset = (writer.offset + 63) // 64 * 64
-    return {"position": built.position, "items": message, "items_at": at, "lane_states": built.lane_states,
+    return {"position": built.position, "items": (start, start + count), "lane_states": built.lane_states,
             "source_ids": built.source_ids, "padding": built.padding, "rejects": built.rejects}
 
 
@@ -308,11 +309,13 @@ class ShippedBatch(BuiltBatch):
     :meth:`copy_out`) or dropped (:meth:`drop`: the lead made it); the slot goes back once every
     micro-batch of the message is settled (:class:`~loader.workers.held.MessageLease`)."""
 
-    def __init__(self, part: dict, slot: memoryview, lease: MessageLease, decode_state) -> None:
+    def __init__(self, part: dict, slot: memoryview, lease: MessageLease, decode_state,
+                 items: Optional[list] = None) -> None:
         # lane_states: a dict here, which the loader's own merges in one call
         super().__init__(part["position"], {}, {lane: decode_state(state) for lane, state in part["lane_states"]},
                          part["source_ids"], part["padding"], part["rejects"])
         self._part, self._slot, self._lease = part, slot, lease
+        self._items = items  # shipped as items: this micro-batch's, views of the slot
 
     def hand_out(self, held: HeldViews, collator: Collator) -> dict:
         """The batch as views of the slot (:meth:`views`), or copied out where the trainer holds
@@ -325,13 +328,13 @@ class ShippedBatch(BuiltBatch):
         return self.copy_out(collator.empty)
 
     def collated(self, collator: Collator) -> dict:
-        """The batch of shipped rows (:func:`write_rows`) or items (:func:`write_items`), collated
+        """The batch of shipped rows (:func:`write_rows`) or items (:func:`_items_part`), collated
         by the loader's ``collator`` (the one copy out of the slot, which is settled at once)."""
         part = self._part
-        if "items" in part:
-            items = read_message(part["items"], self._slot[part["items_at"]:], self._lease.settle)
-            self._slot = None
-            self.batch = collator.collate(items, self.position + len(items))  # settles the lease
+        if self._items is not None:
+            self.batch = collator.collate(self._items, self.position + len(self._items))
+            self._items = None
+            self.drop()
             return self.batch
         arrays = read_arrays(self._slot, part["layout"])
         count = len(self.source_ids)
@@ -398,8 +401,10 @@ def read_batches(descriptor: dict, slot: memoryview, lease_of, decode_state, io:
     under the lease ``lease_of(count)`` makes); the worker's reads it reports are added to ``io``
     (the pool's loader's counters)."""
     receive_shipped(descriptor.get("io"), io)
-    for part in descriptor["batches"]:
-        if "items" in part:  # write_items: the worker's reads before it travel in its own descriptor
-            receive_shipped(part["items"].pop("io", None), io)
     lease = lease_of(len(descriptor["batches"]))
-    return [ShippedBatch(part, slot, lease, decode_state) for part in descriptor["batches"]]
+    items = None
+    if "items" in descriptor:  # micro-batches shipped as items (_items_part); no lease per item
+        receive_shipped(descriptor["items"].pop("io", None), io)  # the worker's reads before it
+        items = read_message(descriptor["items"], slot[descriptor["items_at"]:], None)
+    return [ShippedBatch(part, slot, lease, decode_state, None if "items" not in part else
+                         items[part["items"][0] : part["items"][1]]) for part in descriptor["batches"]]
