@@ -163,12 +163,12 @@ def worker_profile(args) -> int:
 
     layout = Layout(args.work or str(REPO_ROOT / "bench" / "_work" / "compare-full"))
     options = {"read_ahead": False} if args.no_read_ahead else {}
-    spec = Spec(loader="zephon", mode="text" if args.mode == "text" else "pretok", data_dir=layout.root,
+    spec = Spec(loader=args.loader, mode="text" if args.mode == "text" else "pretok", data_dir=layout.root,
                 seq_len=2048, global_batch=8, num_workers=args.workers, options=options)
     if args.timeline:
         return busy_timeline(args, spec, layout)
-    print(f"python bench/thread_profile.py --workers {args.workers} --batches {args.batches} --pace-ms {args.pace_ms:g}"
-          f" --drain-s {args.drain_s:g}"
+    print(f"python bench/thread_profile.py --workers {args.workers} --loader {args.loader} --batches {args.batches} "
+          f"--pace-ms {args.pace_ms:g} --drain-s {args.drain_s:g}"
           + (" --no-read-ahead" if args.no_read_ahead else "") + f"\n{machine_line()}")
     started = time.perf_counter()
     session = zephon.open_session(spec, layout)
@@ -186,17 +186,21 @@ def worker_profile(args) -> int:
           + f"; p50 {np.percentile(w, 50):.3f} ms, p99 {np.percentile(w, 99):.3f} ms")
     # Flat out for --drain-s seconds (a few hundred micro-batches would mostly be the ones the
     # workers had ready), then paced.
+    # The trainer process's CPU from process_time (clock ticks of /proc are 10 ms: a tenth of a
+    # paced window's), the workers' from /proc; next()'s wall p99 per window.
     for label, pace in (("as fast as possible", 0.0), (f"paced {args.pace_ms:g} ms", args.pace_ms / 1e3)):
-        n, before, t = 0, tree_cpu_s(), time.perf_counter()
+        n, before, own, t, waits = 0, tree_cpu_s(), time.process_time(), time.perf_counter(), []
         while (time.perf_counter() - t < args.drain_s) if pace == 0 else n < 300:
+            a = time.perf_counter()
             next(batches)
+            waits.append(time.perf_counter() - a)
             n += 1
             if pace:
                 time.sleep(pace)
-        after, seconds = tree_cpu_s(), time.perf_counter() - t
+        after, own, seconds = tree_cpu_s(), time.process_time() - own, time.perf_counter() - t
         print(f"{label}: {n} micro-batches in {seconds:.2f} s ({n * 8 * 2048 / seconds / 1e6:.1f} M tok/s); CPU per "
               f"micro-batch: workers {(after['workers_cpu_s'] - before['workers_cpu_s']) / n * 1e3:.3f} ms, trainer "
-              f"process {(after['own_cpu_s'] - before['own_cpu_s']) / n * 1e3:.3f} ms")
+              f"process {own / n * 1e3:.3f} ms; next() p99 {np.percentile(waits, 99) * 1e3:.3f} ms")
     session.close()
     return 0
 

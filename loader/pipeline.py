@@ -55,7 +55,6 @@ from loader.stages.collate import OUTPUTS, Collator, load_torch, to_torch
 from loader.stages.pinned import PinnedBuffers, pinning_available, warn_pinning_unavailable
 from loader.stages.producer import Item, fill_sequence
 from loader.transforms import resume as transform_resume
-from loader.workers import batches as worker_batches
 from loader.workers.batches import batch_plan, batches_per_message
 from loader.workers.pool import WorkerPool
 
@@ -191,7 +190,7 @@ class ZephonLoader(CheckpointSession, StepDelivery, WorkerHandOver):
         # Workers that build whole micro-batches (loader.workers.batches): endless data without a
         # balancer, image sources or token sources copied beside the batch, and lane groups per worker.
         self._batch_plan = None
-        if worker_batches.WORKER_BATCHES and config.num_workers > 0 and not self.looks_ahead and not config.balance \
+        if config.num_workers > 0 and not self.looks_ahead and not config.balance \
                 and image_options is None and not self._metrics.copies_token_sources:
             self._batch_plan = batch_plan(rank=self.topology.rank, world_size=self.topology.world_size,
                                           num_lanes=self.num_lanes, micro_batch_size=config.micro_batch_size,

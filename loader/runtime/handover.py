@@ -11,7 +11,7 @@ from loader.errors import WorkerError
 from loader.kinds.base import kinds_of
 from loader.order.ordering import lanes_of_worker, rank_period
 from loader.stages.producer import End, Item, build_lanes, fill_item, produce_one, start_reading, take_rows
-from loader.workers.batches import batch_bytes
+from loader.workers.batches import ROWS_GAP_S, batch_bytes
 from loader.workers.messages import items_per_message
 from loader.workers.pool import WorkerPool
 
@@ -168,6 +168,10 @@ class Run:
         # Whole micro-batches from the workers (loader.workers.batches) from a micro-batch boundary on.
         plan = loader._batch_plan if loader.rank_position % cfg.micro_batch_size == 0 else None
         self.batch_plan = plan
+        # Whether the trainer is loader-bound (ROWS_GAP_S): the moving average of its time between
+        # two micro-batches, and when it last took one.
+        self._gap_s, self._taken_at, self._rows_wanted = ROWS_GAP_S, None, False
+        pool.want_rows(False)
         if plan is not None:
             lanes_per_worker = [plan.lanes_of(k) for k in range(num_workers)]
         else:
@@ -227,6 +231,8 @@ class Run:
     def next_batch(self, position: int):
         """The micro-batch starting at rank position ``position``, built whole by the worker the
         :attr:`batch_plan` names (a :class:`~loader.workers.batches.BuiltBatch`)."""
+        if self.batch_plan.rows == "loader_bound":
+            self._ask_for_rows()
         worker_id = self.batch_plan.worker_of(position // self.batch_plan.micro_batch_size)
         pending = self.pending[worker_id]
         while True:
@@ -239,7 +245,20 @@ class Run:
         if ready.position != position:
             raise RuntimeError(f"internal ordering error: expected the micro-batch at rank position {position}, "
                                f"got {ready.position}")
+        self._taken_at = time.perf_counter()
         return ready
+
+    def _ask_for_rows(self) -> None:
+        """Tell the workers to ship bulk rows while the trainer is loader-bound (it comes back
+        within ``ROWS_GAP_S`` on average: it would wait for collated batches, and its own
+        collation costs less CPU in all), collated batches otherwise."""
+        if self._taken_at is None:
+            return
+        self._gap_s += (time.perf_counter() - self._taken_at - self._gap_s) * 0.125
+        wanted = self._gap_s < ROWS_GAP_S
+        if wanted != self._rows_wanted:
+            self._rows_wanted = wanted
+            self.pool.want_rows(wanted)
 
     def batches_caught_up(self, position: int) -> bool:
         """:meth:`_workers_caught_up` for workers that build whole micro-batches, asked at the

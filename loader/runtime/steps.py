@@ -87,11 +87,10 @@ class StepDelivery:
         if run.batch_plan is None or (run.lead is not None and not run.batches_caught_up(self.rank_position)):
             return None  # (the lead makes this micro-batch, item by item)
         ready = run.next_batch(self.rank_position)
-        ready.copy_out(self._collator.empty)  # out of the slot (pinned memory too), which goes back
+        ready.hand_out(run.pool.held, self._collator)  # views of the slot (loader.workers.held), a copy, or collated
         self.rank_position += len(ready.source_ids)
-        for lane_id, state in ready.lane_states:
-            self.lane_states[lane_id] = state
-            self._lanes_in_step.add(lane_id)
+        self.lane_states.update(ready.lane_states)
+        self._lanes_in_step.update(ready.lane_states)
         if self.rank_position % self.topology.per_rank_batch == 0:
             self._record_step_boundary()
         return ready

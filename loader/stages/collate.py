@@ -48,6 +48,7 @@ class Collator:
         self.batched = tuple(n for n in features if FEATURES[n].batch_field in self.fields)
         self.label_masks = tuple(n for n in features if FEATURES[n].masks_labels) if "labels" in self.fields else ()
         self._needed = tuple(dict.fromkeys(self.batched + self.label_masks))
+        self.needed_features = self._needed  # the features a batch reads (rows without them: none)
         # Whether collate reads each sequence's labels and segment (document) starts: not for a
         # batch of input_ids (and features) alone, whose workers then do not ship them.
         self.reads_segments = "labels" in self.fields or "position_ids" in self.fields or "cu_seqlens" in self.fields

@@ -20,12 +20,18 @@ rank position of its first row), ``keys`` (the batch's keys in order), ``values`
 whose values are not arrays: ``step``, ``micro_step``, reject counts), ``layout`` (its arrays
 in the slot, :class:`~loader.workers.shm.SlotWriter`), ``lane_states`` (``[lane, shipped
 state]`` after it, :class:`~loader.workers.state_delta.StateEncoder`), ``source_ids`` and
-``padding`` per row and ``rejects`` (online chat rejects, or None) for the loader's metrics;
-and ``io``. The worker collates the large arrays straight into the slot (:class:`SlotArrays`);
-the trainer copies a micro-batch out when it hands it out and gives the slot back after the
-message's last. Every array of a batch travels the same way, whatever its name: image fields
-can follow once the slot is sized for their pixels (today a loader with image sources keeps
-item messages).
+``padding`` per row (None: full rows) and ``rejects`` (online chat rejects, or None) for the
+loader's metrics; and ``io``. The worker collates the large arrays straight into the slot (:class:`SlotArrays`);
+the trainer hands a micro-batch out as views of the slot, no copy (:mod:`loader.workers.held`:
+the slot goes back once every micro-batch of its message is freed; beyond
+``HELD_BATCHES`` held, or into pinned memory, a micro-batch is copied out). While the trainer
+is loader-bound (``BatchPlan.rows``, :data:`ROWS_POLICIES`), a micro-batch travels for the
+trainer to collate instead: bulk concat rows as the rows (:func:`write_rows`: ``rows`` its
+first global index and stride, ``layout`` its int32 ids and document starts, ``doc_counts``
+per row), others as items of one item message in the rest of the slot (the message's
+``items`` and ``items_at``, each micro-batch's ``items`` its range: :func:`_items_part`). Every array of a batch travels the same way, whatever its name: image fields can
+follow once the slot is sized for their pixels (today a loader with image sources keeps item
+messages).
 """
 
 from __future__ import annotations
@@ -40,16 +46,22 @@ from loader.order.ordering import rank_period
 from loader.stages.collate import Collator
 from loader.stages.features import FEATURES
 from loader.stages.producer import End, produce_one, take_rows
-from loader.workers.messages import MESSAGE_TOKENS, SlotLease
+from loader.workers.held import HeldViews, MessageLease
+from loader.workers.messages import MESSAGE_TOKENS, _MessageRows, read_message, write_message
 from loader.workers.shm import SlotWriter, read_arrays
 
 
-# Whether loaders whose lane groups allow it use worker micro-batches (else item messages,
-# loader.workers.messages); both deliver the same stream. Off: on the shared 2-core machine
-# they did not lower the trainer's CPU per micro-batch (one copy out of the slot per array
-# stays) and the workers' added collation cost 2-worker replay 14-20% (bench/HISTORY.md,
-# "Issue 35: in-process replay in bulk"); tests/loader/workers/test_worker_batches.py runs them.
-WORKER_BATCHES = False
+# When a worker ships a micro-batch for the trainer to collate instead of collating it (bulk
+# concat rows as the rows: int32 ids, document starts; others as items): "loader_bound" (the default), while the
+# trainer asks for its micro-batches back to back (ROWS_GAP_S: replay, a trainer bound by the
+# loader); "always"; "never" (tests of either path). Collated in the workers, replay flat out
+# on 2 shared cores ran at 0.70-0.95x of the item messages' rate: the collation moved onto the
+# workers, into cold shared memory, and the trainer's loop read the batch from there, at more
+# CPU per token in all; a trainer with work of its own gets the batches collated.
+ROWS_POLICIES = ("loader_bound", "always", "never")
+# A trainer counts as loader-bound while it comes back for the next micro-batch within this many
+# seconds of taking one (a moving average): a training step with any device work takes longer.
+ROWS_GAP_S = 1e-3
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,8 @@ class BatchPlan:
 
     ``groups``: micro-batch ``m`` uses the lanes of group ``m % groups``; group ``g`` is worker
     ``g % num_workers``'s. ``collator``: the keyword arguments of the loader's :class:`Collator`.
+    ``rows``: when micro-batches of bulk concat rows travel as rows, collated by the trainer
+    (:data:`ROWS_POLICIES`; the stream is the same either way).
     """
 
     rank: int
@@ -68,6 +82,7 @@ class BatchPlan:
     num_workers: int
     collator: dict
     per_message: int = 1  # micro-batches per message (batches_per_message)
+    rows: str = "loader_bound"
 
     def worker_of(self, micro_batch: int) -> int:
         return (micro_batch % self.groups) % self.num_workers
@@ -101,12 +116,12 @@ def batch_bytes(collator: Collator, per_message: int = 1) -> int:
 @dataclass
 class BuiltBatch:
     """A micro-batch a worker built (NumPy), with what the trainer records for it; on the
-    trainer's side (:class:`ShippedBatch`) its arrays are copied out of the slot and
+    trainer's side (:class:`ShippedBatch`) its arrays are views of the slot (or copies) and
     ``lane_states`` decoded."""
 
     position: int
     batch: dict
-    lane_states: list
+    lane_states: list  # [lane, shipped state] in the worker; {lane: state} on the trainer's side
     source_ids: list
     padding: list
     rejects: Optional[dict]
@@ -153,26 +168,47 @@ def batches_per_message(micro_batch_size: int, seq_len: int, tokenizes: bool) ->
 def produce_batches(lanes: dict, plan: BatchPlan, worker_id: int, start_position: int, ship_state) -> Iterator:
     """Worker ``worker_id``'s micro-batches from ``start_position`` (a micro-batch boundary) on,
     endless, ``plan.per_message`` at a time; ``ship_state(lane_id, lane)``: the state to ship (the
-    run's ``StateEncoder.ship``). Yields the descriptor maker of each message (``write(slot)``:
-    its micro-batches collated into the slot)."""
+    run's ``StateEncoder.ship``). Yields the descriptor maker of each message (``write(slot,
+    rows_wanted)``: its micro-batches collated into the slot, or shipped for the trainer to
+    collate, as rows (bulk concat rows, :func:`write_rows`) or items (:func:`_items_part`), where
+    ``plan.rows`` says so: ``"loader_bound"``, while the trainer asks for them, ``rows_wanted``)."""
+    if plan.rows not in ROWS_POLICIES:
+        raise ValueError(f"BatchPlan(rows={plan.rows!r}): must be one of {list(ROWS_POLICIES)}")
     slot_arrays = SlotArrays()
     collator = Collator(**plan.collator, empty=slot_arrays)
     mbs, stride, num_lanes = plan.micro_batch_size, plan.world_size, plan.num_lanes
     source_of = next(iter(lanes.values())).spec.schedule.source_of
     bulk = all(lane.bulk_rows for lane in lanes.values())
+    # Shipped for the trainer to collate: bulk rows as rows, other micro-batches as items; bulk rows
+    # whose features a batch reads are collated here (their features would have to travel too).
+    as_rows = plan.rows != "never" and (not bulk or not collator.needed_features)
+    always = plan.rows == "always"
     micro_batch = start_position // mbs
     while True:
-        pending = []  # (position, collate, states, sources, padding, rejects) per micro-batch
+        pending = []  # (position, collate, taken rows or None, states, sources, padding, rejects) per micro-batch
         while len(pending) < plan.per_message:
             if plan.worker_of(micro_batch) == worker_id:
                 pending.append(_cut(lanes, collator, plan, micro_batch, source_of, bulk, ship_state))
             micro_batch += 1
 
-        def write(slot: memoryview, pending=pending) -> dict:
-            slot_arrays.start(slot)
-            batches = [slot_arrays.written(BuiltBatch(position, collate(), states, sources, padding, rejects))
-                       for position, collate, states, sources, padding, rejects in pending]
-            return {"kind": "batch", "batches": batches, "io": IO.delta_to_ship()}
+        def write(slot: memoryview, rows_wanted: bool = False, pending=pending) -> dict:
+            writer = slot_arrays.start(slot)
+            rows = as_rows and (rows_wanted or always)
+            batches, items = [], []  # items: those of every micro-batch shipped as items, in order
+            for position, collate, taken, *rest in pending:
+                if rows and type(taken) is tuple:
+                    batches.append(write_rows(BuiltBatch(position, {}, *rest), taken, writer, collator.reads_segments))
+                elif rows and type(taken) is list:
+                    batches.append(_items_part(BuiltBatch(position, {}, *rest), len(items), len(taken)))
+                    items += taken
+                else:
+                    batches.append(slot_arrays.written(BuiltBatch(position, collate(), *rest)))
+            message = {"kind": "batch", "batches": batches}
+            if items:  # one item message for all of them, in the rest of the slot (written last)
+                message["items_at"] = writer.offset
+                message["items"] = write_message(items, writer.slot[writer.offset:], collator.reads_segments)
+            message["io"] = IO.delta_to_ship()
+            return message
 
         yield write
 
@@ -185,8 +221,9 @@ def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, sou
     taken = take_rows(lanes, num_lanes, source_of, first, stride, mbs) if bulk else None
     if taken is not None:
         fills, rows, sources, lane_ids = taken
-        padding, rejects = [0] * mbs, None
+        padding, rejects = None, None  # full rows
         collate = lambda: collator.collate_rows(fills, rows, sources, first, stride, position + mbs)  # noqa: E731
+        taken = (fills, rows, first, stride)
     else:
         items = [produce_one(lanes[(first + k * stride) % num_lanes], first + k * stride, False) for k in range(mbs)]
         if any(isinstance(item, End) for item in items):
@@ -194,9 +231,12 @@ def _cut(lanes: dict, collator: Collator, plan: BatchPlan, micro_batch: int, sou
         sources = [item.source_id for item in items]
         lane_ids = [item.global_index % num_lanes for item in items]
         padding = [item.sequence.padding for item in items]
+        padding = padding if any(padding) else None  # None: full rows (MetricsRecorder.count_rows)
         rejects = _merged([item.chat_rejects for item in items])
         collate = lambda: collator.collate(items, position + mbs)  # noqa: E731
-    return position, collate, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding, rejects
+        taken = items
+    # taken: (fills, rows, first index, stride) of bulk rows, or the items (write_rows, _items_part)
+    return position, collate, taken, [[l, ship_state(l, lanes[l])] for l in lane_ids], sources, padding, rejects
 
 
 def _merged(rejects: list) -> Optional[dict]:
@@ -226,14 +266,102 @@ def write_batch(built: BuiltBatch, writer: SlotWriter, made: Optional[dict[int, 
             "rejects": built.rejects}
 
 
-class ShippedBatch(BuiltBatch):
-    """A micro-batch of a received message: views of the slot until :meth:`copy_out` (at its
-    hand-out), or :meth:`drop` (the lead made it); the slot goes back after the message's last."""
+def write_rows(built: BuiltBatch, taken: tuple, writer: SlotWriter, segments: bool) -> dict:
+    """A micro-batch of bulk concat rows as the rows themselves: their token ids as they are
+    (int32) and, with ``segments``, their document starts (``doc_counts`` per row), which the
+    trainer collates (:meth:`ShippedBatch.collated`)."""
+    fills, rows, first, stride = taken
+    ids = [fill.input_ids[row] for fill, row in zip(fills, rows)]
+    name = f"{built.position}.rows"
+    np.concatenate(ids, out=writer.allocate(name, ids[0].dtype, (len(ids) * len(ids[0]),)))
+    layout = {"input_ids": writer.layout[name]}
+    part = {"position": built.position, "rows": (first, stride), "layout": layout, "lane_states": built.lane_states,
+            "source_ids": built.source_ids, "padding": built.padding, "rejects": built.rejects}
+    if segments:
+        starts = [fill.row_doc_starts(row) for fill, row in zip(fills, rows)]
+        writer.write(f"{built.position}.doc_starts", np.concatenate(starts))
+        layout["doc_starts"] = writer.layout[f"{built.position}.doc_starts"]
+        part["doc_counts"] = [len(s) for s in starts]
+    return part
 
-    def __init__(self, part: dict, slot: memoryview, lease: SlotLease, decode_state) -> None:
-        super().__init__(part["position"], {}, [[lane, decode_state(state)] for lane, state in part["lane_states"]],
+
+def _items_part(built: BuiltBatch, start: int, count: int) -> dict:
+    """A micro-batch of other sequences (best fit, a block's last rows), shipped as items
+    ``start .. start + count`` of its message's one item message (``items``, at ``items_at`` in
+    the slot: :func:`~loader.workers.messages.write_message`), which the trainer collates
+    (:meth:`ShippedBatch.collated`); its lanes' states travel with the batch, not per item."""
+    return {"position": built.position, "items": (start, start + count), "lane_states": built.lane_states,
+            "source_ids": built.source_ids, "padding": built.padding, "rejects": built.rejects}
+
+
+class _ShippedRows(_MessageRows):
+    """The ``fill`` of :meth:`Collator.collate_rows` for shipped rows: row ``k`` of ``input_ids``."""
+
+    __slots__ = ("input_ids",)
+
+    def __init__(self, input_ids: np.ndarray, doc_starts: Optional[np.ndarray], counts: Optional[list[int]]) -> None:
+        super().__init__(doc_starts, counts)
+        self.input_ids = input_ids
+
+
+class ShippedBatch(BuiltBatch):
+    """A micro-batch of a received message, in its slot until it is handed out (:meth:`views` or
+    :meth:`copy_out`) or dropped (:meth:`drop`: the lead made it); the slot goes back once every
+    micro-batch of the message is settled (:class:`~loader.workers.held.MessageLease`)."""
+
+    def __init__(self, part: dict, slot: memoryview, lease: MessageLease, decode_state,
+                 items: Optional[list] = None) -> None:
+        # lane_states: a dict here, which the loader's own merges in one call
+        super().__init__(part["position"], {}, {lane: decode_state(state) for lane, state in part["lane_states"]},
                          part["source_ids"], part["padding"], part["rejects"])
         self._part, self._slot, self._lease = part, slot, lease
+        self._items = items  # shipped as items: this micro-batch's, views of the slot
+
+    def hand_out(self, held: HeldViews, collator: Collator) -> dict:
+        """The batch as views of the slot (:meth:`views`), or copied out where the trainer holds
+        ``held.limit`` batches already or ``collator`` allocates elsewhere (pinned memory), or
+        collated here from shipped rows (:meth:`collated`)."""
+        if "rows" in self._part or "items" in self._part:
+            return self.collated(collator)
+        if collator.empty is np.empty and not held.full():
+            return self.views(held)
+        return self.copy_out(collator.empty)
+
+    def collated(self, collator: Collator) -> dict:
+        """The batch of shipped rows (:func:`write_rows`) or items (:func:`_items_part`), collated
+        by the loader's ``collator`` (the one copy out of the slot, which is settled at once)."""
+        part = self._part
+        if self._items is not None:
+            self.batch = collator.collate(self._items, self.position + len(self._items))
+            self._items = None
+            self.drop()
+            return self.batch
+        arrays = read_arrays(self._slot, part["layout"])
+        count = len(self.source_ids)
+        fill = _ShippedRows(arrays["input_ids"].reshape(count, -1), arrays.get("doc_starts"), part.get("doc_counts"))
+        first, stride = part["rows"]
+        self.batch = collator.collate_rows([fill] * count, list(range(count)), self.source_ids, first, stride,
+                                           self.position + count)
+        self.drop()
+        return self.batch
+
+    def views(self, held: HeldViews) -> dict:
+        """The batch, every array a view of the slot, all of one owner array whose release
+        settles this micro-batch's share of the slot (:meth:`HeldViews.take`)."""
+        part = self._part
+        owner = np.frombuffer(self._slot, dtype=np.uint8)
+        layout, values, ndarray = part["layout"], part["values"], np.ndarray
+        batch: dict[str, Any] = {}
+        for key in part["keys"]:
+            spec = layout.get(key)
+            if spec is None:
+                batch[key] = values[key]
+            else:
+                dtype, shape, offset = spec
+                batch[key] = ndarray(shape, _DTYPES.get(dtype) or _dtype(dtype), owner, offset)  # its base: owner
+        held.take(owner, self._lease)
+        self.batch, self._slot = batch, None
+        return batch
 
     def copy_out(self, empty=np.empty) -> dict:
         """The batch, every array copied out of the slot (into ``empty``'s memory: pinned memory too)."""
@@ -257,12 +385,26 @@ class ShippedBatch(BuiltBatch):
 
     def drop(self) -> None:
         self._slot = None
-        self._lease.item_done()
+        self._lease.settle()
 
 
-def read_batches(descriptor: dict, slot: memoryview, give_back, decode_state, io: IoCounters = IO) -> list[ShippedBatch]:
-    """The micro-batches of a message of :func:`produce_batches`, in position order (views of
-    ``slot``); the worker's reads it reports are added to ``io`` (the pool's loader's counters)."""
+_DTYPES: dict[str, np.dtype] = {}  # a layout's dtype strings, parsed once
+
+
+def _dtype(name: str) -> np.dtype:
+    _DTYPES[name] = dtype = np.dtype(name)
+    return dtype
+
+
+def read_batches(descriptor: dict, slot: memoryview, lease_of, decode_state, io: IoCounters = IO) -> list[ShippedBatch]:
+    """The micro-batches of a message of :func:`produce_batches`, in position order (in ``slot``,
+    under the lease ``lease_of(count)`` makes); the worker's reads it reports are added to ``io``
+    (the pool's loader's counters)."""
     receive_shipped(descriptor.get("io"), io)
-    lease = SlotLease(len(descriptor["batches"]), give_back)
-    return [ShippedBatch(part, slot, lease, decode_state) for part in descriptor["batches"]]
+    lease = lease_of(len(descriptor["batches"]))
+    items = None
+    if "items" in descriptor:  # micro-batches shipped as items (_items_part); no lease per item
+        receive_shipped(descriptor["items"].pop("io", None), io)  # the worker's reads before it
+        items = read_message(descriptor["items"], slot[descriptor["items_at"]:], None)
+    return [ShippedBatch(part, slot, lease, decode_state, None if "items" not in part else
+                         items[part["items"][0] : part["items"][1]]) for part in descriptor["batches"]]

@@ -8,7 +8,8 @@ starting a new process.
 
 Protocol (``multiprocessing.connection`` framing over two pipes)::
 
-    trainer -> worker   ("start", run_id, input_path, start_position)   lanes, states: in a private file
+    trainer -> worker   ("start", run_id, input_path, start_position, kept slots)
+                                                            lanes, states: in a private file
                         ("stop",)                                       or end-of-file: exit
     worker -> trainer   ("ready", pid)
                         ("items", run_id, slot or None, descriptor)     see loader.workers.messages,
@@ -17,8 +18,9 @@ Protocol (``multiprocessing.connection`` framing over two pipes)::
                                                             (loader.workers.error_relay)
 
 Slots go back to the worker through their flag bytes in the segment
-(:mod:`loader.workers.shm`), not through the pipe. A ``start`` reclaims every slot (the
-trainer has dropped the old run's items). The worker
+(:mod:`loader.workers.shm`), not through the pipe. A ``start`` reclaims every slot but the
+kept ones (the trainer has dropped the old run's items; it may still hold micro-batches as
+views of the kept slots, :mod:`loader.workers.held`, and gives those back later). The worker
 exits when the trainer's end of the command pipe closes, so it never outlives a trainer
 killed with SIGKILL; writing to a trainer that is gone ends it too (BrokenPipeError).
 """
@@ -31,13 +33,15 @@ import pickle
 import signal
 from multiprocessing.connection import Connection
 
+import numpy as np
+
 from loader.kinds.base import import_kind_modules
 from loader.stages.producer import End, build_lanes, produce, start_reading
 from loader.workers.batches import produce_batches
 from loader.workers.error_relay import error_message
 from loader.workers.messages import write_message
 from loader.workers.pipes import PipeWaiter
-from loader.workers.shm import Segment
+from loader.workers.shm import SENT, Segment
 from loader.workers.state_delta import StateEncoder
 
 # ``python -c`` program that starts a worker: it reads its setup from the command pipe with
@@ -54,7 +58,12 @@ BOOTSTRAP = (
 )
 
 
-_SLOT_WAIT_S = 0.001  # how long a worker with no free slot waits before it looks again
+# How long a worker with no free slot waits before it looks again: 1 ms, and once it has waited
+# ~0.1 s for one (the trainer evaluates, checkpoints, holds its batches), 2, 4, then 8 ms, so that
+# an idle worker does not wake 1000 times a second on the cores the trainer runs on. Not sooner:
+# a trainer replaying flat out drains a worker's prefetch (16 micro-batches) in ~2 ms, and a
+# worker asleep for 8 ms stalled it.
+_SLOT_WAITS_S = (0.001,) * 100 + (0.002, 0.004, 0.008)
 WORKER_NICENESS = 5  # the trainer's own thread comes first when the cores are busy
 # The message pipe's buffer, then the most an unprivileged process may ask for by default
 # (/proc/sys/fs/pipe-max-size). A best-fit message's descriptor carries its lanes' new bin pieces
@@ -83,6 +92,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
     segments = True  # the current run's messages carry labels and segment starts
     batches = False  # the current run's messages are whole micro-batches (loader.workers.batches)
     lanes: dict = {}
+    waits = 0  # slot waits in a row (_SLOT_WAITS_S)
     try:
         while True:
             # Commands first; block on them when there is nothing to produce.
@@ -96,8 +106,8 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                     return
                 if kind == "start":
                     _close_lanes(lanes)
-                    run_id, input_path, start_position = command[1:]
-                    flags[:] = 0
+                    run_id, input_path, start_position, kept = command[1:]
+                    reclaim(flags, kept)
                     try:
                         lanes, items, segments, batches = _start(input_path, start_position)
                     except BaseException:  # noqa: BLE001 - the trainer gets the traceback
@@ -105,12 +115,14 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                         messages.send(error_message(run_id))
             slot = segment.free_slot()
             if slot is None:  # `prefetch` messages ahead of the trainer: wait for it
-                command_waiter.ready(_SLOT_WAIT_S)
+                command_waiter.ready(_SLOT_WAITS_S[min(waits, len(_SLOT_WAITS_S) - 1)])
+                waits += 1
                 continue
+            waits = 0
             try:
-                if batches:  # whole micro-batches (loader.workers.batches): one per message, endless
-                    descriptor = next(items)(segment.view(slot))
-                    flags[slot] = 1
+                if batches:  # whole micro-batches (loader.workers.batches), endless
+                    descriptor = next(items)(segment.view(slot), segment.rows_wanted)
+                    flags[slot] = SENT
                     messages.send(("items", run_id, slot, descriptor))
                     continue
                 batch = []
@@ -122,7 +134,7 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
                 sequences = len(batch) - (1 if batch and isinstance(batch[-1], End) else 0)
                 if sequences:
                     descriptor = write_message(batch, segment.view(slot), segments)
-                    flags[slot] = 1
+                    flags[slot] = SENT
                 else:
                     slot = None
                     descriptor = write_message(batch, memoryview(b""))
@@ -136,6 +148,17 @@ def main(commands: Connection, messages: Connection, setup: dict) -> None:
         return
     finally:
         _close_lanes(lanes)
+
+
+def reclaim(flags, kept: list[int]) -> None:
+    """A new run's start: every slot is free again but the ``kept`` ones, which hold micro-batches
+    the trainer still reads (their flags are the trainer's to clear)."""
+    if not kept:
+        flags[:] = 0
+        return
+    free = np.ones(len(flags), dtype=bool)
+    free[kept] = False
+    flags[free] = 0
 
 
 def widen_pipe(connection: Connection, sizes: tuple[int, ...] = MESSAGE_PIPE_BYTES) -> None:

@@ -8,7 +8,9 @@ worker outlives the loader whatever state it is in.
 
 Items arrive as views of a worker's shared-memory slot (:mod:`loader.workers.shm`); the
 slot goes back to the worker when the trainer has copied the last of its items into a
-micro-batch (:class:`~loader.workers.messages.SlotLease`).
+micro-batch (:class:`~loader.workers.messages.SlotLease`). Micro-batches built whole in a
+worker are handed out as views of its slot, which goes back once they are freed
+(:mod:`loader.workers.held`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from loader.workers.child import BOOTSTRAP
 from loader.workers.error_relay import worker_exception
 from loader.metrics import IO, IoCounters
 from loader.workers.batches import read_batches
+from loader.workers.held import HELD_BATCHES, HeldViews, MessageLease
 from loader.workers.messages import read_message
 from loader.workers.pipes import PipeWaiter
 from loader.workers.shm import SHM_DIR, Segment, remove_stale_segments, slot_bytes
@@ -96,11 +99,13 @@ def default_prefetch(seq_len: int, slot_size: int, items_per_message: int) -> in
     return max(4, min(PREFETCH_TOKENS // (items_per_message * seq_len), PREFETCH_SLOT_BYTES // slot_size))
 
 
-def slots_per_worker(prefetch: int, items_held: int, items_per_message: int) -> int:
+def slots_per_worker(prefetch: int, items_held: int, items_per_message: int, batches: bool = False) -> int:
     """Messages a worker may have ready (``prefetch``) plus those the trainer holds at most:
     the items of one micro-batch (or of a whole step, when steps are looked ahead) can span
-    ``ceil(items / items_per_message) + 1`` messages, plus the one being read."""
-    return prefetch + math.ceil(items_held / items_per_message) + 2
+    ``ceil(items / items_per_message) + 1`` messages, plus the one being read; with whole
+    micro-batches (``batches``), plus one slot per micro-batch the trainer may hold as views
+    (``HELD_BATCHES``: all of them may be this worker's)."""
+    return prefetch + math.ceil(items_held / items_per_message) + 2 + (HELD_BATCHES if batches else 0)
 
 
 class WorkerPool:
@@ -118,7 +123,8 @@ class WorkerPool:
         # extra_slot_bytes: a message's worst-case pixel data (image sources, loader.vision.transfer)
         self.slot_size = max(slot_bytes(seq_len, items_per_message, features) + extra_slot_bytes, batch_slot_bytes)
         self.prefetch = prefetch or default_prefetch(seq_len, self.slot_size, items_per_message)
-        self.num_slots = slots_per_worker(self.prefetch, items_held, items_per_message)
+        self.num_slots = slots_per_worker(self.prefetch, items_held, items_per_message, batches=batch_slot_bytes > 0)
+        self.held = HeldViews()  # micro-batches the trainer holds as views of the slots
         self.processes: list[WorkerProcess] = []
         self.commands: list[Connection] = []
         self.messages: list[Connection] = []
@@ -220,6 +226,7 @@ class WorkerPool:
         :class:`~loader.workers.batches.BatchPlan` when the workers build whole micro-batches
         (``lanes_per_worker`` then the plan's)."""
         self.run_id += 1
+        kept = self.held.keep()  # slots of micro-batches the trainer still holds: not reclaimed
         # Each worker's encoder starts anew too (loader.workers.state_delta).
         self.decoders = [StateDecoder(spec.source_names, spec.token_mixing) for _ in lanes_per_worker]
         for worker_id, lane_ids in enumerate(lanes_per_worker):
@@ -228,7 +235,13 @@ class WorkerPool:
                 states = {l: lane_states[l] for l in lane_ids if l in lane_states}
                 pickle.dump((spec, lane_ids, states, num_lanes, rank, world_size, segments, plan, worker_id), fh,
                             protocol=pickle.HIGHEST_PROTOCOL)
-            self._send(worker_id, ("start", self.run_id, path, start_position))
+            self._send(worker_id, ("start", self.run_id, path, start_position, kept.get(worker_id, [])))
+
+    def want_rows(self, wanted: bool) -> None:
+        """Tell every worker whether to ship bulk rows for the trainer to collate
+        (:attr:`~loader.workers.shm.Segment.rows_wanted`)."""
+        for segment in self.segments:
+            segment.rows_wanted = wanted
 
     def end_run(self) -> None:
         """Messages and leases of the current run are ignored from now on."""
@@ -291,16 +304,18 @@ class WorkerPool:
         decode = self.decoders[worker_id].decode
         if descriptor.get("kind") == "batch":  # whole micro-batches (loader.workers.batches)
             segment = self.segments[worker_id]
-            return read_batches(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode,
-                                self.io)
+            return read_batches(descriptor, segment.view(slot), lambda count: MessageLease(
+                worker_id, slot, count, lambda lease: self._give_back(segment, run_id, slot, lease.kept)), decode, self.io)
         if slot is None:
             return read_message(descriptor, memoryview(b""), None, decode, self.io)
         segment = self.segments[worker_id]
         return read_message(descriptor, segment.view(slot), lambda: self._give_back(segment, run_id, slot), decode,
                             self.io)
 
-    def _give_back(self, segment: Segment, run_id: int, slot: int) -> None:
-        if run_id == self.run_id:  # a later start has reclaimed every slot already
+    def _give_back(self, segment: Segment, run_id: int, slot: int, kept: bool = False) -> None:
+        # A later start has reclaimed every slot already, but those it was told the trainer keeps
+        # (loader.workers.held); a closed segment has no flags left to clear (batches held past close).
+        if (kept or run_id == self.run_id) and segment.mapped:
             segment.flags[slot] = 0
 
     def _died(self, worker_id: int) -> WorkerError:

@@ -8,8 +8,10 @@ views of the slot, copies them once into the micro-batch, and gives the slot bac
     worker:  find a free slot flag, set it ── write arrays ── send ("items", slot, descriptor)
     trainer: recv descriptor ── views of the slot ── collate (the one copy) ── clear the flag
 
-The segment starts with one flag byte per slot (1: the worker wrote it and the trainer
-has not copied it out yet). Giving a slot back is a store into shared memory, not a
+The segment starts with one flag byte per slot (0: free; ``SENT``: the worker wrote it and
+the trainer has not given it back yet), then one byte the trainer sets for the worker
+(:attr:`Segment.rows_wanted`: ship bulk rows rather than collated micro-batches,
+:mod:`loader.workers.batches`). Giving a slot back is a store into shared memory, not a
 message: the trainer's hot path makes no system call for it, and wakes nobody. The
 flag is cleared after the copy; a worker that finds no free slot waits on its command pipe
 for a millisecond and looks again (it only waits when it is ``prefetch`` messages ahead).
@@ -43,6 +45,7 @@ from loader.errors import SharedMemoryError
 from loader.stages.features import FEATURES, slot_bytes_per_token
 
 SHM_DIR = "/dev/shm"
+SENT = 1  # a slot's flag while it holds a message (0: free), see the module docstring
 PREFIX = "zephon-"
 
 
@@ -107,12 +110,28 @@ class Segment:
 
     @staticmethod
     def size_of(num_slots: int, slot_size: int) -> int:
-        return _align(num_slots) + num_slots * slot_size
+        return _align(num_slots + 1) + num_slots * slot_size
 
     @property
     def flags(self) -> np.ndarray:
         """One uint8 per slot, shared with the other process: 1 while the slot holds a message."""
         return np.frombuffer(self._map, dtype=np.uint8, count=self.num_slots)
+
+    @property
+    def rows_wanted(self) -> bool:
+        """Set by the trainer while it asks for micro-batches back to back (loader-bound): the
+        worker then ships bulk rows for it to collate (:data:`loader.workers.batches.ROWS_POLICIES`)."""
+        return bool(self._map[self.num_slots])
+
+    @rows_wanted.setter
+    def rows_wanted(self, wanted: bool) -> None:
+        if self._map is not None:
+            self._map[self.num_slots] = 1 if wanted else 0
+
+    @property
+    def mapped(self) -> bool:
+        """Whether this process still maps the segment (:meth:`close` not called)."""
+        return self._map is not None
 
     def free_slot(self) -> Optional[int]:
         """A slot the trainer has given back, or None."""
@@ -164,7 +183,7 @@ class Segment:
             self._map = None
 
     def view(self, slot: int) -> memoryview:
-        start = _align(self.num_slots) + slot * self.slot_size
+        start = _align(self.num_slots + 1) + slot * self.slot_size
         return memoryview(self._map)[start : start + self.slot_size]
 
 
