@@ -53,14 +53,21 @@ from tests.transforms.conftest import CHAT_TRANSFORMS, TEXT_TRANSFORMS, TOKEN_TR
     loader_config, write_online_chat, write_transform_corpus
 from tests.vision.image_chat_data import chat_and_text_config as image_chat_and_text, write_image_chat
 
-REFERENCE = {"world_size": 1, "num_workers": 0, "micro_batch_size": 2}
-SPREAD = ({"world_size": 4, "num_workers": 0, "micro_batch_size": 1},)
-RESUME = ({"world_size": 2, "num_workers": 0, "micro_batch_size": 4},
-          {"world_size": 1, "num_workers": 0, "micro_batch_size": 4},
-          {"world_size": 2, "num_workers": 2, "micro_batch_size": 4},
-          {"world_size": 4, "num_workers": 0, "micro_batch_size": 2})
-# For rows whose worker path another row of the same kind runs (in the other packing or mix).
-IN_PROCESS = tuple({**topology, "num_workers": 0} for topology in RESUME)
+
+def topologies(*shapes: tuple[int, int, int]) -> tuple[dict, ...]:
+    """``(world_size, num_workers, micro_batch_size)`` triples as topology dicts."""
+    return tuple({"world_size": w, "num_workers": n, "micro_batch_size": m} for w, n, m in shapes)
+
+
+def in_process(chain: tuple[dict, ...]) -> tuple[dict, ...]:
+    """For rows whose worker path another row of the same kind runs (in the other packing or mix)."""
+    return tuple({**topology, "num_workers": 0} for topology in chain)
+
+
+(REFERENCE,) = topologies((1, 0, 2))
+SPREAD = topologies((4, 0, 1))
+RESUME = topologies((2, 0, 4), (1, 0, 4), (2, 2, 4), (4, 0, 2))
+IN_PROCESS = in_process(RESUME)
 
 
 @dataclass(frozen=True)
@@ -233,17 +240,11 @@ def transforms_counted(untransformed: Callable[[Any], LoaderConfig],
 
 TRANSFORM_STEPS = dict(steps=12, cuts=(4, 9))  # an epoch of a lane ends within ~10 steps
 # Chat transforms: global batch 4 and 2 lanes (tests/transforms/conftest.py), micro-batches 1/2.
-CHAT_TRANSFORM_SPREAD = ({"world_size": 2, "num_workers": 0, "micro_batch_size": 1},)
-CHAT_TRANSFORM_RESUME = ({"world_size": 2, "num_workers": 0, "micro_batch_size": 2},
-                         {"world_size": 1, "num_workers": 2, "micro_batch_size": 2},
-                         {"world_size": 2, "num_workers": 2, "micro_batch_size": 2},
-                         {"world_size": 1, "num_workers": 0, "micro_batch_size": 2})
-CHAT_TRANSFORM_IN_PROCESS = tuple({**topology, "num_workers": 0} for topology in CHAT_TRANSFORM_RESUME)
+CHAT_TRANSFORM_SPREAD = topologies((2, 0, 1))
+CHAT_TRANSFORM_RESUME = topologies((2, 0, 2), (1, 2, 2), (2, 2, 2), (1, 0, 2))
 CHAT_TRANSFORM_ACTS = ("dropped", "changed", "dropped", "changed")  # filter, map, filter, seeded map
 # The image chat of tests/vision: W1 micro 4 | W2, 2 workers, micro 2 | W1, 2 workers, micro 2.
-IMAGE_CHAT_RESUME = ({"world_size": 1, "num_workers": 0, "micro_batch_size": 4},
-                     {"world_size": 2, "num_workers": 2, "micro_batch_size": 2},
-                     {"world_size": 1, "num_workers": 2, "micro_batch_size": 2})
+IMAGE_CHAT_RESUME = topologies((1, 0, 4), (2, 2, 2), (1, 2, 2))
 MIX_TOPOLOGIES = dict(  # global batch 28 (tests/mixing/conftest.py): W2 micro 4 does not divide it
     reference={"world_size": 1, "num_workers": 0, "micro_batch_size": 28}, spread=(), steps=12, cuts=(4, 9))
 
@@ -339,7 +340,7 @@ CASES: tuple[Case, ...] = (
     # tests/vision's image chat: conversations the loader rejects online (a literal pad, one too
     # long once its image is expanded) among them, sequences of 256, a whole run on W2 with workers.
     Case("image-chat-rejects+text-best_fit", write_image_chat, image_chat_and_text, steps=3, cuts=(1, 2),
-         spread=({"world_size": 2, "num_workers": 2, "micro_batch_size": 2},), resume=IMAGE_CHAT_RESUME,
+         spread=topologies((2, 2, 2)), resume=IMAGE_CHAT_RESUME,
          check=sources_in_every_step("chat", "text"), marks=IMAGES),
     # A filter, a map and a seeded random map of each stage; the workers import the functions.
     Case("transforms-text-concat", write_transform_corpus,
@@ -353,7 +354,7 @@ CASES: tuple[Case, ...] = (
          spread=CHAT_TRANSFORM_SPREAD, resume=CHAT_TRANSFORM_RESUME,
          check=transforms_counted(_chat_transforms("concat", False), CHAT_TRANSFORM_ACTS)),
     Case("transforms-chat-best_fit", write_online_chat, _chat_transforms("best_fit"), steps=6, cuts=(2, 4),
-         spread=CHAT_TRANSFORM_SPREAD, resume=CHAT_TRANSFORM_IN_PROCESS,
+         spread=CHAT_TRANSFORM_SPREAD, resume=in_process(CHAT_TRANSFORM_RESUME),
          check=transforms_counted(_chat_transforms("best_fit", False), CHAT_TRANSFORM_ACTS)),
     # Token mixing takes documents of two sources in bulk (states inside the next row group).
     Case("transforms-mix-token-concat", write_transform_corpus,
