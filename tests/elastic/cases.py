@@ -338,10 +338,11 @@ CASES: tuple[Case, ...] = (
     Case("image-chat+text-best_fit", write_golden_images, lambda d: kinds_config(d, "image_chat"),
          check=sources_in_every_step("image_chat", "text"), marks=IMAGES),
     # tests/vision's image chat: conversations the loader rejects online (a literal pad, one too
-    # long once its image is expanded) among them, sequences of 256, a whole run on W2 with workers.
+    # long once its image is expanded) among them, sequences of 256, a whole run on W2 with workers
+    # (other data than the row above, not its pair in packing or mix: both run the workers).
     Case("image-chat-rejects+text-best_fit", write_image_chat, image_chat_and_text, steps=3, cuts=(1, 2),
          spread=topologies((2, 2, 2)), resume=IMAGE_CHAT_RESUME,
-         check=sources_in_every_step("chat", "text"), marks=IMAGES),
+         check=sources_in_every_step("chat", "text"), marks=SLOW),  # 3 runs with workers
     # A filter, a map and a seeded random map of each stage; the workers import the functions.
     Case("transforms-text-concat", write_transform_corpus,
          lambda c: loader_config(c.text_path, TEXT_TRANSFORMS, packing="concat"),
