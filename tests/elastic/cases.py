@@ -2,10 +2,10 @@
 config and what else its kind must show.
 
 A row's data comes from the suite's own writers (the chat, transform, mixing and utf8-bytes
-writers of their folders' ``conftest.py``, ``tests/golden/kinds_data.py``,
-``tests/dataset_factory.py``) and is built once per module per writer (``Case.data``). Its
-extra check (``Case.check``) gets the row's :class:`Outcome`: the reference lines, the resume
-report and a way to run another config on the reference topology.
+writers of their folders' ``conftest.py``, ``tests/vision/image_chat_data.py``,
+``tests/golden/kinds_data.py``, ``tests/dataset_factory.py``) and is built once per module per
+writer (``Case.data``). Its extra check (``Case.check``) gets the row's :class:`Outcome`: the
+reference lines, the resume report and a way to run another config on the reference topology.
 
 Topologies are dicts of ``world_size``, ``num_workers`` and ``micro_batch_size`` (as
 :func:`tests.resume_harness.loader_runs` takes them); global batch 8 unless a row says
@@ -49,16 +49,25 @@ from tests.kinds.conftest import utf8_config, write_utf8_dataset
 from tests.loader.io.test_features import _rows as delivered_rows
 from tests.mixing.conftest import mix_configs, write_mix_data
 from tests.resume_harness import LoaderRun, MaskedLoaderRun, ResumeReport
-from tests.transforms.conftest import TEXT_TRANSFORMS, TOKEN_TRANSFORMS, loader_config, write_transform_corpus
+from tests.transforms.conftest import CHAT_TRANSFORMS, TEXT_TRANSFORMS, TOKEN_TRANSFORMS, chat_loader_config, \
+    loader_config, write_online_chat, write_transform_corpus
+from tests.vision.image_chat_data import chat_and_text_config as image_chat_and_text, write_image_chat
 
-REFERENCE = {"world_size": 1, "num_workers": 0, "micro_batch_size": 2}
-SPREAD = ({"world_size": 4, "num_workers": 0, "micro_batch_size": 1},)
-RESUME = ({"world_size": 2, "num_workers": 0, "micro_batch_size": 4},
-          {"world_size": 1, "num_workers": 0, "micro_batch_size": 4},
-          {"world_size": 2, "num_workers": 2, "micro_batch_size": 4},
-          {"world_size": 4, "num_workers": 0, "micro_batch_size": 2})
-# For rows whose worker path another row of the same kind runs (in the other packing or mix).
-IN_PROCESS = tuple({**topology, "num_workers": 0} for topology in RESUME)
+
+def topologies(*shapes: tuple[int, int, int]) -> tuple[dict, ...]:
+    """``(world_size, num_workers, micro_batch_size)`` triples as topology dicts."""
+    return tuple({"world_size": w, "num_workers": n, "micro_batch_size": m} for w, n, m in shapes)
+
+
+def in_process(chain: tuple[dict, ...]) -> tuple[dict, ...]:
+    """For rows whose worker path another row of the same kind runs (in the other packing or mix)."""
+    return tuple({**topology, "num_workers": 0} for topology in chain)
+
+
+(REFERENCE,) = topologies((1, 0, 2))
+SPREAD = topologies((4, 0, 1))
+RESUME = topologies((2, 0, 4), (1, 0, 4), (2, 2, 4), (4, 0, 2))
+IN_PROCESS = in_process(RESUME)
 
 
 @dataclass(frozen=True)
@@ -201,10 +210,11 @@ def _transform_counters(state: Any):
             yield from _transform_counters(value)
 
 
-def transforms_counted(untransformed: Callable[[Any], LoaderConfig]) -> Callable[[Outcome], None]:
+def transforms_counted(untransformed: Callable[[Any], LoaderConfig],
+                       acts: tuple[str, ...] = ("dropped", "changed")) -> Callable[[Outcome], None]:
     """The transforms act (the lines differ from ``untransformed``'s), and the state at the last
-    cut holds their counters (the filter dropped, the map changed) and names each source's
-    functions."""
+    cut holds their counters (the k-th online transform did ``acts[k]``: the filter dropped, the
+    map changed) and names each source's functions."""
 
     def check(outcome: Outcome) -> None:
         assert outcome.reference != outcome.lines(untransformed(outcome.data))
@@ -218,7 +228,8 @@ def transforms_counted(untransformed: Callable[[Any], LoaderConfig]) -> Callable
         offline = len(read_manifest(outcome.config.datasets[0].path).transforms or ())
         assert counts and all(len(c) == offline + online for c in counts), counts
         # the filter (the first online transform) dropped documents, the map (the second) changed some
-        assert sum(c[offline][0] for c in counts) > 0 and sum(c[offline + 1][1] for c in counts) > 0, counts
+        for k, act in enumerate(acts):
+            assert sum(c[offline + k][("dropped", "changed").index(act)] for c in counts) > 0, (k, act, counts)
         assert {name: named[name][0]["function"] for name in named} == \
             {name: transforms[0].function for name, transforms in specs.items()}
 
@@ -228,6 +239,12 @@ def transforms_counted(untransformed: Callable[[Any], LoaderConfig]) -> Callable
 # -- the rows --------------------------------------------------------------------------------------
 
 TRANSFORM_STEPS = dict(steps=12, cuts=(4, 9))  # an epoch of a lane ends within ~10 steps
+# Chat transforms: global batch 4 and 2 lanes (tests/transforms/conftest.py), micro-batches 1/2.
+CHAT_TRANSFORM_SPREAD = topologies((2, 0, 1))
+CHAT_TRANSFORM_RESUME = topologies((2, 0, 2), (1, 2, 2), (2, 2, 2), (1, 0, 2))
+CHAT_TRANSFORM_ACTS = ("dropped", "changed", "dropped", "changed")  # filter, map, filter, seeded map
+# The image chat of tests/vision: W1 micro 4 | W2, 2 workers, micro 2 | W1, 2 workers, micro 2.
+IMAGE_CHAT_RESUME = topologies((1, 0, 4), (2, 2, 2), (1, 2, 2))
 MIX_TOPOLOGIES = dict(  # global batch 28 (tests/mixing/conftest.py): W2 micro 4 does not divide it
     reference={"world_size": 1, "num_workers": 0, "micro_batch_size": 28}, spread=(), steps=12, cuts=(4, 9))
 
@@ -273,6 +290,11 @@ def _chat_shard(kind: str, packing: str) -> Callable[[Any], LoaderConfig]:
     return lambda shards: chat_config([{"path": str(shards["base"] / kind), "name": "chat"}], packing)
 
 
+def _chat_transforms(packing: str, transformed: bool = True) -> Callable[[Any], LoaderConfig]:
+    return lambda shards: chat_loader_config(shards["online"], CHAT_TRANSFORMS if transformed else (),
+                                             packing=packing)
+
+
 def _mix(unit: str, packing: str) -> Callable[[Any], LoaderConfig]:
     return lambda make: make(mixing_unit=unit, packing=packing)
 
@@ -315,6 +337,12 @@ CASES: tuple[Case, ...] = (
          check=images_and_text_fingerprinted, marks=IMAGES),
     Case("image-chat+text-best_fit", write_golden_images, lambda d: kinds_config(d, "image_chat"),
          check=sources_in_every_step("image_chat", "text"), marks=IMAGES),
+    # tests/vision's image chat: conversations the loader rejects online (a literal pad, one too
+    # long once its image is expanded) among them, sequences of 256, a whole run on W2 with workers
+    # (other data than the row above, not its pair in packing or mix: both run the workers).
+    Case("image-chat-rejects+text-best_fit", write_image_chat, image_chat_and_text, steps=3, cuts=(1, 2),
+         spread=topologies((2, 2, 2)), resume=IMAGE_CHAT_RESUME,
+         check=sources_in_every_step("chat", "text"), marks=SLOW),  # 3 runs with workers
     # A filter, a map and a seeded random map of each stage; the workers import the functions.
     Case("transforms-text-concat", write_transform_corpus,
          lambda c: loader_config(c.text_path, TEXT_TRANSFORMS, packing="concat"),
@@ -322,6 +350,13 @@ CASES: tuple[Case, ...] = (
     Case("transforms-tokens-best_fit", write_transform_corpus,
          lambda c: loader_config(c.pretokenized_path, TOKEN_TRANSFORMS, packing="best_fit"),
          check=transforms_counted(_tokens("best_fit")), **TRANSFORM_STEPS),
+    # Records- and tokens-stage transforms on chat rendered online (the workers run the concat row).
+    Case("transforms-chat-concat", write_online_chat, _chat_transforms("concat"), steps=6, cuts=(2, 4),
+         spread=CHAT_TRANSFORM_SPREAD, resume=CHAT_TRANSFORM_RESUME,
+         check=transforms_counted(_chat_transforms("concat", False), CHAT_TRANSFORM_ACTS)),
+    Case("transforms-chat-best_fit", write_online_chat, _chat_transforms("best_fit"), steps=6, cuts=(2, 4),
+         spread=CHAT_TRANSFORM_SPREAD, resume=in_process(CHAT_TRANSFORM_RESUME),
+         check=transforms_counted(_chat_transforms("best_fit", False), CHAT_TRANSFORM_ACTS)),
     # Token mixing takes documents of two sources in bulk (states inside the next row group).
     Case("transforms-mix-token-concat", write_transform_corpus,
          lambda c: loader_config(c.text_path, datasets=_text_mix(c, True), mixing_unit="token"),

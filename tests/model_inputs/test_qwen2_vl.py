@@ -3,7 +3,7 @@ micro-batch as-is; every packed document's logits equal the document run alone, 
 positions equal ``get_rope_index`` of the document alone, and labels are -100 on its images.
 
 Caption pairs, two-image captions and interleaved documents (tests/vision/image_loader_data),
-chat with images rendered by the Qwen2-VL template (tests/vision/test_image_chat), and image
+chat with images rendered by the Qwen2-VL template (tests/vision/image_chat_data), and image
 documents mixed with text documents. Without
 ``use_cache=False``, or with the plain 2-D positions (the loader's own batch), the documents
 differ: the equality is not vacuous.
@@ -32,7 +32,7 @@ SEQ_LEN = 160
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from test_image_chat import TEMPLATE, conversations  # noqa: PLC0415 - the chat fixture of tests/vision
+    from tests.vision.image_chat_data import TEMPLATE, conversations  # noqa: PLC0415 - the chat data of tests/vision
 
     root = tmp_path_factory.mktemp("qwen2_vl")
     tokenizer = image_tokenizer(root / "tokenizer.json")

@@ -1,6 +1,8 @@
 """Transforms on online chat sources (``loader.transforms.conversations``): records-stage ones on
 the conversation before rendering, tokens-stage ones on its ids and loss mask after; the same
-batches on W 1/2 and 0/2 workers, resumed on another topology; offline chat jobs refuse them.
+batches on every topology and across resumes (the "transforms-chat-*" rows of the elastic matrix,
+tests/elastic/cases.py, over :func:`tests.transforms.conftest.write_online_chat`); offline chat
+jobs refuse them.
 Also the one guard against a lane that can never produce a token (chat rejects, transform drops).
 """
 
@@ -10,36 +12,11 @@ import pytest
 
 from beam_jobs import shard
 from loader.samples import default_tokenizer_path
-from loader.config import LoaderConfig
 from loader.io.lane_reader import EmptyLaneError
 from loader.pipeline import ZephonLoader
 from loader.transforms import TransformError
-from tests.chat.chat_factory import TEMPLATES_DIR, make_records
-from tests.resume_harness import LoaderRun, check_resume
-from tests.transforms.conftest import F
-
-TEMPLATE = str(TEMPLATES_DIR / "chatml_generation.jinja")
-IN_MEMORY = ["--runner=FnApiRunner", "--direct_running_mode=in_memory"]
-SEQ_LEN = 128
-STEPS = 6
-KEY_PREFIX = "chat.jsonl#1"  # records 1 and 10-19 (keys are input path#index)
-TRANSFORMS = (  # a records filter and map, then a tokens filter (on loss_mask) and a seeded random map
-    {"function": F + "drop_long_conversations", "args": {"max_messages": 5}},
-    {"function": F + "shout_replies"},
-    {"function": F + "drop_unsupervised_halves"},
-    {"function": F + "drop_random_tokens", "args": {"p": 0.1}},
-)
-
-
-def _write(path, records) -> None:
-    import json
-
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-
-
-def _job(inputs, output, *extra) -> list[str]:
-    return ["--input", *map(str, inputs), "--output", str(output), "--messages-field", "messages",
-            "--chat-template", TEMPLATE, "--num-lanes", "2", "--max-reject-fraction", "1.0", *extra, *IN_MEMORY]
+from tests.resume_harness import LoaderRun
+from tests.transforms.conftest import F, KEY_PREFIX, chat_job as _job, chat_loader_config as _config, write_chat_shards
 
 
 @pytest.fixture(autouse=True)
@@ -56,53 +33,7 @@ def _reject_log_left_as_found():
 
 @pytest.fixture(scope="module")
 def chat_shards(tmp_path_factory) -> dict:
-    base = tmp_path_factory.mktemp("chat_transforms")
-    _write(base / "chat.jsonl", make_records(29, 48))
-    shard.run(_job([base / "chat.jsonl"], base / "online", "--chat-max-tokens", str(SEQ_LEN - 1),
-                   "--chat-overflow", "truncate"))
-    # every conversation is longer than 4 tokens: all rejected online (too_long)
-    shard.run(_job([base / "chat.jsonl"], base / "rejected", "--chat-max-tokens", "4"))
-    # a key filter offline (tombstones in the conversation lanes), small files: epochs permute them
-    flags = ("--chat-max-tokens", str(SEQ_LEN - 1), "--chat-overflow", "truncate", "--target-file-mb", "0.004")
-    shard.run(_job([base / "chat.jsonl"], base / "online_small", *flags))
-    shard.run(_job([base / "chat.jsonl"], base / "filtered_offline", *flags, "--transform",
-                   F + 'drop_key_prefix:{"prefix": "%s"}' % KEY_PREFIX))
-    return {"base": base, **{name: str(base / name) for name in
-                             ("online", "rejected", "online_small", "filtered_offline")}}
-
-
-def _config(path: str, transforms=(), **overrides) -> LoaderConfig:
-    fields = dict(datasets=[{"path": path, "name": "chat"}], seq_len=SEQ_LEN, global_batch_size=4,
-                  micro_batch_size=2, seed=3, tokenizer=default_tokenizer_path(), num_workers=0, prefetch=2,
-                  worker_timeout_s=60.0, add_bos=False, add_eos=True, transforms=list(transforms))
-    fields.update(overrides)
-    return LoaderConfig(**fields)
-
-
-@pytest.mark.parametrize("packing", ["concat", "best_fit"])
-def test_chat_transforms_are_deterministic_across_topologies_and_resumes(chat_shards, packing):
-    config = _config(chat_shards["online"], TRANSFORMS, packing=packing)
-    reference = LoaderRun(config, 1)
-    try:
-        lines = reference.run(STEPS)
-        counts = reference.loaders[0].transform_counts()["chat"]
-    finally:
-        reference.close()
-    assert len(lines) == STEPS
-    # each transform did something: the filters dropped, the maps changed
-    assert [counts[f"{k}:{spec['function']}"]["dropped" if k in (0, 2) else "changed"] > 0
-            for k, spec in enumerate(TRANSFORMS)] == [True] * 4
-    untransformed = LoaderRun(_config(chat_shards["online"], packing=packing), 1)
-    try:
-        assert untransformed.run(STEPS) != lines
-    finally:
-        untransformed.close()
-
-    def make(k: int) -> LoaderRun:
-        world_size, workers = ((2, 0), (1, 2), (2, 2), (1, 0))[k % 4]
-        return LoaderRun(config.replace(num_workers=workers), world_size)
-
-    check_resume(make, steps=STEPS, cut_points=[2, 4], expected=lines)
+    return write_chat_shards(tmp_path_factory.mktemp("chat_transforms"))
 
 
 def test_a_chat_filter_offline_and_online_gives_the_same_batches_in_every_epoch(chat_shards):

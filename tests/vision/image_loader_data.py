@@ -15,9 +15,9 @@ from typing import Optional
 
 from beam_jobs import shard
 from loader.samples import default_tokenizer_path
-from image_datasets import write_jsonl
-from image_factory import FORMATS, image_bytes
 from loader.config import LoaderConfig
+from tests.vision.image_datasets import write_jsonl
+from tests.vision.image_factory import FORMATS, image_bytes
 
 IN_MEMORY = ["--runner=FnApiRunner", "--direct_running_mode=in_memory"]
 NUM_LANES = 4

@@ -23,10 +23,10 @@ from loader.commands.fingerprints import collect_fingerprints
 from loader.order.balance import CostModel
 from loader.pipeline import ZephonLoader
 from loader.stages.tokenizer import load_tokenizer
-from test_image_chat import bad_conversations, conversations, job_args, online_rejects
 from tests.dataset_factory import synthetic_texts, write_dataset
 from tests.loader.balance_worker import batch_digest, row_bytes
 from tests.rank_launcher import launch_ranks
+from tests.vision.image_chat_data import bad_conversations, conversations, job_args, online_rejects
 
 STEPS = 3
 SEQ_LEN = 256

@@ -11,23 +11,22 @@ and encoded online by the loader (``loader.vision.chat``).
 * Batches: per image, a run of pads as long as the policy's visual-token count, between its
   start and end tokens; ``pixel_values`` equal the policy's output for the image the text next
   to it names; labels -100 on image tokens and non-assistant text; online rejects counted.
-* Determinism: mixed with a text source, the same step lines on W 1/2 and workers 0/2, and
-  across resumes on another W and worker count (tests/resume_harness.py).
+
+The data is :mod:`tests.vision.image_chat_data`'s; mixed with its text source it is the
+"image-chat-rejects+text-best_fit" row of the elastic matrix (tests/elastic/cases.py): the same
+step lines on every topology and across resumes.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from beam_jobs import shard
-from image_datasets import write_jsonl
-from image_factory import FORMATS, image_bytes
-from image_loader_data import DYNAMIC, IN_MEMORY, NUM_LANES, image_config, image_tokenizer
+from image_loader_data import DYNAMIC, image_config
 from loader.chat import ChatTemplate
 from loader.chat.block import OnlineChat
 from loader.errors import ZephonError
@@ -37,97 +36,15 @@ from loader.stages.tokenizer import load_tokenizer
 from loader.vision.block import ImageOptions
 from loader.vision.chat import ImageChatRejected, encode_image_conversations
 from loader.vision.policies import policy_from_dict
-from tests.dataset_factory import synthetic_texts, write_dataset
-from tests.resume_harness import LoaderRun, check_resume, loader_runs
+from tests.vision.image_chat_data import SEQ_LEN, SIZES, TEMPLATE, image_of, job_args, online_rejects, write_image_chat
 
-TEMPLATE = Path(__file__).parent / "templates" / "qwen2_vl_generation.jinja"
-SIZES = ((30, 40), (64, 64), (100, 20), (17, 90), (56, 28), (45, 45))
 PIC = re.compile(r"pic (\d+)")
-CONVERSATIONS = 36
 BAD = {"image_missing": 2, "image_undecodable": 1}  # what the job rejects below
-STEPS = 3
-SEQ_LEN = 256
-RESUME = ({"world_size": 1, "num_workers": 0, "micro_batch_size": 4},
-          {"world_size": 2, "num_workers": 2, "micro_batch_size": 2},
-          {"world_size": 1, "num_workers": 2, "micro_batch_size": 2})
-
-
-def image_of(index: int) -> bytes:
-    width, height = SIZES[index % len(SIZES)]
-    return image_bytes(width, height, FORMATS[index % 3], seed=100 + index)
-
-
-def conversations(root: Path) -> list[dict]:
-    """Generated conversations; every image part is followed by a text part naming it (``pic N``)."""
-    (root / "imgs").mkdir(parents=True, exist_ok=True)
-    out, next_image = [], 0
-
-    def image_part(key: str = "image") -> tuple[dict, dict]:
-        nonlocal next_image
-        index, next_image = next_image, next_image + 1
-        (root / "imgs" / f"{index}.img").write_bytes(image_of(index))
-        return {"type": "image", key: f"imgs/{index}.img"}, {"type": "text", "text": f" pic {index} "}
-
-    for k in range(CONVERSATIONS):
-        messages = [{"role": "system", "content": "You describe pictures."}] if k % 3 == 0 else []
-        if k % 6 == 2:  # no image at all: a text conversation in the same source
-            messages += [{"role": "user", "content": f"Tell me {k}."}, {"role": "assistant", "content": "No."}]
-        else:
-            user = [*image_part(), {"type": "text", "text": f"What is this ({k})?"}]
-            if k % 4 == 1:
-                user = [*image_part("url"), *user]  # two images, the first named by "url"
-            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": f"It is {k}."}]
-        if k % 5 == 4:  # the assistant answers with an image: its tokens are still never trained on
-            messages += [{"role": "user", "content": "Draw it."},
-                         {"role": "assistant", "content": [{"type": "text", "text": "Here:"}, *image_part("path"),
-                                                            {"type": "text", "text": "done."}]}]
-        out.append({"messages": messages})
-    return out
-
-
-def bad_conversations(root: Path) -> list[dict]:
-    (root / "imgs" / "broken.png").write_bytes(b"not an image at all, just text")
-    ask = {"type": "text", "text": "What?"}
-    answer = {"role": "assistant", "content": "Nothing."}
-    return [
-        {"messages": [{"role": "user", "content": [{"type": "image", "image": "imgs/gone.png"}, ask]}, answer]},
-        {"messages": [{"role": "user", "content": [{"type": "image"}, ask]}, answer]},
-        {"messages": [{"role": "user", "content": [{"type": "image", "image": "imgs/broken.png"}, ask]}, answer]},
-    ]
-
-
-def online_rejects() -> list[dict]:
-    """Conversations the job accepts and the loader refuses: a literal pad in the text, and one
-    too long for a sequence once its image is expanded."""
-    return [
-        {"messages": [{"role": "user", "content": [{"type": "image", "image": "imgs/0.img"},
-                                                   {"type": "text", "text": "a <|image_pad|> here"}]},
-                      {"role": "assistant", "content": "Odd."}]},
-        {"messages": [{"role": "user", "content": [{"type": "image", "image": "imgs/1.img"},
-                                                   {"type": "text", "text": "long " * 300}]},
-                      {"role": "assistant", "content": "Yes."}]},
-    ]
-
-
-def job_args(inputs: Path, output: Path, *extra: str) -> list[str]:
-    return ["--input", str(inputs), "--output", str(output), "--messages-field", "messages", "--chat-template",
-            str(TEMPLATE), "--image-policy", json.dumps(DYNAMIC), "--num-lanes", str(NUM_LANES),
-            "--max-reject-fraction", "1.0", *extra, *IN_MEMORY]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("image_chat")
-    inputs = root / "in"
-    good = conversations(inputs)
-    write_jsonl(inputs / "chat.jsonl", good + bad_conversations(inputs) + online_rejects())
-    tokenizer = image_tokenizer(root / "tokenizer.json")
-    shard.run(job_args(inputs / "chat.jsonl", root / "chat"))
-    texts = synthetic_texts(40, seed=7, max_words=30)
-    write_dataset(str(root / "text"), texts, num_lanes=NUM_LANES, source_name="text",
-                  tokenizer=load_tokenizer(tokenizer), keys=[f"text-{k}" for k in range(len(texts))])
-    return {"root": root, "inputs": inputs, "good": good, "chat": str(root / "chat"), "text": str(root / "text"),
-            "tokenizer": tokenizer}
+    return write_image_chat(tmp_path_factory.mktemp("image_chat"))
 
 
 def ids_of(tokenizer) -> tuple[int, int, int]:
@@ -251,24 +168,6 @@ def test_batches_hold_each_images_pads_its_pixels_and_masked_labels(data):
     images = sum(1 for r in data["good"] for m in r["messages"] if isinstance(m["content"], list)
                  for p in m["content"] if p["type"] == "image")
     assert len(seen) == checked and checked >= images - 6  # each once (the last, partial step is not produced)
-
-
-def test_mixed_with_text_the_batches_are_the_same_on_every_topology_and_across_resumes(data):
-    datasets = [{"path": data["chat"], "name": "chat", "weight": 0.5},
-                {"path": data["text"], "name": "text", "weight": 0.5}]
-    config = image_config(datasets, data["tokenizer"], seq_len=SEQ_LEN)
-
-    def lines(world_size: int, num_workers: int, micro: int) -> list[str]:
-        run = LoaderRun(config.replace(num_workers=num_workers, micro_batch_size=micro), world_size)
-        try:
-            return run.run(STEPS)
-        finally:
-            run.close()
-
-    reference = lines(1, 0, 2)
-    assert len(reference) == STEPS and all(" chat=" in line and " text=" in line for line in reference)
-    assert lines(2, 2, 2) == reference
-    check_resume(loader_runs(config, RESUME), steps=STEPS, cut_points=[1, 2], expected=reference)
 
 
 def test_truncation_cuts_before_an_image_never_inside_it(data):
