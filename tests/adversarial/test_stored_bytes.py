@@ -183,13 +183,13 @@ def test_the_image_check_is_what_catches_a_rewritten_image(images, clean_images,
 def online_chat(tmp_path_factory) -> str:
     from beam_jobs import shard
     from tests.chat.chat_factory import make_records
-    from tests.chat.test_chat_online import _online_args
+    from tests.chat.conftest import online_args
     from tests.chat.test_chat_shard import _write_jsonl
 
     base = tmp_path_factory.mktemp("stored_template")
     (base / "in").mkdir()
     _write_jsonl(base / "in" / "chat.jsonl", make_records(12, 5))
-    shard.run(_online_args([str(base / "in" / "chat.jsonl")], base / "online"))
+    shard.run(online_args([str(base / "in" / "chat.jsonl")], base / "online"))
     return str(base / "online")
 
 

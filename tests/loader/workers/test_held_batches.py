@@ -16,6 +16,7 @@ import pytest
 from loader.pipeline import ZephonLoader
 from loader.workers.held import HELD_BATCHES
 from loader.workers.pool import slots_per_worker
+from loader.workers.shm import PREFIX
 from tests.loader.settings import pids_alive
 from tests.loader.workers.test_worker_batches import assert_same, batches
 
@@ -35,8 +36,11 @@ def _frozen(batch: dict) -> dict:
 
 
 def _segment_maps() -> list[str]:
+    """This process's mappings of its own workers' segments (by name: a path elsewhere, such as a
+    venv under /tmp/zephon-ci-..., may hold the prefix too)."""
+    own = f"/dev/shm/{PREFIX}{os.getpid()}-"
     with open("/proc/self/maps") as fh:
-        return [line for line in fh if "zephon-" in line]
+        return [line for line in fh if own in line]
 
 
 def _is_view(batch: dict) -> bool:
