@@ -194,13 +194,16 @@ def test_zephon_diff_names_the_transform_that_made_two_runs_differ(transform_cor
     from loader.cli import run_command
     from loader.commands.fingerprints import collect_fingerprints
 
-    config = loader_config(transform_corpus.text_path, [{"function": HOSTILE + "pair_counter"}])
+    # pair_counter passes the two-call check only while its calls come in pairs: one reading
+    # thread (no read-ahead threads interleaving the lanes' calls), counted from zero.
+    config = loader_config(transform_corpus.text_path, [{"function": HOSTILE + "pair_counter"}], read_ahead=False)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict()))
     for guard, off in (("call_watched", _plain_call), ("recheck", _no_check), ("compare_in_child", _no_check)):
         monkeypatch.setattr(chain_module, guard, off)
     logs = []
-    for run in ("a", "b"):
+    reset_counters()  # the count of calls made by earlier tests in this process would shift its pairs
+    for run in ("a", "b"):  # run b continues the counter: its documents differ from run a's
         chain_module._chains.clear()
         results, _ = collect_fingerprints(config, world_size=1, end_step=3)
         logs.append(tmp_path / f"{run}.log")
