@@ -47,8 +47,7 @@ class Collator:
         # rows come from): those to put into the batch, and those that mask labels.
         self.batched = tuple(n for n in features if FEATURES[n].batch_field in self.fields)
         self.label_masks = tuple(n for n in features if FEATURES[n].masks_labels) if "labels" in self.fields else ()
-        self._needed = tuple(dict.fromkeys(self.batched + self.label_masks))
-        self.needed_features = self._needed  # the features a batch reads (rows without them: none)
+        self.needed_features = tuple(dict.fromkeys(self.batched + self.label_masks))  # the features a batch reads
         # Whether collate reads each sequence's labels and segment (document) starts: not for a
         # batch of input_ids (and features) alone, whose workers then do not ship them.
         self.reads_segments = "labels" in self.fields or "position_ids" in self.fields or "cu_seqlens" in self.fields
@@ -73,9 +72,9 @@ class Collator:
         input_ids = self._rows([s.input_ids for s in sequences], rows, seq_len)
         batch = self._header(input_ids, [it.source_id for it in items], [it.global_index for it in items],
                              rank_position)
-        # Datasets without features: no loop, no arrays (self._needed is empty).
+        # Datasets without features: no loop, no arrays (self.needed_features is empty).
         feature_arrays = {name: batch_feature(name, [s.features for s in sequences], rows, seq_len)
-                          for name in self._needed}
+                          for name in self.needed_features}
         if self.reads_segments:
             # Rows of concat fills (nearly all rows of concat packing) carry only where their
             # documents start: labels and segments of all of them come from one flat array.
@@ -115,9 +114,9 @@ class Collator:
         batch = self._header(input_ids, source_ids, range(first_index, first_index + count * stride, stride),
                              rank_position)
         feature_arrays = {}
-        if self._needed:
+        if self.needed_features:
             row_features = [fill.row_features(row) for fill, row in zip(fills, rows)]
-            feature_arrays = {name: batch_feature(name, row_features, count, seq_len) for name in self._needed}
+            feature_arrays = {name: batch_feature(name, row_features, count, seq_len) for name in self.needed_features}
         if self.reads_segments:
             doc_flat = _flat_positions([fill.row_doc_starts(row) for fill, row in zip(fills, rows)], seq_len)
             self._segments(batch, input_ids, feature_arrays, doc_flat, None, rows, ())

@@ -29,9 +29,9 @@ is loader-bound (``BatchPlan.rows``, :data:`ROWS_POLICIES`), a micro-batch trave
 trainer to collate instead: bulk concat rows as the rows (:func:`write_rows`: ``rows`` its
 first global index and stride, ``layout`` its int32 ids and document starts, ``doc_counts``
 per row), others as items of one item message in the rest of the slot (the message's
-``items`` and ``items_at``, each micro-batch's ``items`` its range: :func:`_items_part`). Every array of a batch travels the same way, whatever its name: image fields can
-follow once the slot is sized for their pixels (today a loader with image sources keeps item
-messages).
+``items`` and ``items_at``, each micro-batch's ``items`` its range: :func:`_items_part`).
+Every array of a batch travels the same way, whatever its name: image fields can follow once
+the slot is sized for their pixels (today a loader with image sources keeps item messages).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from loader.stages.collate import Collator
 from loader.stages.features import FEATURES
 from loader.stages.producer import End, produce_one, take_rows
 from loader.workers.held import HeldViews, MessageLease
-from loader.workers.messages import MESSAGE_TOKENS, _MessageRows, read_message, write_message
+from loader.workers.messages import MESSAGE_TOKENS, MessageRows, read_message, write_message
 from loader.workers.shm import SlotWriter, read_arrays
 
 
@@ -261,9 +261,15 @@ def write_batch(built: BuiltBatch, writer: SlotWriter, made: Optional[dict[int, 
             name = f"{built.position}.{key}"
             writer.write(name, value)
             layout[key] = writer.layout[name]
-    return {"position": built.position, "keys": list(built.batch), "values": values, "layout": layout,
-            "lane_states": built.lane_states, "source_ids": built.source_ids, "padding": built.padding,
-            "rejects": built.rejects}
+    return _part(built, keys=list(built.batch), values=values, layout=layout)
+
+
+def _part(built: BuiltBatch, **fields) -> dict:
+    """A micro-batch's part of a message's descriptor: what every form of it carries (its
+    position, lane states, sources, padding and rejects, read by :class:`ShippedBatch`) and
+    ``fields``, those of its form (collated arrays, rows or items)."""
+    return {"position": built.position, **fields, "lane_states": built.lane_states, "source_ids": built.source_ids,
+            "padding": built.padding, "rejects": built.rejects}
 
 
 def write_rows(built: BuiltBatch, taken: tuple, writer: SlotWriter, segments: bool) -> dict:
@@ -275,8 +281,7 @@ def write_rows(built: BuiltBatch, taken: tuple, writer: SlotWriter, segments: bo
     name = f"{built.position}.rows"
     np.concatenate(ids, out=writer.allocate(name, ids[0].dtype, (len(ids) * len(ids[0]),)))
     layout = {"input_ids": writer.layout[name]}
-    part = {"position": built.position, "rows": (first, stride), "layout": layout, "lane_states": built.lane_states,
-            "source_ids": built.source_ids, "padding": built.padding, "rejects": built.rejects}
+    part = _part(built, rows=(first, stride), layout=layout)
     if segments:
         starts = [fill.row_doc_starts(row) for fill, row in zip(fills, rows)]
         writer.write(f"{built.position}.doc_starts", np.concatenate(starts))
@@ -290,11 +295,10 @@ def _items_part(built: BuiltBatch, start: int, count: int) -> dict:
     ``start .. start + count`` of its message's one item message (``items``, at ``items_at`` in
     the slot: :func:`~loader.workers.messages.write_message`), which the trainer collates
     (:meth:`ShippedBatch.collated`); its lanes' states travel with the batch, not per item."""
-    return {"position": built.position, "items": (start, start + count), "lane_states": built.lane_states,
-            "source_ids": built.source_ids, "padding": built.padding, "rejects": built.rejects}
+    return _part(built, items=(start, start + count))
 
 
-class _ShippedRows(_MessageRows):
+class _ShippedRows(MessageRows):
     """The ``fill`` of :meth:`Collator.collate_rows` for shipped rows: row ``k`` of ``input_ids``."""
 
     __slots__ = ("input_ids",)
@@ -334,14 +338,14 @@ class ShippedBatch(BuiltBatch):
         if self._items is not None:
             self.batch = collator.collate(self._items, self.position + len(self._items))
             self._items = None
-            self.drop()
-            return self.batch
-        arrays = read_arrays(self._slot, part["layout"])
-        count = len(self.source_ids)
-        fill = _ShippedRows(arrays["input_ids"].reshape(count, -1), arrays.get("doc_starts"), part.get("doc_counts"))
-        first, stride = part["rows"]
-        self.batch = collator.collate_rows([fill] * count, list(range(count)), self.source_ids, first, stride,
-                                           self.position + count)
+        else:
+            arrays = read_arrays(self._slot, part["layout"])
+            count = len(self.source_ids)
+            fill = _ShippedRows(arrays["input_ids"].reshape(count, -1), arrays.get("doc_starts"),
+                                part.get("doc_counts"))
+            first, stride = part["rows"]
+            self.batch = collator.collate_rows([fill] * count, list(range(count)), self.source_ids, first, stride,
+                                               self.position + count)
         self.drop()
         return self.batch
 

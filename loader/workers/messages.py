@@ -58,7 +58,7 @@ class SlotLease:
             self._release()
 
 
-class _MessageRows:
+class MessageRows:
     """The ``_fill`` of a message's concat rows: their document starts back to back, cut out
     for row ``k`` (the message's ``k``-th concat row) only when asked. ``doc_starts`` is None
     when the message was written without segments (``write_message(segments=False)``)."""
@@ -75,7 +75,7 @@ class _MessageRows:
         return self.doc_starts[self.bounds[row] : self.bounds[row + 1]]
 
 
-def _shipped_row(input_ids: np.ndarray, fill: _MessageRows, row: int, features) -> ConcatRow:
+def _shipped_row(input_ids: np.ndarray, fill: MessageRows, row: int, features) -> ConcatRow:
     """A :class:`~loader.stages.packing.ConcatRow` rebuilt from a message (the batch builder's bulk path)."""
     sequence = ConcatRow.__new__(ConcatRow)
     sequence.input_ids, sequence.features, sequence.majority_source = input_ids, features, -1
@@ -165,7 +165,7 @@ def read_message(descriptor: dict, slot: memoryview, lease: Optional[Callable[[]
         labels, segment_starts = arrays.get("labels"), arrays.get("segment_starts")
         counts = descriptor["start_counts"]
         is_rows = descriptor["is_row"]
-        row_fill = _MessageRows(arrays.get("doc_starts"),
+        row_fill = MessageRows(arrays.get("doc_starts"),
                                 None if counts is None else [c for c, r in zip(counts, is_rows) if r])
         feature_rows = descriptor["feature_rows"]
         feature_arrays = {name: arrays[f"feature.{name}"] for name in feature_rows}
